@@ -1,0 +1,49 @@
+# vllm-from-scratch — the README's commands. Everything installs itself into .venv.
+#   make demo           run the engine on the default model (SmolLM2-135M-Instruct)
+#   make test           the whole CPU suite (what CI runs); make test CH=02 for one chapter
+#   make test-gpu       CUDA kernels + native Triton, on a machine with a GPU
+#   make bench          the side-by-side benchmarks (ours vs a peer, one run)
+
+SHELL      := /bin/bash
+PYTHON     ?= $(shell command -v python3.11 || command -v python3)
+VENV       ?= .venv
+PY         := $(VENV)/bin/python
+# CPU torch: this exact version is served from local disk; an unpinned `torch` would
+# pull a multi-GB CUDA build.
+TORCH_CPU  ?= torch==2.13.0
+CH         ?=
+PYTEST_ARGS ?=
+TEST_PATHS := $(if $(CH),$(wildcard tests/$(CH)_*) $(wildcard tests/$(CH)),tests)
+
+.PHONY: setup model demo test test-gpu bench notebooks clean
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q "$(TORCH_CPU)" -e ".[dev]"
+	@touch $@
+
+setup: $(VENV)/.installed
+
+model: setup
+	$(PY) -m mini_vllm.default_model
+
+demo: setup model
+	$(PY) -m mini_vllm demo
+
+test: setup
+	@if [ -d 07_mini_vllm ] && [ -f 07_mini_vllm/default_model.py ]; then $(MAKE) --no-print-directory model; fi
+	$(PY) -m pytest $(TEST_PATHS) -m "not gpu" $(PYTEST_ARGS)
+
+# GPU machines bring their own CUDA torch/triton/transformers and no internet: install
+# only our package (no deps, no build isolation) into that Python and run the gpu tests.
+GPU_PY ?= python3
+test-gpu:
+	$(GPU_PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(GPU_PY) -m pytest $(TEST_PATHS) -m gpu $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,31 @@
+"""Shared test set-up for every chapter.
+
+Two jobs that must happen before any kernel module is imported:
+  * without CUDA, Triton kernels run under the interpreter (TRITON_INTERPRET=1), so the
+    same kernels the GPU runs are checked on a CPU-only CI machine;
+  * tests marked `gpu` (CUDA kernels, native Triton) are skipped cleanly without CUDA.
+"""
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Must be set before `import triton` anywhere: triton reads it when a kernel is decorated.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA: run with `make test-gpu` on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device():
+    """The device kernels run on: CUDA when present, else CPU (Triton interpreter)."""
+    return torch.device("cuda" if HAS_CUDA else "cpu")
