@@ -1,0 +1,62 @@
+"""What every benchmark shares: timing, and results written as JSON with the context
+(device, versions, date, workload) that makes a number mean something."""
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import platform
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def environment() -> dict:
+    env = {"device": device_name(), "torch": torch.__version__, "python": platform.python_version(),
+           "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    for mod in ("triton", "transformers"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except ImportError:
+            pass
+    if torch.cuda.is_available():
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_fn(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float:
+    """Median wall time of fn() in seconds (after warm-up; CUDA-synchronised)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def write_result(name: str, workload: dict, rows: list[dict], out_dir: str | pathlib.Path | None = None) -> pathlib.Path:
+    """benchmarks/results/<name>.json = {environment, workload, rows}."""
+    out = pathlib.Path(out_dir or RESULTS_DIR)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps({"environment": environment(), "workload": workload, "rows": rows}, indent=2))
+    return path
