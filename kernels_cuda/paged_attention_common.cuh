@@ -1,0 +1,88 @@
+// Small device helpers shared by the paged-attention and cache kernels.
+//
+// Plain CUDA (no torch/c10 includes) so `nvcc -cubin` compiles it on machines without a
+// GPU. Mirrors the role of vLLM's csrc/attention/attention_dtypes.h + attention_utils.cuh,
+// reduced to what our kernels use: fp32/fp16/bf16 <-> float, 16-byte vector loads and the
+// warp/block reductions of the softmax.
+#pragma once
+
+#include <cfloat>
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace vfs {
+
+// The dtype codes the torch bindings pass in (one int, so no torch types cross into .cu).
+enum DTypeCode : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Launchers return 0 on success, a cudaError_t value on a launch error, or this code
+// when asked for a configuration that was not compiled (head size / block size).
+constexpr int kUnsupportedConfig = -1;
+
+constexpr int WARP_SIZE = 32;
+
+template <typename T> constexpr T divide_round_up(T a, T b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// N elements loaded or stored as one aligned access: with N * sizeof(T) == 16 the compiler
+// emits a single 128-bit load (ld.global.v4.u32), which is what keeps a warp's reads of
+// a KV row coalesced into full 32-byte sectors.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T val[N];
+};
+
+// Sum (or max) over the lanes of a warp whose index differs only in bits [lo, WARP_SIZE):
+// with lo = 1 every lane ends with the warp total; with lo = group size, every lane holds
+// the total over the lanes that share its position inside a group.
+template <int LO = 1>
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int mask = WARP_SIZE / 2; mask >= LO; mask /= 2) x += __shfl_xor_sync(0xffffffffu, x, mask);
+  return x;
+}
+
+template <int LO = 1>
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int mask = WARP_SIZE / 2; mask >= LO; mask /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, mask));
+  return x;
+}
+
+// Sum of `x` over all NUM_WARPS * 32 threads of the block; every thread gets the result.
+// `red_smem` holds NUM_WARPS floats. Ends with a barrier-free broadcast, so callers may
+// reuse red_smem only after their next __syncthreads().
+template <int NUM_WARPS>
+__device__ __forceinline__ float block_sum(float* red_smem, float x) {
+  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  x = warp_sum(x);
+  if (lane == 0) red_smem[warp] = x;
+  __syncthreads();
+  x = lane < NUM_WARPS ? red_smem[lane] : 0.f;
+#pragma unroll
+  for (int mask = NUM_WARPS / 2; mask >= 1; mask /= 2) x += __shfl_xor_sync(0xffffffffu, x, mask);
+  return __shfl_sync(0xffffffffu, x, 0);
+}
+
+template <int NUM_WARPS>
+__device__ __forceinline__ float block_max(float* red_smem, float x) {
+  const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+  x = warp_max(x);
+  if (lane == 0) red_smem[warp] = x;
+  __syncthreads();
+  x = lane < NUM_WARPS ? red_smem[lane] : -FLT_MAX;
+#pragma unroll
+  for (int mask = NUM_WARPS / 2; mask >= 1; mask /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, mask));
+  return __shfl_sync(0xffffffffu, x, 0);
+}
+
+}  // namespace vfs
