@@ -19,38 +19,68 @@ from __future__ import annotations
 import torch
 
 
-def check_unified_attention_args(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, check_values: bool = True) -> None:
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_unified_attention_args(
+    query, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
+    *, max_query_len: int | None = None, max_seq_len: int | None = None, check_values: bool = True,
+) -> None:
+    """Clear errors instead of silent wrong answers (shared by every backend).
+
+    Shape, dtype and device checks read only tensor metadata. The rest reads the index
+    tensors' values (a device sync on GPU, illegal inside CUDA-graph capture), so an
+    engine that builds the metadata itself passes check_values=False on its hot path.
+    """
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}")
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError(f"key_cache/value_cache must be [num_blocks, block_size, num_kv_heads, head_dim]; got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+        raise ValueError(f"key_cache/value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim]; got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
     if key_cache.shape[3] != head_dim:
         raise ValueError(f"head_dim mismatch: query {head_dim}, cache {key_cache.shape[3]}")
-    if num_heads % num_kv_heads:
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) for GQA/MQA")
-    if query.dtype != key_cache.dtype:
-        raise TypeError(f"dtype mismatch: query {query.dtype}, cache {key_cache.dtype}")
+    if not (query.dtype == key_cache.dtype == value_cache.dtype):
+        raise TypeError(f"dtype mismatch: query {query.dtype}, key_cache {key_cache.dtype}, value_cache {value_cache.dtype}")
+    if not query.dtype.is_floating_point:
+        raise TypeError(f"query must be floating point, got {query.dtype}")
+    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_tables", block_tables)):
+        if t.dtype not in INDEX_DTYPES:
+            raise TypeError(f"{name} must be int32 (or int64), got {t.dtype}")
+    devices = {t.device for t in (query, key_cache, value_cache, query_start_loc, seq_lens, block_tables)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
     n = seq_lens.shape[0]
+    if seq_lens.dim() != 1:
+        raise ValueError(f"seq_lens must be [num_seqs], got {tuple(seq_lens.shape)}")
     if query_start_loc.shape != (n + 1,):
         raise ValueError(f"query_start_loc must be [num_seqs + 1 = {n + 1}], got {tuple(query_start_loc.shape)}")
     if block_tables.dim() != 2 or block_tables.shape[0] != n:
         raise ValueError(f"block_tables must be [num_seqs={n}, max_blocks], got {tuple(block_tables.shape)}")
-    if not check_values:
+    if n == 0 and query.shape[0]:
+        raise ValueError(f"{query.shape[0]} query tokens but no sequences")
+    if not check_values or n == 0:
         return
     if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) != query.shape[0]:
         raise ValueError(f"query_start_loc must run from 0 to num_tokens={query.shape[0]}, got {query_start_loc.tolist()}")
-    query_lens = query_start_loc[1:] - query_start_loc[:-1]
-    if n and int(query_lens.min()) < 1:
-        raise ValueError("every request needs query_len >= 1 (query_start_loc must be strictly increasing)")
-    if n and bool((seq_lens < query_lens).any()):
-        raise ValueError(f"seq_lens {seq_lens.tolist()} shorter than query lens {query_lens.tolist()}")
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]                 # [num_seqs]
+    if int(query_lens.min()) < 1:
+        raise ValueError(f"every request needs query_len >= 1 (query_start_loc must be strictly increasing), got {query_start_loc.tolist()}")
+    if bool((seq_lens < query_lens).any()):
+        raise ValueError(f"seq_lens {seq_lens.tolist()} shorter than query lens {query_lens.tolist()}: seq_len counts the new tokens too")
+    # An upper bound is fine (it only sizes tiles/buffers); a smaller value would cut work.
+    if max_query_len is not None and max_query_len < int(query_lens.max()):
+        raise ValueError(f"max_query_len={max_query_len} but a request has {int(query_lens.max())} new tokens")
+    if max_seq_len is not None and max_seq_len < int(seq_lens.max()):
+        raise ValueError(f"max_seq_len={max_seq_len} but a request has seq_len {int(seq_lens.max())}")
     block_size = key_cache.shape[1]
-    if n and int(seq_lens.max()) > block_tables.shape[1] * block_size:
+    if int(seq_lens.max()) > block_tables.shape[1] * block_size:
         raise ValueError(f"seq_len {int(seq_lens.max())} needs more than the {block_tables.shape[1]} blocks of {block_size} in block_tables")
-    num_blocks_needed = (seq_lens.long() + block_size - 1) // block_size     # [num_seqs]
-    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < num_blocks_needed[:, None]
+    # Only the blocks a request uses must be real; the row padding after them may hold anything.
+    num_blocks_used = (seq_lens.long() + block_size - 1) // block_size     # [num_seqs]
+    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < num_blocks_used[:, None]
     ids = block_tables[used]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= key_cache.shape[0]):
         raise IndexError(f"block_tables reference blocks in [{int(ids.min())}, {int(ids.max())}] but the cache has {key_cache.shape[0]} blocks")
@@ -73,9 +103,13 @@ def unified_attention(
     block_tables: torch.Tensor,     # [num_seqs, max_blocks] int32
     scale: float,
     check_values: bool = True,
+    *,
+    max_query_len: int | None = None,   # accepted for a uniform backend signature; only validated here
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     """The clear per-request loop: gather, mask, softmax in fp32, weighted sum."""
-    check_unified_attention_args(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, check_values)
+    check_unified_attention_args(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
+                                 max_query_len=max_query_len, max_seq_len=max_seq_len, check_values=check_values)
     num_heads = query.shape[1]
     group = num_heads // key_cache.shape[2]          # query heads per KV head (GQA)
     out = torch.empty_like(query)
