@@ -1,0 +1,556 @@
+"""The continuous-batching scheduler: every step, decide how many tokens of which requests
+go through the model, under a token budget and the KV cache's capacity.
+
+Mirrors vLLM's `vllm/v1/core/sched/scheduler.py`: `Scheduler.schedule`,
+`update_from_output`, `_preempt_request`, `finish_requests`, `add_request`.
+
+Why iteration-level (continuous) batching (Orca, thesis §3.2.3): requests arrive at different
+times and generate different numbers of tokens. A static batch makes early arrivals wait for
+the batch to fill and finished requests wait for the slowest; here a request joins the batch
+at the next step after it arrives and leaves it the step it finishes.
+
+One step of `schedule()` (thesis Algorithm 1 with vLLM's two phases):
+  1. RUNNING requests, in order: each gets Δ = its remaining tokens (+ drafts), if the
+     budget allows. When the KV cache has no block for it, preempt the lowest-priority
+     running request (the latest arrival under FCFS), all-or-nothing, until it fits — or
+     until the request preempted itself.
+  2. WAITING requests, in the policy's order, while budget and `max_num_seqs` allow and
+     nothing was preempted this step (admitting while evicting would thrash): look up the
+     prefix cache, allocate, move to RUNNING. FCFS is strict: when the head does not fit,
+     nobody behind it jumps the queue.
+  3. `num_computed_tokens += Δ` for every scheduled request right away (so the next step can
+     already be planned); `update_from_output` appends the sampled tokens, rolls back rejected
+     drafts, and finishes requests that hit a stop condition.
+
+Invariants after every step (checked by `check_invariants` in the property tests):
+sum(Δ) <= max_num_batched_tokens, len(running) <= max_num_seqs, no request both waiting and
+running, 0 <= num_computed_tokens <= num_tokens_with_spec.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Iterable
+
+from kvcache import KVCacheManager, RequestTooLargeError
+from kvcache.kv_cache_manager import cdiv
+from scheduler.config import SchedulerConfig
+from scheduler.kv_connector import KVConnector
+from scheduler.output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData,
+                              SchedulerOutput)
+from scheduler.request import Request, RequestStatus
+from scheduler.request_queue import create_request_queue
+
+
+@dataclass
+class SchedulingBudget:
+    """What is left of this step's budget. Chapter 05 extends it with partial-prefill counts."""
+
+    token_budget: int
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Did the token just appended end the request? Sets the finished status. (vLLM:
+    `vllm/v1/core/sched/utils.py:check_stop`.) EOS and stop tokens are reported as "stop",
+    max_tokens / max_model_len as "length"."""
+    last_token_id = request.output_token_ids[-1]
+    if not request.ignore_eos and last_token_id == request.eos_token_id:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if last_token_id in request.stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = last_token_id
+        return True
+    if request.num_tokens >= max_model_len or request.num_output_tokens >= request.max_tokens:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False
+
+
+class Scheduler:
+    # Chapter 05's subclass sets this: only it may split a prompt across steps.
+    splits_prompts: ClassVar[bool] = False
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, *,
+                 connector: KVConnector | None = None) -> None:
+        if config.enable_chunked_prefill and not self.splits_prompts:
+            raise ValueError(f"{type(self).__name__} never splits a prompt, but the config enables chunked prefill; "
+                             "use chunked_prefill.ChunkedPrefillScheduler")
+        if config.preemption_mode == "swap" and getattr(kv_cache_manager, "cpu_block_pool", None) is None:
+            raise ValueError("preemption_mode='swap' needs a KV cache manager with a CPU tier (num_cpu_blocks > 0)")
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size: int = kv_cache_manager.block_size
+        self.connector = connector
+        self.max_num_running_reqs = config.max_num_seqs
+        self.max_num_scheduled_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.num_lookahead_tokens = config.num_lookahead_tokens
+
+        self.requests: dict[str, Request] = {}     # every unfinished request, by id
+        self.waiting = create_request_queue(config.policy, self._remaining_tokens, config.staging_size)
+        self.running: list[Request] = []           # admission order (the persistent batch's order)
+        # Finished since the last schedule(): sent to the runner so it drops their state.
+        self.finished_req_ids: set[str] = set()
+        # Requests finished INSIDE schedule() (can never fit): reported by the next update_from_output.
+        self._ignored_outputs: list[EngineCoreOutput] = []
+        # KV connector: requests whose remote KV finished loading (reported by the model runner).
+        self.finished_recving_kv_req_ids: set[str] = set()
+
+    # ================================================================== public API
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens != 0:
+            raise ValueError(f"request {request.request_id} was already scheduled somewhere "
+                             f"({request.status.name}, num_computed_tokens={request.num_computed_tokens})")
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(f"request {request.request_id}: {request.num_tokens} tokens leave no room to generate "
+                             f"within max_model_len={self.max_model_len}")
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+
+    def abort(self, request_id: str) -> bool:
+        """Abort one request (client went away). Returns False if it was unknown/finished."""
+        return bool(self.finish_requests(request_id, RequestStatus.FINISHED_ABORTED))
+
+    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> list[str]:
+        """Finish requests from outside the scheduler (abort, stop strings found by the
+        detokenizer). Unknown or already finished ids are ignored. Returns those finished."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"{finished_status.name} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        finished: list[Request] = []
+        for req_id in dict.fromkeys(request_ids):     # de-duplicated, order kept
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished:
+                finished.append(request)
+        running = {id(r) for r in finished if r.status == RequestStatus.RUNNING}
+        if running:
+            self.running = [r for r in self.running if id(r) not in running]
+        self.waiting.remove_requests([r for r in finished if r.status != RequestStatus.RUNNING])
+        for request in finished:
+            self._free_request(request, finished_status, self._owns_kv(request))
+        return [r.request_id for r in finished]
+
+    def add_prompt_tokens(self, request_id: str, token_ids: list[int], final: bool) -> None:
+        """Streaming input (Table 4.1, streaming prefills): more prompt arrives for a request
+        that is already queued or running; its new tokens become schedulable next step."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"unknown or finished request {request_id!r}")
+        if request.num_tokens + len(token_ids) >= self.max_model_len:
+            raise ValueError(f"request {request_id}: {request.num_tokens + len(token_ids)} tokens leave no room "
+                             f"to generate within max_model_len={self.max_model_len}")
+        request.append_prompt_tokens(token_ids, final)
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Speculative decoding (chapter 04): drafts proposed for the next step."""
+        for req_id, drafts in draft_token_ids.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue     # finished or preempted in the meantime: drafts are stale
+            if request.num_computed_tokens < request.num_tokens - 1:
+                continue     # still prefilling: no drafts (vLLM ignores them for prefill chunks)
+            request.spec_token_ids = list(drafts)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(num_running, num_waiting)."""
+        return len(self.running), len(self.waiting)
+
+    # ================================================================== schedule
+    def schedule(self) -> SchedulerOutput:
+        # NOTE (as in vLLM): there is no prefill phase and no decode phase. Each request has
+        # num_computed_tokens and num_tokens_with_spec; each step the scheduler gives requests
+        # tokens so that the first catches up with the second, within the budget.
+        scheduled_new_reqs: list[Request] = []
+        scheduled_resumed_reqs: list[Request] = []
+        scheduled_running_reqs: list[Request] = []
+        preempted_reqs: list[Request] = []
+        req_to_new_block_ids: dict[str, list[int]] = {}
+        num_scheduled_tokens: dict[str, int] = {}
+        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+        blocks_to_swap_out: list[tuple[int, int]] = []
+        blocks_to_swap_in: list[tuple[int, int]] = []
+        budget = self._new_budget()
+
+        # ---- 1. RUNNING requests -------------------------------------------------------
+        req_index = 0
+        while req_index < len(self.running) and budget.token_budget > 0:
+            request = self.running[req_index]
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            if num_new_tokens == 0:
+                # Nothing to do now (e.g. streaming input caught up, or no budget for a whole
+                # chunk). `continue`, not `break`: later requests may still fit.
+                req_index += 1
+                continue
+
+            ### BEGIN SOLUTION
+            while True:
+                try:
+                    new_blocks = self.kv_cache_manager.allocate_slots(
+                        request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens)
+                except RequestTooLargeError as e:     # raised before any change, and before any preemption
+                    new_blocks = e
+                    break
+                if new_blocks is not None:
+                    break
+                # Out of KV blocks: preempt the lowest-priority running request, all of its
+                # blocks at once (a request is useless with part of its KV).
+                victim = self._select_victim()
+                victim_index = self.running.index(victim)
+                del self.running[victim_index]
+                if victim_index < req_index:      # it was handled earlier in this loop
+                    req_index -= 1
+                if victim.request_id in num_scheduled_tokens:   # ... and scheduled: take it back
+                    budget.token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    req_to_new_block_ids.pop(victim.request_id)
+                    scheduled_spec_decode_tokens.pop(victim.request_id, None)
+                    scheduled_running_reqs.remove(victim)
+                blocks_to_swap_out += self._preempt_request(victim)
+                preempted_reqs.append(victim)
+                if victim is request:             # nothing lower left to preempt
+                    break
+            if new_blocks is None:
+                break
+            ### END SOLUTION
+            if isinstance(new_blocks, RequestTooLargeError):
+                # Even alone in the cache it would not fit: fail it with the reason, never loop on it.
+                self.running.pop(req_index)
+                self._ignore_request(request, str(new_blocks))
+                continue
+
+            scheduled_running_reqs.append(request)
+            req_to_new_block_ids[request.request_id] = new_blocks.get_block_ids()
+            num_scheduled_tokens[request.request_id] = num_new_tokens
+            budget.token_budget -= num_new_tokens
+            self._on_scheduled(request, num_new_tokens, budget)
+            num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
+            if num_spec > 0:
+                scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+            # Drafts are used once; chapter 04 proposes new ones before the next step.
+            request.spec_token_ids = []
+            req_index += 1
+
+        # ---- 2. WAITING requests ---------------------------------------------------------
+        if not preempted_reqs:
+            skipped: list[Request] = []
+            while self.waiting and budget.token_budget > 0:
+                if len(self.running) == self.max_num_running_reqs:
+                    break
+                request = self.waiting.peek_request()
+
+                if (request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                        and request.request_id not in self.finished_recving_kv_req_ids):
+                    skipped.append(self.waiting.pop_request())   # remote KV still loading
+                    continue
+
+                if request.kv_swapped_out:
+                    # KV lives on the CPU tier: bring it back rather than recompute it.
+                    num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, budget)
+                    if num_new_tokens == 0:
+                        break
+                    needed = cdiv(request.num_computed_tokens + num_new_tokens + self.num_lookahead_tokens,
+                                  self.block_size)
+                    if needed > self.kv_cache_manager.num_blocks:
+                        self.waiting.pop_request()
+                        self._ignore_request(request, f"request {request.request_id} needs {needed} blocks, "
+                                                      f"the pool has {self.kv_cache_manager.num_blocks}")
+                        continue
+                    swap_in = self._swap_in(request, num_new_tokens)
+                    if swap_in is None:
+                        break
+                    blocks_to_swap_in += swap_in
+                    self.waiting.pop_request()
+                    self._admit(request, request.num_computed_tokens, num_new_tokens, budget,
+                                scheduled_new_reqs, scheduled_resumed_reqs, req_to_new_block_ids, num_scheduled_tokens)
+                    continue
+
+                # Already-computed tokens: the local prefix cache, then a remote KV source.
+                if request.num_computed_tokens == 0:
+                    new_computed_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
+                    num_external, load_kv_async = (0, False)
+                    if self.connector is not None:
+                        num_external, load_kv_async = self.connector.get_num_new_matched_tokens(request, num_local)
+                else:   # remote KV finished loading into blocks the request already owns
+                    new_computed_blocks, num_local, num_external, load_kv_async = None, 0, 0, False
+                num_computed_tokens = request.num_computed_tokens + num_local + num_external
+
+                if load_kv_async:
+                    num_new_tokens = 0       # nothing to compute until the KV has arrived
+                else:
+                    num_new_tokens = self._num_new_tokens(request, num_computed_tokens, budget)
+                    if num_new_tokens == 0:
+                        # Strict FCFS: the head does not fit this step, nobody jumps ahead of it.
+                        break
+                    if self._defer_admission(request, num_computed_tokens, num_new_tokens, budget):
+                        skipped.append(self.waiting.pop_request())
+                        continue
+
+                # (No lookahead slots yet: a request gets drafts only once it decodes.)
+                try:
+                    new_blocks = self.kv_cache_manager.allocate_slots(
+                        request, num_external + num_new_tokens, num_new_computed_tokens=num_local,
+                        new_computed_blocks=new_computed_blocks, delay_cache_blocks=load_kv_async)
+                except RequestTooLargeError as e:
+                    self.waiting.pop_request()
+                    self._ignore_request(request, str(e))
+                    continue
+                if new_blocks is None:
+                    break     # no room in the KV cache; the running requests will free some
+                self.waiting.pop_request()
+                if self.connector is not None and num_external:
+                    self.connector.update_state_after_alloc(
+                        request, self.kv_cache_manager.get_block_ids(request.request_id), num_external)
+                    request.num_external_computed_tokens = num_external
+                if load_kv_async:
+                    request.num_computed_tokens = num_computed_tokens
+                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    skipped.append(request)
+                    continue
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_computed_tokens
+                self._admit(request, num_computed_tokens, num_new_tokens, budget,
+                            scheduled_new_reqs, scheduled_resumed_reqs, req_to_new_block_ids, num_scheduled_tokens)
+            if skipped:
+                self.waiting.prepend_requests(skipped)
+
+        # ---- 3. the output, then advance the counters --------------------------------------
+        total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
+        assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens
+        assert len(self.running) <= self.max_num_running_reqs
+
+        cached = CachedRequestData()
+        for request, resumed in [(r, False) for r in scheduled_running_reqs] + [(r, True) for r in scheduled_resumed_reqs]:
+            cached.req_ids.append(request.request_id)
+            cached.resumed_from_preemption.append(resumed)
+            cached.new_block_ids.append(req_to_new_block_ids[request.request_id])
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            if resumed:
+                cached.resumed_token_ids[request.request_id] = list(request.all_token_ids)
+        output = SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData.from_request(r, req_to_new_block_ids[r.request_id])
+                                for r in scheduled_new_reqs],
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total_num_scheduled_tokens,
+            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
+            preempted_req_ids={r.request_id for r in preempted_reqs},
+            finished_req_ids=self.finished_req_ids,
+            blocks_to_swap_out=blocks_to_swap_out,
+            blocks_to_swap_in=blocks_to_swap_in,
+        )
+        self.finished_req_ids = set()
+        # Advance now (vLLM's _update_after_schedule): the output above carries the values
+        # BEFORE this step; update_from_output corrects for rejected drafts.
+        for req_id, n in num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
+
+    def _admit(self, request: Request, num_computed_tokens: int, num_new_tokens: int, budget: SchedulingBudget,
+               scheduled_new_reqs: list[Request], scheduled_resumed_reqs: list[Request],
+               req_to_new_block_ids: dict[str, list[int]], num_scheduled_tokens: dict[str, int]) -> None:
+        """WAITING / PREEMPTED / remote KV loaded -> RUNNING with Δ = num_new_tokens this step."""
+        if request.num_preemptions:     # the runner dropped it at preemption: resend everything
+            scheduled_resumed_reqs.append(request)
+        else:
+            scheduled_new_reqs.append(request)
+        self.finished_recving_kv_req_ids.discard(request.request_id)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed_tokens
+        request.kv_swapped_out = False
+        # New and resumed requests send their WHOLE block table (the runner has none for them).
+        req_to_new_block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(request.request_id)
+        num_scheduled_tokens[request.request_id] = num_new_tokens
+        budget.token_budget -= num_new_tokens
+        self._on_scheduled(request, num_new_tokens, budget)
+
+    # ================================================================== policy hooks
+    def _new_budget(self) -> SchedulingBudget:
+        return SchedulingBudget(token_budget=self.max_num_scheduled_tokens)
+
+    def _num_new_tokens(self, request: Request, num_computed_tokens: int, budget: SchedulingBudget) -> int:
+        """Δ for this step, given what is already computed; 0 = not this step.
+
+        This chapter never splits: the request's known tokens go in whole or not at all.
+        Only speculative drafts may be trimmed — to the budget, and so that no position
+        reaches max_model_len. Chapter 05 overrides this to cut chunks."""
+        ### BEGIN SOLUTION
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        if num_new_tokens <= 0 or num_new_tokens > budget.token_budget:
+            return 0
+        num_spec = min(len(request.spec_token_ids), budget.token_budget - num_new_tokens,
+                       self.max_model_len - 1 - request.num_tokens)
+        return num_new_tokens + max(num_spec, 0)
+        ### END SOLUTION
+
+    def _defer_admission(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
+                         budget: SchedulingBudget) -> bool:
+        """May this waiting request start now? (Chapter 05 limits concurrent partial prefills.)
+        A deferred request is skipped, not a blocker: requests behind it may be admitted."""
+        return False
+
+    def _on_scheduled(self, request: Request, num_new_tokens: int, budget: SchedulingBudget) -> None:
+        """Bookkeeping hook after a request got Δ tokens (chapter 05 counts partial prefills)."""
+
+    def _select_victim(self) -> Request:
+        """Who is preempted when the KV cache is full: the lowest priority, i.e. the latest
+        arrival under FCFS (thesis §3.4.5: "the latest requests are preempted first"); under
+        the priority policy the largest (priority, arrival_time). Ties: the later admitted."""
+        if self.config.policy == "priority":
+            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
+        return max(reversed(self.running), key=lambda r: r.arrival_time)
+
+    def _remaining_tokens(self, request: Request) -> int:
+        """SRTF's key for a waiting request: tokens it still has to compute, counting a
+        prefix-cache hit it would get right now (thesis Algorithm 2, line 5)."""
+        if request.num_computed_tokens > 0 or request.kv_swapped_out:
+            return request.num_tokens - request.num_computed_tokens
+        _, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+        return request.num_tokens - num_cached
+
+    # ================================================================== preemption
+    def _preempt_request(self, request: Request) -> list[tuple[int, int]]:
+        """RUNNING -> PREEMPTED, back to the front of the waiting queue. Returns the
+        (device, cpu) block pairs to copy if its KV was swapped out instead of dropped.
+
+        recompute (Table 4.1: num_computed_tokens <- 0): free the blocks; when resumed, prompt
+        AND generated tokens are recomputed in one prefill-like step, and blocks that are still
+        in the prefix cache come back for free.
+        swap (thesis §3.4.5): move the blocks to the CPU tier; num_computed_tokens is kept."""
+        assert request.status == RequestStatus.RUNNING, f"only running requests can be preempted: {request}"
+        mapping = None
+        if self.config.preemption_mode == "swap":
+            try:
+                mapping = self.kv_cache_manager.swap_out(request)   # None: the CPU tier is full now
+            except RequestTooLargeError:
+                mapping = None                                      # ... or can never hold this request
+        if mapping is None:
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+        request.kv_swapped_out = mapping is not None
+        request.status = RequestStatus.PREEMPTED
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.waiting.prepend_request(request)
+        return mapping or []
+
+    def _swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring a swapped-out request's blocks back, plus room for its next Δ tokens; None
+        (and no state change) if the device does not have the room."""
+        needed = cdiv(request.num_computed_tokens + num_new_tokens + self.num_lookahead_tokens, self.block_size)
+        if needed > self.kv_cache_manager.num_free_blocks:
+            return None
+        mapping = self.kv_cache_manager.swap_in(request)
+        if mapping is None:
+            return None
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens)
+        assert new_blocks is not None, "room was checked before the swap-in"
+        return mapping
+
+    # ================================================================== capacity
+    def _ignore_request(self, request: Request, message: str) -> None:
+        """Fail a request that can never fit (the KV manager said so: RequestTooLargeError),
+        with the reason, instead of preempting everyone or retrying it forever."""
+        owns_kv = self._owns_kv(request)
+        request.stop_reason = message
+        self._free_request(request, RequestStatus.FINISHED_IGNORED, owns_kv)
+        self._ignored_outputs.append(EngineCoreOutput(request.request_id, [], request.get_finished_reason(),
+                                                      message, max(request.num_cached_tokens, 0)))
+
+    # ================================================================== after the forward pass
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append the sampled tokens, roll back rejected drafts, check stop conditions, free
+        finished requests. Returns one output per request that produced tokens or finished."""
+        outputs, self._ignored_outputs = self._ignored_outputs, []
+        sampled = model_runner_output.sampled_token_ids
+        index = model_runner_output.req_id_to_index
+        stopped_running: set[int] = set()
+        for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue     # aborted while the model was running: drop its tokens
+            if req_id not in index:
+                raise ValueError(f"the model runner returned nothing for scheduled request {req_id}")
+            generated = list(sampled[index[req_id]])
+
+            ### BEGIN SOLUTION
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())
+            if len(generated) > len(drafts) + 1:
+                raise ValueError(f"request {req_id}: {len(generated)} sampled tokens for {len(drafts)} drafts")
+            if generated and drafts:
+                # Speculative decoding: num_computed_tokens advanced over every draft; the rejected
+                # ones (and their KV) are not part of the sequence.
+                num_rejected = len(drafts) + 1 - len(generated)
+                request.num_computed_tokens -= num_rejected
+            if generated and request.num_computed_tokens < request.num_tokens:
+                raise ValueError(f"request {req_id}: a token was sampled for a partial prefill "
+                                 f"({request.num_computed_tokens} of {request.num_tokens} tokens computed)")
+            if request.streaming_input:
+                generated = []    # the input is still open: those logits belong to an unfinished prompt
+            stopped = False
+            for n, token_id in enumerate(generated, 1):
+                request.append_output_token_ids(token_id)
+                if check_stop(request, self.max_model_len):
+                    del generated[n:]
+                    stopped = True
+                    break
+            ### END SOLUTION
+
+            if stopped:    # check_stop set the finished status; it was RUNNING, so it holds blocks
+                self._free_request(request, request.status, owns_kv=True)
+                stopped_running.add(id(request))
+            if generated or stopped:
+                outputs.append(EngineCoreOutput(req_id, generated, request.get_finished_reason(),
+                                                request.stop_reason, max(request.num_cached_tokens, 0)))
+        if stopped_running:
+            self.running = [r for r in self.running if id(r) not in stopped_running]
+        self.finished_recving_kv_req_ids |= model_runner_output.finished_recving
+        return outputs
+
+    # ================================================================== freeing
+    def _owns_kv(self, request: Request) -> bool:
+        """Does the KV manager hold blocks for this unfinished request (device or CPU)?"""
+        return (request.status in (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KVS)
+                or request.kv_swapped_out)
+
+    def _free_request(self, request: Request, finished_status: RequestStatus, owns_kv: bool) -> None:
+        """The one place a request leaves the scheduler: free its KV exactly once (device or
+        CPU tier), and let the manager forget its block hashes (kept across preemptions)."""
+        request.status = finished_status
+        if owns_kv:
+            self.kv_cache_manager.free(request)
+        self.kv_cache_manager.free_block_hashes(request)
+        request.kv_swapped_out = False
+        self.finished_recving_kv_req_ids.discard(request.request_id)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # ================================================================== invariants
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the queues/counters are inconsistent (used by tests)."""
+        running_ids = [r.request_id for r in self.running]
+        waiting_ids = [r.request_id for r in self.waiting]
+        assert len(set(running_ids)) == len(running_ids), "a request is twice in running"
+        assert len(set(waiting_ids)) == len(waiting_ids), "a request is twice in waiting"
+        assert not set(running_ids) & set(waiting_ids), "a request is both waiting and running"
+        assert set(running_ids) | set(waiting_ids) == set(self.requests), "requests lost or leaked from the queues"
+        assert len(self.running) <= self.max_num_running_reqs
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING, request
+            assert not request.kv_swapped_out, request
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED,
+                                      RequestStatus.WAITING_FOR_REMOTE_KVS), request
+        for request in self.requests.values():
+            assert 0 <= request.num_computed_tokens <= request.num_tokens_with_spec, request
+            assert request.num_tokens < self.max_model_len, request
