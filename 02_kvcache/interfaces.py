@@ -1,0 +1,100 @@
+"""The small types the KV cache manager exchanges with its callers (the scheduler, tests,
+benchmarks): what it reads from a request, what it returns, its statistics and errors.
+
+kvcache never imports the scheduler: a request is anything with the attributes of
+`KVCacheRequest` (chapter 03's `Request` is one; `SimpleRequest` is the one chapter 02's
+own tests, notebook and hit-rate simulations drive the manager with).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+from kvcache.block import KVCacheBlock
+
+
+@runtime_checkable
+class KVCacheRequest(Protocol):
+    """What KVCacheManager reads from a request.
+
+    `all_token_ids` / `num_tokens` are prompt + verified output: they must NOT include
+    unverified speculative draft tokens (vLLM keeps those apart: `num_tokens` vs
+    `num_tokens_with_spec`), or blocks holding rejected drafts would be cached.
+    Optional, read with getattr: `cache_salt: str | None`, `lora_int_id: int | None`.
+    """
+    request_id: str
+    all_token_ids: Sequence[int]
+    num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclass
+class SimpleRequest:
+    """A minimal request: enough state for the manager, nothing a scheduler would add."""
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+    cache_salt: str | None = None
+    lora_int_id: int | None = None
+
+    def __post_init__(self):
+        self.all_token_ids = list(self.all_token_ids)
+        if not self.all_token_ids:
+            raise ValueError(f"request {self.request_id!r} has no tokens")
+        if not 0 <= self.num_computed_tokens <= len(self.all_token_ids):
+            raise ValueError(f"num_computed_tokens={self.num_computed_tokens} outside [0, {len(self.all_token_ids)}]")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | Sequence[int]) -> None:
+        self.all_token_ids.extend([token_ids] if isinstance(token_ids, int) else token_ids)
+
+
+@dataclass
+class KVCacheBlocks:
+    """A list of blocks handed to the scheduler (vLLM: `vllm/v1/core/kv_cache_manager.py`)."""
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(self.blocks + other.blocks)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def get_block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    @classmethod
+    def create_empty(cls) -> KVCacheBlocks:
+        return cls([])
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache counters (vLLM: `vllm/v1/metrics/stats.py: PrefixCacheStats`).
+
+    queries/hits are in TOKENS: a request of n tokens is a query of n, its cached prefix a hit.
+    """
+    requests: int = 0     # lookups made (get_computed_blocks calls that consulted the cache)
+    queries: int = 0      # tokens asked for
+    hits: int = 0         # tokens found cached
+    evictions: int = 0    # cached blocks whose hash was dropped because the block was reused
+    collisions: int = 0   # verified lookups whose hash matched but content did not
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def __sub__(self, other: PrefixCacheStats) -> PrefixCacheStats:
+        return PrefixCacheStats(self.requests - other.requests, self.queries - other.queries,
+                                self.hits - other.hits, self.evictions - other.evictions,
+                                self.collisions - other.collisions)
+
+
+class RequestTooLargeError(ValueError):
+    """The request needs more blocks than the whole pool has: it can never be scheduled.
+    Raised (never returned as None) so a scheduler reports it instead of retrying forever."""
