@@ -8,6 +8,7 @@ from scheduler.output import (CachedRequestData, EngineCoreOutput, ModelRunnerOu
 from scheduler.request import FinishReason, Request, RequestStatus
 from scheduler.request_queue import (FCFSRequestQueue, PriorityRequestQueue, RequestQueue, SRTFRequestQueue,
                                      TwoLevelRequestQueue, create_request_queue)
+from scheduler.mock_runner import MockModelRunner
 from scheduler.scheduler import Scheduler, SchedulingBudget, check_stop
 
 __all__ = [
@@ -15,5 +16,5 @@ __all__ = [
     "SchedulerOutput", "NewRequestData", "CachedRequestData", "ModelRunnerOutput", "EngineCoreOutput",
     "Request", "RequestStatus", "FinishReason",
     "RequestQueue", "FCFSRequestQueue", "PriorityRequestQueue", "SRTFRequestQueue", "TwoLevelRequestQueue",
-    "create_request_queue", "Scheduler", "SchedulingBudget", "check_stop",
+    "create_request_queue", "Scheduler", "SchedulingBudget", "check_stop", "MockModelRunner",
 ]

@@ -64,3 +64,12 @@ OPT_13B_A100 = StepCostModel.from_hardware(
 
 # KV capacity of that setting (Table 3.1): 12 GB for the cache / 800 KB per token = 15.7K slots.
 OPT_13B_A100_KV_TOKENS = 15_700
+
+# Llama-3-8B bf16 on H100-SXM (a current setting, used by chapter 05's chunked-prefill
+# experiment): 8.0e9 params x 2 B; K/V per token 2 (K,V) x 8 KV heads x 128 dims x 32 layers
+# x 2 B = 128 KiB; 3.35 TB/s HBM3; 989 TFLOP/s dense bf16 at an assumed 50% MFU; 50 GB/s
+# PCIe 5.0 x16; 16-token blocks.
+# -> a = 4.8 ms, b = 32 us/token, c = 39 ns/context token, swap = 0.04 ms/block.
+LLAMA_3_8B_H100 = StepCostModel.from_hardware(
+    num_params=8.0e9, kv_bytes_per_token=2 * 8 * 128 * 32 * 2, bytes_per_param=2, mem_bandwidth=3.35e12,
+    peak_flops=989e12, mfu=0.5, pcie_bandwidth=50e9, block_size=16, name="Llama-3-8B bf16, H100-SXM")

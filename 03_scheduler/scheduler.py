@@ -230,7 +230,6 @@ class Scheduler:
             req_to_new_block_ids[request.request_id] = new_blocks.get_block_ids()
             num_scheduled_tokens[request.request_id] = num_new_tokens
             budget.token_budget -= num_new_tokens
-            self._on_scheduled(request, num_new_tokens, budget)
             num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
             if num_spec > 0:
                 scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec]
@@ -369,8 +368,8 @@ class Scheduler:
         # New and resumed requests send their WHOLE block table (the runner has none for them).
         req_to_new_block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(request.request_id)
         num_scheduled_tokens[request.request_id] = num_new_tokens
+        self._on_admitted(request, num_computed_tokens, num_new_tokens, budget)
         budget.token_budget -= num_new_tokens
-        self._on_scheduled(request, num_new_tokens, budget)
 
     # ================================================================== policy hooks
     def _new_budget(self) -> SchedulingBudget:
@@ -386,10 +385,15 @@ class Scheduler:
         num_new_tokens = request.num_tokens - num_computed_tokens
         if num_new_tokens <= 0 or num_new_tokens > budget.token_budget:
             return 0
-        num_spec = min(len(request.spec_token_ids), budget.token_budget - num_new_tokens,
-                       self.max_model_len - 1 - request.num_tokens)
-        return num_new_tokens + max(num_spec, 0)
+        return num_new_tokens + self._num_drafts(request, num_new_tokens, budget)
         ### END SOLUTION
+
+    def _num_drafts(self, request: Request, num_new_tokens: int, budget: SchedulingBudget) -> int:
+        """How many speculative drafts ride along with a request whose Δ reaches its last
+        known token: as many as the budget leaves, and none at a position >= max_model_len - 1
+        (the accepted drafts plus the bonus token must still fit in max_model_len)."""
+        return max(0, min(len(request.spec_token_ids), budget.token_budget - num_new_tokens,
+                          self.max_model_len - 1 - request.num_tokens))
 
     def _defer_admission(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
                          budget: SchedulingBudget) -> bool:
@@ -397,8 +401,10 @@ class Scheduler:
         A deferred request is skipped, not a blocker: requests behind it may be admitted."""
         return False
 
-    def _on_scheduled(self, request: Request, num_new_tokens: int, budget: SchedulingBudget) -> None:
-        """Bookkeeping hook after a request got Δ tokens (chapter 05 counts partial prefills)."""
+    def _on_admitted(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
+                     budget: SchedulingBudget) -> None:
+        """Bookkeeping hook when a waiting request starts running with Δ = num_new_tokens
+        (chapter 05 counts the partial prefills it starts)."""
 
     def _select_victim(self) -> Request:
         """Who is preempted when the KV cache is full: the lowest priority, i.e. the latest

@@ -24,7 +24,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 from scheduler.cost_model import StepCostModel
-from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from scheduler.mock_runner import MockModelRunner
+from scheduler.output import SchedulerOutput
 from scheduler.request import Request
 from scheduler.traces import TraceRequest
 
@@ -127,6 +128,7 @@ def simulate(scheduler, trace: Iterable[TraceRequest], cost_model: StepCostModel
              record_steps: bool = False, make_request_fn: Callable[[TraceRequest, np.random.Generator], Request] = make_request,
              max_steps: int = 10_000_000) -> SimResult:
     rng = np.random.default_rng(seed)
+    runner = MockModelRunner(next_token=lambda request: SAMPLED_TOKEN_ID)
     pending = deque(sorted(trace, key=lambda t: t.arrival_time))
     metrics = {t.request_id: RequestMetrics(t.request_id, t.arrival_time, t.prompt_len, t.output_len) for t in pending}
     steps: list[StepRecord] = []
@@ -150,17 +152,14 @@ def simulate(scheduler, trace: Iterable[TraceRequest], cost_model: StepCostModel
         num_tokens, context = step_work(scheduler, output)
         num_swapped = len(output.blocks_to_swap_out) + len(output.blocks_to_swap_in)
         start, clock = clock, clock + cost_model.step_time(num_tokens, context, num_swapped)
-        req_ids = list(output.num_scheduled_tokens)
-        sampled = []
-        for rid in req_ids:
-            request = scheduler.requests[rid]
-            if metrics[rid].first_scheduled_time is None:
-                metrics[rid].first_scheduled_time = start
-            # The model samples when a request's computed tokens reach its end (prefill done).
-            sampled.append([SAMPLED_TOKEN_ID] if request.num_computed_tokens >= request.num_tokens else [])
-            metrics[rid].num_preemptions = request.num_preemptions
-            metrics[rid].num_cached_tokens = max(request.num_cached_tokens, 0)
-        outputs = scheduler.update_from_output(output, ModelRunnerOutput(req_ids, sampled))
+        model_output = runner.execute(scheduler.requests, output)
+        for rid in model_output.req_ids:
+            request, m = scheduler.requests[rid], metrics[rid]
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = start
+            m.num_preemptions = request.num_preemptions
+            m.num_cached_tokens = max(request.num_cached_tokens, 0)
+        outputs = scheduler.update_from_output(output, model_output)
         for out in outputs:
             m = metrics[out.request_id]
             m.token_times.extend([clock] * len(out.new_token_ids))
