@@ -1,0 +1,194 @@
+"""The building blocks of a Llama-family decoder, written for a flat ragged batch of tokens.
+
+Mirrors vLLM's `vllm/model_executor/layers/`:
+  * `layernorm.py: RMSNorm`                  -> RMSNorm (with the fused residual add)
+  * `rotary_embedding/: get_rope`            -> RotaryEmbedding + rope_inv_freq
+  * `activation.py: SiluAndMul`              -> SiluAndMul
+  * `linear.py: MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear`
+                                             -> MergedColumnLinear, QKVLinear, Linear (one GPU: no parallelism)
+
+Every activation is 2-D `[num_tokens, ...]`: the tokens of all requests in a step laid end to end,
+no batch dimension and no padding (vLLM v1's layout). Parameters are created uninitialised
+(`torch.empty`): the loader overwrites every one of them and fails loudly if any is missing,
+so random initialisation would be wasted work (~1 s for SmolLM2 on a CPU).
+
+Numerics follow HF transformers op for op (fp32 norm statistics, the same RoPE frequencies and
+rotation), so fp32 results agree with the oracle to rounding (see the README, "Parity").
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """y = x @ W^T (+ b), parameters uninitialised (the loader fills them)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out]
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnLinear(Linear):
+    """Several linears that read the same input, stacked along the output dim: ONE matmul.
+
+    Why: q/k/v (and gate/up) projections all read the same normed hidden state. One GEMM over
+    the stacked weight reads the input once and launches one kernel instead of three, which is
+    what makes small models fast on a CPU and decode steps fast on a GPU. Checkpoints still
+    store the pieces separately, so each piece is a *shard* with its own `weight_loader`
+    (vLLM: `MergedColumnParallelLinear.weight_loader(param, loaded_weight, loaded_shard_id)`).
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        super().__init__(input_size, sum(output_sizes), bias)
+        self.output_sizes = list(output_sizes)
+        self.shard_ids: tuple = tuple(range(len(output_sizes)))
+        for param in self.parameters():
+            param.weight_loader = self.weight_loader     # the loader calls param.weight_loader(param, tensor, shard_id)
+            param.shard_ids = self.shard_ids             # every shard must be loaded exactly once
+
+    def shard_slice(self, shard_id) -> tuple[int, int]:
+        index = self.shard_ids.index(shard_id)
+        return sum(self.output_sizes[:index]), self.output_sizes[index]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id) -> None:
+        offset, size = self.shard_slice(shard_id)
+        target = param.data.narrow(0, offset, size)      # rows [offset, offset + size) of W (or b)
+        if loaded_weight.shape != target.shape:
+            raise ValueError(f"shard {shard_id!r}: checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
+                             f"expected {tuple(target.shape)}")
+        target.copy_(loaded_weight)
+
+
+class QKVLinear(MergedColumnLinear):
+    """q, k and v projections as one matmul: output = [q (H*D) | k (KVH*D) | v (KVH*D)].
+
+    With GQA the three shards have different sizes (vLLM: `QKVParallelLinear`, shard ids "q"/"k"/"v").
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias)
+        self.shard_ids = ("q", "k", "v")
+        for param in self.parameters():
+            param.shard_ids = self.shard_ids
+
+
+class VocabEmbedding(nn.Module):
+    """token id -> row of the embedding matrix (vLLM: VocabParallelEmbedding, one GPU)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:   # [T] -> [T, hidden]
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, the statistics in fp32.
+
+    `forward(x, residual)` fuses the residual add that precedes every norm in a pre-norm
+    decoder: it returns (norm(x + residual), x + residual). vLLM fuses the two into one kernel
+    (`fused_add_rms_norm`) because the sum is read by the norm anyway; here it saves one
+    activation-sized allocation per call, since the running residual is updated in place (it
+    belongs to the model's forward and nobody else holds it).
+    """
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        ### BEGIN SOLUTION
+        if residual is not None:
+            x = residual.add_(x)                                        # [T, hidden] running residual stream
+        dtype = x.dtype
+        h = x.float()
+        variance = h.pow(2).mean(-1, keepdim=True)                      # [T, 1] in fp32 whatever the model dtype
+        out = self.weight * (h * torch.rsqrt(variance + self.eps)).to(dtype)
+        ### END SOLUTION
+        return out if residual is None else (out, x)
+
+
+def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) -> torch.Tensor:
+    """Rotation speed of each pair of dims, [head_dim // 2] fp32: theta^(-2i/d), then rescaled.
+
+    The math of HF's `ROPE_INIT_FUNCTIONS` (transformers/modeling_rope_utils.py) and vLLM's
+    `rotary_embedding/` classes, for the variants we support:
+      default : inv_freq_i = theta^(-2i/d)
+      linear  : inv_freq / factor                     (position interpolation: positions squeezed by `factor`)
+      llama3  : long wavelengths (> original_len / low_freq_factor) slowed by `factor`, short ones
+                (< original_len / high_freq_factor) kept, a smooth blend in between (Llama 3.1).
+    """
+    ### BEGIN SOLUTION
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_type == "default":
+        return inv_freq
+    factor = float(rope_scaling["factor"])
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type == "llama3":
+        low, high = float(rope_scaling["low_freq_factor"]), float(rope_scaling["high_freq_factor"])
+        old_len = rope_scaling["original_max_position_embeddings"]
+        low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)                 # 0 at the low edge, 1 at the high edge
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        return torch.where(is_medium, blended, scaled)
+    ### END SOLUTION
+    raise ValueError(f"rope type {rope_type!r} is not supported; supported: default, linear, llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE through a precomputed table: cos/sin of every (position, frequency), looked up by position.
+
+    vLLM's `RotaryEmbedding` keeps the same `cos_sin_cache` [max_position, head_dim] (cos | sin)
+    and indexes it with the flat `positions` tensor, so a ragged batch whose requests sit at
+    different positions costs one gather instead of one trig call per token. Rotation is the
+    "neox" layout HF Llama uses: dims (i, i + d/2) form a pair.
+
+    The model computes `cos_sin(positions)` once per step and every layer reuses it.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, rope_theta: float, rope_scaling: dict | None, dtype: torch.dtype):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling)             # [d/2] fp32
+        t = torch.arange(max_position, dtype=torch.float32)                        # [max_position]
+        freqs = t[:, None] * inv_freq[None, :]                                     # [max_position, d/2] (as HF: pos * inv_freq)
+        # Rounded to the model dtype once, as HF rounds cos/sin to the activations' dtype.
+        self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)                  # [T, d/2] each
+        return cos[:, None, :], sin[:, None, :]                                    # [T, 1, d/2]: broadcast over heads
+
+
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x_i, x_{i+d/2}) by its angle: [T, heads, d] -> [T, heads, d].
+
+    Equal, bit for bit in fp32, to HF's `x * cos + rotate_half(x) * sin`.
+    """
+    ### BEGIN SOLUTION
+    x1, x2 = x.chunk(2, dim=-1)                                                    # [T, heads, d/2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    ### END SOLUTION
+
+
+class SiluAndMul(nn.Module):
+    """[T, 2I] = [gate | up] -> silu(gate) * up, [T, I] (the SwiGLU of Llama's MLP)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -1,0 +1,128 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral-style GQA) on paged attention, from scratch.
+
+Mirrors vLLM's `vllm/model_executor/models/llama.py`: `LlamaMLP` (merged gate_up_proj),
+`LlamaAttention` (merged qkv_proj; here `SelfAttention`), `LlamaDecoderLayer` (pre-norm with
+the residual add fused into the next norm), `LlamaModel`, `LlamaForCausalLM` (+ `compute_logits`).
+
+The forward contract the engine's model runner relies on (same as vLLM v1):
+
+    hidden = model(input_ids [T] int64, positions [T] int64, kv_caches, attn_metadata)   # [T, hidden]
+    logits = model.compute_logits(hidden[logits_indices])                                # [N, vocab] fp32
+
+`T` tokens of any number of requests, laid end to end (no padding); `kv_caches[i]` is layer i's
+(key_cache, value_cache); `attn_metadata` (chapter 01's AttentionMetadata) says where each token's
+K/V go and which blocks each request reads. Only the rows that are sampled go through the
+vocabulary projection: for a 500-token prefill that is 1 row, not 500.
+
+Qwen2 and Qwen3 differ from Llama in three switches, chosen by `attention_options` (qwen2.py, qwen3.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paged_attention.metadata import AttentionMetadata
+
+from mini_vllm.config import ModelConfig
+from mini_vllm.models.attention import KVCache, SelfAttention
+from mini_vllm.models.layers import Linear, MergedColumnLinear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:      # [T, hidden] -> [T, hidden]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, *, qkv_bias: bool, o_bias: bool, qk_norm: bool, attn_backend: str):
+        super().__init__()
+        self.self_attn = SelfAttention(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                                       config.head_dim, rms_norm_eps=config.rms_norm_eps, qkv_bias=qkv_bias,
+                                       o_bias=o_bias, qk_norm=qk_norm, attn_backend=attn_backend)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: KVCache, attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        # Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). `residual` carries the running sum;
+        # each norm first adds the previous block's output into it (RMSNorm's fused add).
+        ### BEGIN SOLUTION
+        if residual is None:                                       # first layer: the residual is the embedding
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(hidden_states, rope, kv_cache, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states = self.mlp(hidden_states)
+        ### END SOLUTION
+        return hidden_states, residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, *, qkv_bias: bool, o_bias: bool, qk_norm: bool, attn_backend: str):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, attn_backend=attn_backend)
+            for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # One table for all layers, sized for the longest sequence the engine will run.
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta,
+                                          config.rope_scaling, dtype=config.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)                               # [T, hidden]
+        rope = self.rotary_emb.cos_sin(positions)                                  # computed once, used by every layer
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden_states, residual = layer(hidden_states, residual, rope, kv_cache, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states                                                       # [T, hidden]
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint names -> our merged parameters: (our param, checkpoint piece, shard id).
+    # (vLLM: LlamaForCausalLM.load_weights' stacked_params_mapping.) Used by loader.load_weights.
+    stacked_params_mapping = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
+
+    @staticmethod
+    def attention_options(config: ModelConfig) -> dict:
+        """What differs between the families' attention blocks. Llama: one flag for all biases."""
+        return dict(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm=False)
+
+    def __init__(self, config: ModelConfig, attn_backend: str = "torch"):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, attn_backend=attn_backend, **self.attention_options(config))
+        # Tied embeddings (SmolLM2, small Qwens): the output projection IS the input embedding matrix.
+        self.lm_head = self.model.embed_tokens if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids and positions must both be 1-D [num_tokens] (a flat ragged batch), got "
+                             f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        if input_ids.shape[0] != attn_metadata.num_tokens:
+            raise ValueError(f"{input_ids.shape[0]} input tokens but attn_metadata.slot_mapping has {attn_metadata.num_tokens}")
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"expected one (key_cache, value_cache) per layer ({len(self.model.layers)}), got {len(kv_caches)}")
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] fp32 (the sampler works in fp32 whatever the model dtype)."""
+        return torch.nn.functional.linear(hidden_states, self.lm_head.weight).float()

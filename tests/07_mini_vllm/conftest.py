@@ -1,0 +1,164 @@
+"""Fixtures for chapter 07: the real SmolLM2 (converted once), tiny random HF checkpoints, and a
+small test-only paged driver (the engine's real model runner comes later and reuses
+`mini_vllm.input_batch.prepare_inputs`, which this driver also uses)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mini_vllm.config import ModelConfig
+from mini_vllm.input_batch import prepare_inputs
+from mini_vllm.kv_cache import allocate_kv_caches
+from mini_vllm.models.loader import get_model
+
+# ---------------------------------------------------------------------------------------------
+# A test-only paged driver: shuffled physical blocks, NaN in every slot nobody wrote.
+# ---------------------------------------------------------------------------------------------
+
+
+class PagedDriver:
+    """Runs requests through a model on a paged KV cache, one step at a time.
+
+    Physical blocks are handed out in a shuffled order (a request's blocks are scattered over
+    the cache, never contiguous), and the cache starts full of NaN: if attention ever read a
+    slot nobody wrote, or wrote a token to the wrong slot, the logits would turn NaN or wrong.
+    """
+
+    def __init__(self, model, config: ModelConfig, num_blocks: int = 64, block_size: int = 16, seed: int = 0,
+                 device: str | torch.device = "cpu"):
+        self.model, self.block_size, self.device = model, block_size, device
+        self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, device=device)
+        for k, v in self.kv_caches:
+            k.fill_(float("nan"))
+            v.fill_(float("nan"))
+        self.free_blocks = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free_blocks)
+        self.tokens: dict[str, list[int]] = {}      # all tokens of a request (prompt + generated)
+        self.computed: dict[str, int] = {}          # tokens whose K/V are in the cache
+        self.blocks: dict[str, list[int]] = {}
+
+    def add(self, req_id: str, prompt: list[int]) -> None:
+        self.tokens[req_id], self.computed[req_id], self.blocks[req_id] = list(prompt), 0, []
+
+    @torch.inference_mode()
+    def step(self, req_ids: list[str], all_logits: bool = False) -> torch.Tensor:
+        """Run every not-yet-computed token of `req_ids` in ONE batch; returns [len(req_ids), vocab]
+        fp32 logits of each request's last token (all_logits: of every token run, [T, vocab])."""
+        for r in req_ids:
+            needed = -(-len(self.tokens[r]) // self.block_size)
+            while len(self.blocks[r]) < needed:
+                self.blocks[r].append(self.free_blocks.pop())
+        inputs = prepare_inputs([self.tokens[r][self.computed[r]:] for r in req_ids], [self.computed[r] for r in req_ids],
+                                [self.blocks[r] for r in req_ids], self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        for r in req_ids:
+            self.computed[r] = len(self.tokens[r])
+        return self.model.compute_logits(hidden if all_logits else hidden[inputs.logits_indices])
+
+    def greedy(self, prompts: dict[str, list[int]], max_new_tokens: int) -> dict[str, list[int]]:
+        """Prefill all prompts in one step, then decode all of them one token per step."""
+        for r, p in prompts.items():
+            self.add(r, p)
+        out = {r: [] for r in prompts}
+        for _ in range(max_new_tokens):
+            next_ids = self.step(list(prompts)).argmax(dim=-1).tolist()
+            for r, t in zip(prompts, next_ids):
+                out[r].append(t)
+                self.tokens[r].append(t)
+        return out
+
+
+@pytest.fixture(scope="session")
+def paged_driver():
+    return PagedDriver
+
+
+# ---------------------------------------------------------------------------------------------
+# HF greedy oracle
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF transformers' greedy generate on one prompt (batch 1: no padding in the oracle).
+
+    HF stops at EOS; our drivers don't, so compare with `assert_same_greedy`."""
+    device = hf_model.device
+    out = hf_model.generate(torch.tensor([prompt], device=device),
+                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+                            max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def assert_same_greedy(ours: list[int], ref: list[int], max_new_tokens: int, eos_ids, label: str = "") -> None:
+    """Token for token equal up to HF's stop; HF stopped early only on an EOS."""
+    assert ref, "HF generated nothing"
+    assert len(ref) == max_new_tokens or ref[-1] in eos_ids, f"{label}: HF stopped early without EOS: {ref}"
+    assert ours[:len(ref)] == ref, f"{label}: greedy tokens differ\nours: {ours[:len(ref)]}\nHF:   {ref}"
+
+
+@pytest.fixture(scope="session")
+def hf_oracle():
+    """(hf_greedy, assert_same_greedy)."""
+    return hf_greedy, assert_same_greedy
+
+
+# ---------------------------------------------------------------------------------------------
+# The real default model
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    from mini_vllm.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    """(our model, its ModelConfig), fp32 on CPU."""
+    config = ModelConfig.from_pretrained(smollm2_dir)
+    return get_model(config), config
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny random checkpoints of real architectures, saved by HF itself
+# ---------------------------------------------------------------------------------------------
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.1,
+            bos_token_id=1, eos_token_id=2)
+
+
+def make_tiny_checkpoint(path, model_type: str, seed: int = 0, max_shard_size: str | None = None, **overrides):
+    """Save a randomly initialised HF model of `model_type` to `path`; returns the HF model (eval, fp32)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint():
+    return make_tiny_checkpoint
