@@ -22,7 +22,7 @@ constexpr int kUnsupportedConfig = -1;
 
 constexpr int WARP_SIZE = 32;
 
-template <typename T> constexpr T divide_round_up(T a, T b) { return (a + b - 1) / b; }
+template <typename T> __host__ __device__ constexpr T divide_round_up(T a, T b) { return (a + b - 1) / b; }
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }

@@ -1,0 +1,142 @@
+// Host launchers for the paged decode attention kernels (paged_attention.cuh).
+//
+// Raw pointers + sizes + strides (elements) + the stream as an int64: no torch headers, so
+// `nvcc -cubin` compiles this file on CPU-only CI machines. Compiling it instantiates every
+// supported (dtype, head size, block size) kernel, which is what the nvcc test checks for
+// register spills. paged_attention_binding.cpp is the torch side.
+//
+// Mirrors vLLM's csrc/attention/paged_attention_v1.cu and paged_attention_v2.cu.
+#include <cuda_runtime.h>
+
+#include "paged_attention.cuh"
+
+namespace vfs {
+
+constexpr int NUM_THREADS = 128;      // 4 warps per thread block, as in vLLM
+constexpr int PARTITION_SIZE = 512;   // tokens per v2 partition (vLLM's default)
+constexpr int kSharedMemoryTooLarge = -2;
+
+// strides[] (elements): block_tables row, q seq, q head, k block, k token, k head, v block, v token, v head
+struct DecodeArgs {
+  const void* q;
+  const void* k_cache;
+  const void* v_cache;
+  const int* block_tables;
+  const int* seq_lens;
+  int num_seqs, num_heads, num_kv_heads, max_num_blocks_per_seq, max_seq_len;
+  float scale;
+  const int64_t* strides;
+  cudaStream_t stream;
+};
+
+template <typename T> struct Tag { using type = T; };
+template <int N> using Int = std::integral_constant<int, N>;
+
+// Turn runtime (dtype, head size, block size) into template arguments: f(Tag<T>, Int<HEAD>, Int<BLOCK>).
+template <typename F>
+int dispatch(int dtype, int head_size, int block_size, F&& f) {
+  auto by_block = [&](auto tag, auto head) -> int {
+    switch (block_size) {
+      case 8: return f(tag, head, Int<8>{});
+      case 16: return f(tag, head, Int<16>{});
+      case 32: return f(tag, head, Int<32>{});
+      default: return kUnsupportedConfig;
+    }
+  };
+  auto by_head = [&](auto tag) -> int {
+    switch (head_size) {
+      case 64: return by_block(tag, Int<64>{});
+      case 128: return by_block(tag, Int<128>{});
+      case 256: return by_block(tag, Int<256>{});
+      default: return kUnsupportedConfig;
+    }
+  };
+  switch (dtype) {
+    case kFloat32: return by_head(Tag<float>{});
+    case kFloat16: return by_head(Tag<__half>{});
+    case kBFloat16: return by_head(Tag<__nv_bfloat16>{});
+    default: return kUnsupportedConfig;
+  }
+}
+
+// Opt in to more than 48 KB of dynamic shared memory when needed (v1 with long contexts).
+template <typename Kernel>
+int reserve_shared_memory(Kernel kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return 0;
+  int device = 0, max_optin = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  cudaFuncAttributes attr;
+  cudaFuncGetAttributes(&attr, kernel);
+  if (bytes + attr.sharedSizeBytes > static_cast<size_t>(max_optin)) return kSharedMemoryTooLarge;
+  return static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
+
+template <typename T, int HEAD, int BLOCK>
+int launch_v1(void* out, const DecodeArgs& a) {
+  // The whole sequence's logits live in shared memory, padded to whole blocks.
+  const int logits_capacity = divide_round_up(a.max_seq_len, BLOCK) * BLOCK;
+  const size_t smem = static_cast<size_t>(logits_capacity) * sizeof(float);
+  auto kernel = paged_attention_v1_kernel<T, HEAD, BLOCK, NUM_THREADS>;
+  if (int rc = reserve_shared_memory(kernel, smem)) return rc;
+  const int64_t* s = a.strides;
+  kernel<<<dim3(a.num_heads, a.num_seqs, 1), NUM_THREADS, smem, a.stream>>>(
+      static_cast<T*>(out), static_cast<const T*>(a.q), static_cast<const T*>(a.k_cache),
+      static_cast<const T*>(a.v_cache), a.num_kv_heads, a.scale, a.block_tables, a.seq_lens,
+      a.max_num_blocks_per_seq, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], logits_capacity);
+  return static_cast<int>(cudaGetLastError());
+}
+
+template <typename T, int HEAD, int BLOCK>
+int launch_v2(void* out, float* exp_sums, float* max_logits, float* tmp_out, const DecodeArgs& a) {
+  const int max_num_partitions = divide_round_up(a.max_seq_len, PARTITION_SIZE);
+  const int64_t* s = a.strides;
+  paged_attention_v2_kernel<T, HEAD, BLOCK, NUM_THREADS, PARTITION_SIZE>
+      <<<dim3(a.num_heads, a.num_seqs, max_num_partitions), NUM_THREADS, PARTITION_SIZE * sizeof(float), a.stream>>>(
+          exp_sums, max_logits, tmp_out, static_cast<const T*>(a.q), static_cast<const T*>(a.k_cache),
+          static_cast<const T*>(a.v_cache), a.num_kv_heads, a.scale, a.block_tables, a.seq_lens,
+          a.max_num_blocks_per_seq, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8]);
+  if (cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
+  auto reduce = paged_attention_v2_reduce_kernel<T, HEAD, NUM_THREADS, PARTITION_SIZE>;
+  const size_t smem = static_cast<size_t>(max_num_partitions) * sizeof(float);
+  if (int rc = reserve_shared_memory(reduce, smem)) return rc;
+  reduce<<<dim3(a.num_heads, a.num_seqs), NUM_THREADS, smem, a.stream>>>(
+      static_cast<T*>(out), exp_sums, max_logits, tmp_out, a.seq_lens, max_num_partitions,
+      a.max_num_blocks_per_seq, BLOCK);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace vfs
+
+int vfs_paged_attention_v1(int dtype, int head_size, int block_size, void* out, const void* q, const void* k_cache,
+                           const void* v_cache, const int* block_tables, const int* seq_lens, int num_seqs,
+                           int num_heads, int num_kv_heads, int max_num_blocks_per_seq, int max_seq_len,
+                           float scale, const int64_t* strides, int64_t stream) {
+  const vfs::DecodeArgs a{q, k_cache, v_cache, block_tables, seq_lens, num_seqs, num_heads, num_kv_heads,
+                          max_num_blocks_per_seq, max_seq_len, scale, strides, reinterpret_cast<cudaStream_t>(stream)};
+  return vfs::dispatch(dtype, head_size, block_size, [&](auto tag, auto head, auto block) {
+    return vfs::launch_v1<typename decltype(tag)::type, decltype(head)::value, decltype(block)::value>(out, a);
+  });
+}
+
+int vfs_paged_attention_v2(int dtype, int head_size, int block_size, void* out, float* exp_sums, float* max_logits,
+                           float* tmp_out, const void* q, const void* k_cache, const void* v_cache,
+                           const int* block_tables, const int* seq_lens, int num_seqs, int num_heads,
+                           int num_kv_heads, int max_num_blocks_per_seq, int max_seq_len, float scale,
+                           const int64_t* strides, int64_t stream) {
+  const vfs::DecodeArgs a{q, k_cache, v_cache, block_tables, seq_lens, num_seqs, num_heads, num_kv_heads,
+                          max_num_blocks_per_seq, max_seq_len, scale, strides, reinterpret_cast<cudaStream_t>(stream)};
+  return vfs::dispatch(dtype, head_size, block_size, [&](auto tag, auto head, auto block) {
+    return vfs::launch_v2<typename decltype(tag)::type, decltype(head)::value, decltype(block)::value>(
+        out, exp_sums, max_logits, tmp_out, a);
+  });
+}
+
+int vfs_paged_attention_partition_size() { return vfs::PARTITION_SIZE; }
+
+const char* vfs_paged_attention_error_string(int code) {
+  if (code == vfs::kUnsupportedConfig) return "unsupported dtype / head size / block size (not compiled)";
+  if (code == vfs::kSharedMemoryTooLarge)
+    return "v1 keeps every logit of the longest sequence in shared memory and max_seq_len is too long for it; use v2";
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
