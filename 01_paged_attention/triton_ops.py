@@ -1,0 +1,396 @@
+"""Triton kernels for chapter 01, with the same signatures as the reference ops.
+
+* `reshape_and_cache`: one program per new token scatters its K/V row to its slot
+  (vLLM: `reshape_and_cache_flash`, csrc/cache_kernels.cu; triton_reshape_and_cache_flash.py).
+* `paged_decode_attention`: one program per (request, KV head) walks the request's KV in
+  tiles of TILE tokens with an online softmax. All the query heads that share a KV head
+  (GQA) are handled by the same program, so each K/V byte is read from memory once.
+  Each token's physical row is looked up individually (block_tables[t // B], t % B), so a
+  tile is independent of the block size: block sizes 1..256 and non-powers of two all work
+  with a tensor-core friendly tile. (vLLM: `kernel_unified_attention_2d`,
+  vllm/attention/ops/triton_unified_attention.py.)
+* split-KV ("flash-decoding"): with few requests and long contexts, (request, KV head)
+  programs are too few to fill the GPU, so each request's KV is also cut into NUM_SPLITS
+  ranges processed in parallel; each writes an unnormalised partial result plus its
+  running max m and sum l, and `_split_kv_reduce_kernel` merges them:
+      out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s,   M = max_s m_s.
+  (vLLM: `kernel_unified_attention_3d` + `reduce_segments`; CUDA paged_attention_v2.)
+* `paged_prefill_attention`: causal FlashAttention over a ragged batch of prompts
+  (cu_seqlens), after writing their K/V to the cache.
+
+Numerics: scores, the softmax and the accumulator are fp32. The probabilities p are rounded
+to the K/V dtype before the p @ V product (as FlashAttention does, so it runs on tensor
+cores), and the normaliser l sums those same rounded p: the weights then sum to exactly what
+the output is divided by, so V == 1 gives exactly 1. Under the interpreter (CPU) the dots
+are done in fp32 (`UPCAST`), because the interpreter's bf16 `tl.dot` is wrong.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from paged_attention.cache_ops import check_cache_write_args
+from paged_attention.checks import check_decode_args, check_prefill_args
+
+DEFAULT_TILE = 32       # KV tokens per decode inner-loop step
+SPLIT_TARGET_PROGRAMS = 256  # split-KV aims for about this many programs (2 per SM on an H100, 132 SMs)
+MIN_TOKENS_PER_SPLIT = 256   # below this a split costs more in the reduce than it saves
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# ----------------------------------------------------------------------------- cache write
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_kc_blk, stride_kc_tok, stride_kc_head,
+    stride_vc_blk, stride_vc_tok, stride_vc_head,
+    block_size,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    ### BEGIN SOLUTION
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    blk = slot // block_size
+    off = slot % block_size
+    offs = tl.arange(0, BLOCK_HD)                      # flattened (head, d) of this token's row
+    head = offs // HEAD_DIM
+    d = offs % HEAD_DIM
+    mask = (offs < NUM_KV_HEADS * HEAD_DIM) & (slot >= 0)   # slot -1: padding token, write nothing
+    k = tl.load(key_ptr + token * stride_k_tok + head * stride_k_head + d, mask=mask)
+    v = tl.load(value_ptr + token * stride_v_tok + head * stride_v_head + d, mask=mask)
+    tl.store(key_cache_ptr + blk * stride_kc_blk + off * stride_kc_tok + head * stride_kc_head + d, k, mask=mask)
+    tl.store(value_cache_ptr + blk * stride_vc_blk + off * stride_vc_tok + head * stride_vc_head + d, v, mask=mask)
+    ### END SOLUTION
+
+
+def reshape_and_cache(
+    key: torch.Tensor,           # [num_tokens, num_kv_heads, head_dim] (last dim contiguous)
+    value: torch.Tensor,         # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,     # [num_blocks, block_size, num_kv_heads, head_dim] (written)
+    value_cache: torch.Tensor,   # [num_blocks, block_size, num_kv_heads, head_dim] (written)
+    slot_mapping: torch.Tensor,  # [num_tokens] int32/int64, -1 = skip
+    check_values: bool = True,
+) -> None:
+    check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, check_values)
+    _require_unit_last_stride(key=key, value=value, key_cache=key_cache, value_cache=value_cache)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        key_cache.shape[1],
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HD=triton.next_power_of_2(num_kv_heads * head_dim),
+    )
+
+
+# ----------------------------------------------------------------------------- decode
+
+@triton.jit
+def _paged_decode_kernel(
+    out_ptr,              # NUM_SPLITS == 1: [num_seqs, num_heads, head_dim]; else fp32 partial acc [num_seqs, num_heads, NUM_SPLITS, head_dim]
+    m_ptr, l_ptr,         # NUM_SPLITS > 1: fp32 [num_seqs, num_heads, NUM_SPLITS] running max / sum
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    scale,
+    stride_q_seq, stride_q_head,
+    stride_k_blk, stride_k_tok, stride_k_head,
+    stride_v_blk, stride_v_tok, stride_v_head,
+    stride_bt_seq,
+    stride_o_seq, stride_o_head, stride_o_split,
+    num_heads, max_num_blocks, tokens_per_split,
+    QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    offs_g = tl.arange(0, BLOCK_G)                       # query heads of this KV head (padded to >= 16 for tl.dot)
+    g_mask = offs_g < QUERIES_PER_KV
+    heads = kv_head * QUERIES_PER_KV + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)            # [BLOCK_G, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # A seq_len the block table cannot hold would make us read the next row's block ids:
+    # read nothing and return NaN instead (the host-side check raises before we get here).
+    too_long = seq_len > max_num_blocks * BLOCK_SIZE
+    start = split * tokens_per_split
+    # The last split runs to seq_len whatever tokens_per_split says: a stale max_seq_len
+    # hint can then only unbalance the splits, never drop tokens.
+    end = tl.where(split == NUM_SPLITS - 1, seq_len, tl.minimum(seq_len, start + tokens_per_split))
+    end = tl.where(too_long, start, end)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)   # running max of the scores
+    l_i = tl.zeros([BLOCK_G], tl.float32)                 # running sum of exp(score - m_i)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)        # running sum of exp(score - m_i) * v
+    ### BEGIN SOLUTION
+    for tile_start in range(start, end, TILE):
+        offs_t = tile_start + tl.arange(0, TILE)          # logical token positions
+        t_mask = offs_t < end
+        # The paging: logical block t // B -> physical block, then row t % B inside it.
+        blk = tl.load(block_tables_ptr + seq * stride_bt_seq + offs_t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        row = offs_t % BLOCK_SIZE
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + blk[:, None] * stride_k_blk + row[:, None] * stride_k_tok
+                    + kv_head * stride_k_head + offs_d[None, :], mask=kv_mask, other=0.0)   # [TILE, BLOCK_D]
+        v = tl.load(v_cache_ptr + blk[:, None] * stride_v_blk + row[:, None] * stride_v_tok
+                    + kv_head * stride_v_head + offs_d[None, :], mask=kv_mask, other=0.0)   # [TILE, BLOCK_D]
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                        # [BLOCK_G, TILE]
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)                       # rescales what was summed under the old max
+        p = tl.exp(s - m_new[:, None]).to(v_cache_ptr.dtype.element_ty)
+        if UPCAST:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    ### END SOLUTION
+
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 (a padding row): l = 0, acc = 0 -> 0
+        out = tl.where(too_long, float("nan"), out)
+        tl.store(out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        # An empty split (past seq_len) leaves m = -inf, l = 0: the reduce gives it weight 0.
+        # A too-long row gets m = 0, l = 1, acc = NaN, so the NaN survives the reduce.
+        tl.store(out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + split * stride_o_split + offs_d[None, :],
+                 tl.where(too_long, float("nan"), acc), mask=o_mask)
+        ml_offs = (seq * num_heads + heads) * NUM_SPLITS + split
+        tl.store(m_ptr + ml_offs, tl.where(too_long, 0.0, m_i), mask=g_mask)
+        tl.store(l_ptr + ml_offs, tl.where(too_long, 1.0, l_i), mask=g_mask)
+
+
+@triton.jit
+def _split_kv_reduce_kernel(
+    out_ptr, acc_ptr, m_ptr, l_ptr,     # out [num_seqs, num_heads, head_dim]; partials as written above
+    stride_o_seq, stride_o_head,
+    num_heads,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    base = (seq * num_heads + head) * NUM_SPLITS
+    ### BEGIN SOLUTION
+    m = tl.load(m_ptr + base + offs_s, mask=s_mask, other=float("-inf"))     # [BLOCK_S]
+    l = tl.load(l_ptr + base + offs_s, mask=s_mask, other=0.0)
+    acc = tl.load(acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                  mask=s_mask[:, None] & d_mask[None, :], other=0.0)          # [BLOCK_S, BLOCK_D]
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)   # all splits empty (seq_len 0)
+    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)                 # rescale each split to the global max
+    num = tl.sum(w[:, None] * acc, 0)                     # [BLOCK_D]
+    den = tl.sum(w * l, 0)
+    out = num / tl.where(den > 0, den, 1.0)
+    ### END SOLUTION
+    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile: int = DEFAULT_TILE) -> int:
+    """Split-KV only when (request, KV head) programs alone cannot fill the GPU and the
+    contexts are long enough that each split still has real work (flash-decoding's rule)."""
+    programs = num_seqs * num_kv_heads
+    if programs >= SPLIT_TARGET_PROGRAMS or max_seq_len <= MIN_TOKENS_PER_SPLIT:
+        return 1
+    by_occupancy = -(-SPLIT_TARGET_PROGRAMS // max(programs, 1))
+    by_length = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
+    return max(1, min(by_occupancy, by_length, 64))
+
+
+def paged_decode_attention(
+    query: torch.Tensor,         # [num_seqs, num_heads, head_dim]
+    key_cache: torch.Tensor,     # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,   # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks] int32
+    seq_lens: torch.Tensor,      # [num_seqs] int32
+    scale: float,
+    check_values: bool = True,
+    *,
+    num_splits: int | None = None,  # None: choose_num_splits; 1: one program per (request, KV head)
+    max_seq_len: int | None = None, # host-side max of seq_lens (from AttentionMetadata); read from seq_lens if None
+    tile: int = DEFAULT_TILE,
+) -> torch.Tensor:               # [num_seqs, num_heads, head_dim]
+    check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values)
+    _require_unit_last_stride(query=query, key_cache=key_cache, value_cache=value_cache)
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two >= 16 (tl.dot), got {tile}")
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, tile)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    # Every split gets a whole number of tiles; splits past a request's seq_len are empty.
+    tokens_per_split = max(tile, -(-max(max_seq_len, 1) // (num_splits * tile)) * tile)
+    group = num_heads // num_kv_heads
+    constexprs = dict(QUERIES_PER_KV=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
+                      HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                      BLOCK_SIZE=block_size, TILE=tile, NUM_SPLITS=num_splits,
+                      UPCAST=interpreting() and query.dtype != torch.float32)
+    common = (query, key_cache, value_cache, block_tables, seq_lens, scale,
+              query.stride(0), query.stride(1),
+              key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+              value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+              block_tables.stride(0))
+    grid = (num_seqs, num_kv_heads, num_splits)
+    if num_splits == 1:
+        _paged_decode_kernel[grid](out, out, out, *common, out.stride(0), out.stride(1), 0,
+                                   num_heads, block_tables.shape[1], tokens_per_split, **constexprs)
+        return out
+    acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+    m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    l = torch.empty_like(m)
+    _paged_decode_kernel[grid](acc, m, l, *common, acc.stride(0), acc.stride(1), acc.stride(2),
+                               num_heads, block_tables.shape[1], tokens_per_split, **constexprs)
+    _split_kv_reduce_kernel[(num_seqs, num_heads)](
+        out, acc, m, l, out.stride(0), out.stride(1), num_heads,
+        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
+    return out
+
+
+# ----------------------------------------------------------------------------- prefill
+
+@triton.jit
+def _prefill_kernel(
+    out_ptr, q_ptr, k_ptr, v_ptr, query_start_loc_ptr,
+    scale,
+    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+    stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
+    QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - start
+    kv_head = head // QUERIES_PER_KV
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)     # query positions inside the prompt
+    m_mask = offs_m < q_len
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + (start + offs_m)[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)             # [BLOCK_M, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Causal: this tile's last query is at (m_block + 1) * BLOCK_M - 1, so later keys are never needed.
+    hi = tl.minimum(q_len, (m_block + 1) * BLOCK_M)
+    ### BEGIN SOLUTION
+    for n_start in range(0, hi, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + (start + offs_n)[:, None] * stride_k_tok + kv_head * stride_k_head + offs_d[None, :],
+                    mask=kv_mask, other=0.0)                                   # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptr + (start + offs_n)[:, None] * stride_v_tok + kv_head * stride_v_head + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale             # [BLOCK_M, BLOCK_N]
+        s = tl.where(n_mask[None, :] & (offs_n[None, :] <= offs_m[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))             # key 0 is in the first tile: finite from then on
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None]).to(v_ptr.dtype.element_ty)
+        if UPCAST:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    ### END SOLUTION
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (start + offs_m)[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def prefill_attention(
+    query: torch.Tensor,            # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,              # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,            # [num_tokens, num_kv_heads, head_dim]
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int
+    scale: float,
+    max_query_len: int | None = None,
+    block_m: int = 16,
+    block_n: int = 16,
+) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
+    """Causal varlen attention of each prompt over itself (no cache involved)."""
+    _require_unit_last_stride(query=query, key=key, value=value)
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = query_start_loc.shape[0] - 1
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
+    _prefill_kernel[grid](
+        out, query, key, value, query_start_loc, scale,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1), out.stride(0), out.stride(1),
+        QUERIES_PER_KV=num_heads // key.shape[1], HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
+        UPCAST=interpreting() and query.dtype != torch.float32)
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,            # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,              # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,            # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,        # [num_blocks, block_size, num_kv_heads, head_dim] (written)
+    value_cache: torch.Tensor,      # (written)
+    slot_mapping: torch.Tensor,     # [num_tokens] int, -1 = skip
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    check_values: bool = True,
+    *,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    check_prefill_args(query, key, value, key_cache, value_cache, slot_mapping, query_start_loc, check_values)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values=False)  # checked just above
+    return prefill_attention(query, key, value, query_start_loc, scale, max_query_len)
+
+
+def _require_unit_last_stride(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: the head_dim dimension must be contiguous (stride 1), got strides {t.stride()}")

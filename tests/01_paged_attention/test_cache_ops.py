@@ -1,0 +1,91 @@
+"""reshape_and_cache: every backend writes exactly the right rows, bit for bit, and nothing else."""
+import pytest
+import torch
+
+from paged_attention import ops
+
+CPU_BACKENDS = ["torch", "triton"]          # triton runs under the interpreter on CPU
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Compare floats bit for bit (NaN == NaN, -0 != +0)."""
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def expected_cache(cache: torch.Tensor, rows: torch.Tensor, slot_mapping: list[int]) -> torch.Tensor:
+    """The oracle: a loop over tokens, slot -> (block, offset)."""
+    out = cache.clone()
+    block_size = cache.shape[1]
+    for t, slot in enumerate(slot_mapping):
+        if slot >= 0:
+            out[slot // block_size, slot % block_size] = rows[t]
+    return out
+
+
+def make_case(dtype, device, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype)          # junk everywhere at first
+    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    # 7 new tokens: a padding token (-1), slots spread over shuffled blocks, partial blocks.
+    slot_mapping = [9, 10, -1, 0, 23, 3, 17]
+    key = torch.randn(len(slot_mapping), num_kv_heads, head_dim, generator=g).to(dtype)
+    value = torch.randn(len(slot_mapping), num_kv_heads, head_dim, generator=g).to(dtype)
+    return [x.to(device) for x in (key, value, key_cache, value_cache)] + [slot_mapping]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_writes_exact_rows_and_nothing_else(backend, dtype, slot_dtype):
+    key, value, key_cache, value_cache, slots = make_case(dtype, "cpu")
+    want_k = expected_cache(key_cache, key, slots)
+    want_v = expected_cache(value_cache, value, slots)
+    ops.reshape_and_cache(key, value, key_cache, value_cache, torch.tensor(slots, dtype=slot_dtype), backend=backend)
+    assert torch.equal(bits(key_cache), bits(want_k))
+    assert torch.equal(bits(value_cache), bits(want_v))
+    assert int(torch.isnan(key_cache.float()).logical_not().all(-1).all(-1).sum()) == 6   # exactly 6 rows written
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_strided_key_value_views(backend):
+    """K and V usually arrive as views into one fused qkv projection output (vLLM passes their
+    strides to the kernel rather than copying)."""
+    num_tokens, num_heads, num_kv_heads, head_dim = 5, 4, 2, 8
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim)
+    _, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    key, value = k.view(num_tokens, num_kv_heads, head_dim), v.view(num_tokens, num_kv_heads, head_dim)
+    assert not key.is_contiguous()
+    key_cache = torch.zeros(3, 4, num_kv_heads, head_dim)
+    value_cache = torch.zeros_like(key_cache)
+    slots = [4, 5, 6, 0, 11]
+    ops.reshape_and_cache(key, value, key_cache, value_cache, torch.tensor(slots), backend=backend)
+    assert torch.equal(key_cache, expected_cache(torch.zeros_like(key_cache), key, slots))
+    assert torch.equal(value_cache, expected_cache(torch.zeros_like(value_cache), value, slots))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_all_padding_and_empty_batches_write_nothing(backend):
+    key, value, key_cache, value_cache, slots = make_case(torch.float32, "cpu")
+    before = key_cache.clone()
+    ops.reshape_and_cache(key, value, key_cache, value_cache, torch.full((7,), -1), backend=backend)
+    ops.reshape_and_cache(key[:0], value[:0], key_cache, value_cache, torch.zeros(0, dtype=torch.long), backend=backend)
+    assert torch.equal(bits(key_cache), bits(before))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_writes_exact_rows(backend, dtype):
+    key, value, key_cache, value_cache, slots = make_case(dtype, "cuda", num_blocks=64, block_size=16,
+                                                          num_kv_heads=8, head_dim=128)
+    slots = [s * 7 % 1024 for s in slots]      # spread over the bigger cache; -1 stays -1
+    slots[2] = -1
+    want_k = expected_cache(key_cache, key, slots)
+    want_v = expected_cache(value_cache, value, slots)
+    for slot_dtype in (torch.int64, torch.int32):
+        ops.reshape_and_cache(key, value, key_cache, value_cache, torch.tensor(slots, dtype=slot_dtype, device="cuda"),
+                              backend=backend)
+        assert torch.equal(bits(key_cache), bits(want_k))
+        assert torch.equal(bits(value_cache), bits(want_v))

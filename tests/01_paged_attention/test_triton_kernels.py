@@ -1,0 +1,140 @@
+"""Triton kernels == the reference: under the interpreter on CPU (small shapes), natively on a
+GPU (`gpu` mark, bigger shapes). Same helpers, same assertions, only the device differs."""
+import pytest
+import torch
+
+from paged_attention import build_attention_metadata, ops, reference as ref
+from paged_attention.synthetic import make_paged_kv, random_query
+from tolerances import assert_close
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def check_decode(device, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits_list, seed=0):
+    kv = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed=seed,
+                       pad_id=-7, extra_table_width=1)               # NaN junk, shuffled, junk padding
+    q = random_query(len(seq_lens), num_heads, head_dim, dtype, device, seed=seed + 1)
+    scale = head_dim ** -0.5
+    want = ref.dense_decode_attention(q, kv.keys, kv.values, scale)
+    for num_splits in num_splits_list:
+        got = ops.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, scale,
+                                         backend="triton", num_splits=num_splits)
+        assert_close(got, want, dtype, msg=f"num_splits={num_splits}")
+
+
+def check_prefill(device, dtype, lens, num_heads, num_kv_heads, head_dim, block_size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nb = [-(-n // block_size) for n in lens]
+    ids = torch.randperm(sum(nb) + 2, generator=g).tolist()
+    block_ids = [ids[sum(nb[:i]):sum(nb[:i + 1])] for i in range(len(lens))]
+    md = build_attention_metadata(block_ids, [0] * len(lens), lens, block_size, device=device)
+    q, k, v = (torch.randn(sum(lens), n, head_dim, generator=g).to(dtype).to(device)
+               for n in (num_heads, num_kv_heads, num_kv_heads))
+    shape = (len(ids), block_size, num_kv_heads, head_dim)
+    caches = {}
+    for backend in ("torch", "triton"):
+        kc = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        vc = kc.clone()
+        out = ops.paged_prefill_attention(q, k, v, kc, vc, md.slot_mapping, md.query_start_loc, 0.3, backend=backend)
+        caches[backend] = (out, kc, vc)
+    out_ref, kc_ref, vc_ref = caches["torch"]
+    out, kc, vc = caches["triton"]
+    assert_close(out, out_ref, dtype)
+    assert torch.equal(kc.nan_to_num(123.0), kc_ref.nan_to_num(123.0))   # same rows written, bit for bit
+    assert torch.equal(vc.nan_to_num(123.0), vc_ref.nan_to_num(123.0))
+
+
+# ----------------------------------------------------------------------------- CPU (interpreter)
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 5, 16, 256])
+def test_decode_block_sizes(dtype, block_size):
+    # GQA 6/2, ragged lengths, partial last blocks, a seq_len-0 padding row; split and not.
+    check_decode("cpu", dtype, [37, 1, 0, 70], 6, 2, 32, block_size, [1, 3])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 1), (8, 2)])
+def test_decode_mha_mqa_gqa(num_heads, num_kv_heads):
+    check_decode("cpu", torch.float16, [19, 50], num_heads, num_kv_heads, 64, 16, [1, 2])
+
+
+def test_decode_head_dim_not_a_power_of_two():
+    check_decode("cpu", torch.float32, [21, 9], 4, 2, 24, 8, [1, 2])
+
+
+def test_split_kv_more_splits_than_tiles_and_stale_max_seq_len():
+    """Splits past a request's end are empty (weight 0); a max_seq_len hint that is too small
+    unbalances the splits but the last split still runs to seq_len."""
+    kv = make_paged_kv([3, 40], 2, 16, 4, pad_id=-1)
+    q = random_query(2, 4, 16)
+    want = ref.dense_decode_attention(q, kv.keys, kv.values, 0.25)
+    args = (q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.25)
+    assert_close(ops.paged_decode_attention(*args, backend="triton", num_splits=8), want)
+    assert_close(ops.paged_decode_attention(*args, backend="triton", num_splits=2, max_seq_len=5), want)
+
+
+def test_decode_row_longer_than_its_block_table_gives_nan_not_a_wrong_answer():
+    """With check_values=False (the engine's hot path) a seq_len the block table cannot hold
+    must not read the next row's block ids: that row comes out NaN, the others are exact."""
+    kv = make_paged_kv([8, 8], 1, 16, 4)
+    q = random_query(2, 2, 16)
+    seq_lens = torch.tensor([8, 9], dtype=torch.int32)      # row 1 claims 9 tokens in 2 blocks of 4
+    for num_splits in (1, 2):
+        out = ops.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, seq_lens, 0.25,
+                                         backend="triton", check_values=False, num_splits=num_splits)
+        assert torch.isnan(out[1]).all()
+        assert_close(out[0], ref.dense_attention(q[:1], kv.keys[0], kv.values[0], 0.25, causal=False)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill(dtype):
+    check_prefill("cpu", dtype, [5, 20, 1], 4, 2, 16, 8)
+
+
+def test_choose_num_splits():
+    from paged_attention.triton_ops import choose_num_splits
+    assert choose_num_splits(num_seqs=64, num_kv_heads=8, max_seq_len=32768) == 1   # 512 programs already
+    assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=200) == 1      # too short to split
+    assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=32768) == 32   # 256 / 8 programs
+    assert choose_num_splits(num_seqs=1, num_kv_heads=1, max_seq_len=1024) == 4     # capped by length: 1024 / 256
+
+
+# ----------------------------------------------------------------------------- GPU (native Triton)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 7, 16, 32, 256])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_decode(dtype, block_size, head_dim):
+    seq_lens = [1, 0, 17, 300, 1024, 2049, 4000, 513]
+    for num_heads, num_kv_heads in [(8, 8), (32, 8), (9, 3), (16, 1)]:
+        check_decode("cuda", dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, [1, None, 8])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_decode_long_context_few_sequences(dtype):
+    check_decode("cuda", dtype, [32768, 5000], 32, 8, 128, 16, [None, 1, 64])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_prefill(dtype, head_dim):
+    check_prefill("cuda", dtype, [1, 100, 513, 64, 1000], 12, 4, head_dim, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_junk_and_ones(dtype):
+    kv = make_paged_kv([1, 700, 33], 2, 128, 16, dtype, "cuda", junk=float("nan"), pad_id=-3, extra_table_width=3)
+    kv.value_cache[~torch.isnan(kv.value_cache)] = 1.0
+    q = random_query(3, 8, 128, dtype, "cuda") * 4
+    for num_splits in (1, 4):
+        out = ops.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 1.0,
+                                         backend="triton", num_splits=num_splits)
+        if dtype == torch.float32:
+            assert (out - 1).abs().max() <= 4 * torch.finfo(torch.float32).eps
+        else:
+            assert torch.equal(out, torch.ones_like(out))
