@@ -27,7 +27,8 @@ Numerics: scores and the online softmax are fp32 (exp2 with log2(e) folded into 
 scale); P is cast to V's dtype for the second matmul, as FlashAttention does. fp32
 inputs use `input_precision="ieee"` (on the GPU fp32 tl.dot would otherwise use TF32 and
 miss the fp32 tolerance). Under the Triton interpreter bf16 tl.dot is wrong, so bf16 is
-upcast to fp32 there (the UPCAST constexpr); the GPU runs bf16 natively.
+upcast to fp32 there, and its fp32 -> bf16 cast truncates, so the output is rounded
+explicitly (the UPCAST constexpr); the GPU runs bf16 natively.
 """
 from __future__ import annotations
 
@@ -67,6 +68,21 @@ def _find_seq_idx(query_start_loc_ptr, q_tile_idx, num_seqs, BLOCK_Q: tl.constex
         else:
             hi = mid
     return lo - 1
+
+
+@triton.jit
+def _to_output(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """fp32 -> the output dtype, rounding to nearest even like the GPU's cvt.rn.
+
+    The Triton interpreter casts fp32 -> bf16 by truncation (0.99999994 -> 0.99609375,
+    a full bf16 ulp low), so when interpreting bf16 we round the fp32 bits ourselves
+    first; the cast then only drops zeros.
+    """
+    if UPCAST:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536      # keep the top 16 bits, rounded
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit
@@ -203,7 +219,7 @@ def kernel_unified_attention_2d(
         offs_d = tl.arange(0, HEAD_DIM_PADDED)
         tl.store(out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head
                  + offs_d[None, :] * stride_o_dim,
-                 out.to(out_ptr.dtype.element_ty),
+                 _to_output(out, out_ptr.dtype.element_ty, UPCAST),
                  mask=row_valid[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
@@ -268,7 +284,7 @@ def reduce_segments(
     out_ptr, segm_out_ptr, segm_max_ptr, segm_expsum_ptr,
     stride_o_tok, stride_o_head, stride_o_dim,
     NUM_HEADS: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """grid = (num_tokens, num_heads): merge the segments' softmax states.
 
@@ -290,24 +306,32 @@ def reduce_segments(
     out = tl.sum(o_s * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
     ### END SOLUTION
     tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + offs_d * stride_o_dim,
-             out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+             _to_output(out, out_ptr.dtype.element_ty, UPCAST), mask=offs_d < HEAD_DIM)
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def choose_tiles(group: int, max_query_len: int | None) -> tuple[int, int]:
-    """(BLOCK_M rows, BLOCK_Q query positions) per tile.
+def choose_tiles(group: int, max_query_len: int | None, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M rows, BLOCK_Q query positions, TILE_N keys) per program.
 
     Decode (max_query_len 1) needs only GROUP rows, but tl.dot wants >= 16, so a decode
     tile is 16 rows (like vLLM). Prefill tiles take up to 16 positions x GROUP heads
     (64 rows for GROUP 3): fewer programs re-reading the same K/V. Unknown max_query_len
     (no host sync allowed) counts as prefill: correct either way, just a tile size.
+    Row caps come from the Hopper compile check (ptxas): 16-bit tiles of 64 rows fit up
+    to head_dim 128, 32 rows at 256; fp32 with input_precision="ieee" runs tl.dot on FMA
+    units with its operands in registers, so fp32 keeps 16 rows (and 16 keys at 256).
     """
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    if dtype == torch.float32:
+        row_cap, tile_n = 16, (16 if d_pad >= 256 else TILE_N)
+    else:
+        row_cap, tile_n = (64 if d_pad <= 128 else 32), TILE_N
     positions = 16 if max_query_len is None else min(max_query_len, 16)
-    block_m = max(16, triton.next_power_of_2(group * positions))
-    return block_m, block_m // group
+    block_m = max(16, triton.next_power_of_2(group), min(row_cap, triton.next_power_of_2(group * positions)))
+    return block_m, block_m // group, tile_n
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_query_len: int | None,
@@ -336,7 +360,7 @@ class Launch(NamedTuple):
 def plan_launches(
     query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale: float, out: torch.Tensor,
     *, max_query_len: int | None = None, max_seq_len: int | None = None,
-    num_kv_splits: int | None = None, block_m: int | None = None, tile_n: int = TILE_N,
+    num_kv_splits: int | None = None, block_m: int | None = None, tile_n: int | None = None,
 ) -> list[Launch]:
     """Tile sizes, grids and arguments for one call; reads shapes only, never values."""
     if query.dtype not in SUPPORTED_DTYPES:
@@ -347,14 +371,14 @@ def plan_launches(
         raise ValueError(f"the Triton kernel supports head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
     group = num_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
-    if block_m is None:
-        block_m, block_q = choose_tiles(group, max_query_len)
-    else:
-        if block_m < group or block_m & (block_m - 1):
-            raise ValueError(f"block_m must be a power of two >= GROUP={group}, got {block_m}")
-        block_q = block_m // group
-    if tile_n < 1 or tile_n & (tile_n - 1):
+    auto_block_m, _, auto_tile_n = choose_tiles(group, max_query_len, head_dim, query.dtype)
+    block_m = block_m or auto_block_m
+    tile_n = tile_n or auto_tile_n
+    if block_m < group or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= GROUP={group}, got {block_m}")
+    if tile_n & (tile_n - 1):
         raise ValueError(f"tile_n must be a power of two, got {tile_n}")
+    block_q = block_m // group
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_query_len, max_seq_len)
     elif num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1):
@@ -385,7 +409,8 @@ def plan_launches(
                dict(NUM_HEADS=num_heads, NUM_SEGMENTS=num_kv_splits, **common)),
         Launch(reduce_segments, (num_tokens, num_heads),
                (out, segm_out, segm_max, segm_expsum, *out.stride()),
-               dict(NUM_HEADS=num_heads, NUM_SEGMENTS=num_kv_splits, HEAD_DIM=head_dim, HEAD_DIM_PADDED=d_pad)),
+               dict(NUM_HEADS=num_heads, NUM_SEGMENTS=num_kv_splits, HEAD_DIM=head_dim, HEAD_DIM_PADDED=d_pad,
+                    UPCAST=common["UPCAST"])),
     ]
     ### END SOLUTION
 
@@ -404,7 +429,7 @@ def unified_attention(
     max_seq_len: int | None = None,
     num_kv_splits: int | None = None,   # None: choose_num_kv_splits; 1: force 2-D; 2^k: force 3-D
     block_m: int | None = None,         # None: choose_tiles; else rows per tile (a power of two >= GROUP)
-    tile_n: int = TILE_N,
+    tile_n: int | None = None,          # None: choose_tiles; else keys per inner step (a power of two)
 ) -> torch.Tensor:                      # [num_tokens, num_heads, head_dim]
     check_unified_attention_args(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
                                  max_query_len=max_query_len, max_seq_len=max_seq_len, check_values=check_values)

@@ -1,0 +1,200 @@
+"""Chapter 05: unified (mixed-batch) paged attention, side by side in one run.
+
+    .venv/bin/python -m benchmarks.bench_unified_attention              # CPU: reference / torch / SDPA peers
+    .venv/bin/python -m benchmarks.bench_unified_attention --sweep-rows # + kv_rows_per_batch sweep
+    python -m benchmarks.bench_unified_attention                        # on a GPU: + the Triton kernel
+
+Shapes are SmolLM2-135M's attention (9 query heads, 3 KV heads, head_dim 64), fp32 on
+the CPU (bf16 on a GPU), block_size 16, physical blocks shuffled. Workloads:
+  decode  64 requests x 1 new token, contexts uniform in [32, 768] (the engine's batch)
+  mixed   60 decodes (contexts 32..768) + a 256-token chunk after 512 cached tokens
+          + a fresh 128-token prompt: one chunked-prefill step
+  prefill 4 fresh prompts of 256 tokens
+
+Peers, timed in the same run on the same tensors:
+  reference     the per-request loop (attention_reference.py)
+  sdpa_dense    ONE SDPA call on contiguous K/V padded to [num_seqs, kvh, max_seq_len, d]
+                (queries padded to max_query_len, offset-causal + padding mask): what a
+                non-paged engine with a static per-request cache does; the K/V are built
+                before timing, so it pays no gather
+  sdpa_loop     one SDPA call per request on its contiguous K/V (lower-right causal)
+  torch         ours, attention_vectorized.py (backend="torch")
+  triton        ours, triton_ops.py (backend="triton"; GPU only, the interpreter is no timing)
+"Useful GB/s" = K/V bytes a request really owns (sum of seq_lens) / time.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from benchmarks.common import RESULTS_DIR, time_fn, write_result
+from chunked_prefill import attention_reference, attention_vectorized
+from chunked_prefill.ops import unified_attention
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+
+
+def workloads(seed: int = 0) -> dict[str, tuple[list[int], list[int]]]:
+    """name -> (query_lens, context_lens)."""
+    rng = random.Random(seed)
+    decode_ctx = [rng.randint(32, 768) for _ in range(64)]
+    return {
+        "decode": ([1] * 64, decode_ctx),
+        "mixed": ([1] * 60 + [256, 128], decode_ctx[:60] + [512, 0]),
+        "prefill": ([256] * 4, [0] * 4),
+    }
+
+
+def build(query_lens, context_lens, dtype, device, seed=0):
+    """A paged batch (shuffled blocks) and its dense twin (contiguous per-request K/V)."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(blocks)
+    order = torch.randperm(num_blocks, generator=gen)
+    keys = [torch.randn(s, NUM_KV_HEADS, HEAD_DIM, generator=gen) for s in seq_lens]
+    values = [torch.randn(s, NUM_KV_HEADS, HEAD_DIM, generator=gen) for s in seq_lens]
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    key_cache, value_cache = torch.zeros(shape), torch.zeros(shape)
+    block_tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+    first = 0
+    for i, (s, nb) in enumerate(zip(seq_lens, blocks)):
+        ids = order[first:first + nb]
+        first += nb
+        block_tables[i, :nb] = ids.int()
+        pad = nb * BLOCK_SIZE - s
+        key_cache[ids] = F.pad(keys[i], (0, 0, 0, 0, 0, pad)).view(nb, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        value_cache[ids] = F.pad(values[i], (0, 0, 0, 0, 0, pad)).view(nb, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, generator=gen)
+    qsl = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    to = dict(dtype=dtype, device=device)
+    paged = (query.to(**to), key_cache.to(**to), value_cache.to(**to), qsl.to(device),
+             torch.tensor(seq_lens, dtype=torch.int32, device=device), block_tables.to(device))
+    return paged, [k.to(**to) for k in keys], [v.to(**to) for v in values]
+
+
+def sdpa_dense_peer(query, query_lens, keys, values, scale):
+    """Pad everything into dense tensors once (not timed); return the one-call SDPA to time."""
+    n, max_q, max_s = len(keys), max(query_lens), max(k.shape[0] for k in keys)
+    dev, dt = query.device, query.dtype
+    k_pad = torch.zeros(n, NUM_KV_HEADS, max_s, HEAD_DIM, dtype=dt, device=dev)
+    v_pad = torch.zeros_like(k_pad)
+    q_pad = torch.zeros(n, NUM_HEADS, max_q, HEAD_DIM, dtype=dt, device=dev)
+    mask = torch.zeros(n, 1, max_q, max_s, dtype=torch.bool, device=dev)
+    starts = [0]
+    for i, (k, v, q_len) in enumerate(zip(keys, values, query_lens)):
+        s = k.shape[0]
+        k_pad[i, :, :s] = k.transpose(0, 1)
+        v_pad[i, :, :s] = v.transpose(0, 1)
+        q_pad[i, :, :q_len] = query[starts[-1]:starts[-1] + q_len].transpose(0, 1)
+        starts.append(starts[-1] + q_len)
+        # padded query rows see key 0 only (their output is discarded), real rows offset-causal
+        mask[i, 0, :, 0] = True
+        mask[i, 0, :q_len, :s] = torch.arange(s, device=dev)[None, :] <= (s - q_len + torch.arange(q_len, device=dev))[:, None]
+    return lambda: F.scaled_dot_product_attention(q_pad, k_pad, v_pad, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def sdpa_loop_peer(query, query_lens, keys, values, scale):
+    ks = [k.transpose(0, 1)[None].contiguous() for k in keys]          # [1, kvh, s, d], contiguous
+    vs = [v.transpose(0, 1)[None].contiguous() for v in values]
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    qs = [query[a:b].transpose(0, 1)[None] for a, b in zip(starts, starts[1:])]
+
+    def run():
+        return [F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
+                                               scale=scale, enable_gqa=True)
+                for q, k, v in zip(qs, ks, vs)]
+    return run
+
+
+def bench_workload(name, query_lens, context_lens, dtype, device, backends, iters):
+    paged, keys, values = build(query_lens, context_lens, dtype, device)
+    scale = HEAD_DIM ** -0.5
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    meta = dict(max_query_len=max(query_lens), max_seq_len=max(seq_lens), check_values=False)
+    expected = attention_reference.unified_attention(*paged, scale)
+    fns = {"reference": lambda: attention_reference.unified_attention(*paged, scale, check_values=False),
+           "sdpa_dense": sdpa_dense_peer(paged[0], query_lens, keys, values, scale),
+           "sdpa_loop": sdpa_loop_peer(paged[0], query_lens, keys, values, scale)}
+    for backend in backends:
+        out = unified_attention(*paged, scale, backend=backend, **meta)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)   # time only right answers
+        fns[backend] = lambda b=backend: unified_attention(*paged, scale, backend=b, **meta)
+    kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * paged[1].element_size()
+    times = {k: time_fn(f, warmup=2, iters=iters) for k, f in fns.items()}
+    rows = []
+    for impl, t in times.items():
+        rows.append(dict(workload=name, impl=impl, ms=round(t * 1e3, 3), useful_gb_s=round(kv_bytes / t / 1e9, 2),
+                         speedup_vs_reference=round(times["reference"] / t, 2),
+                         ratio_vs_sdpa_dense=round(t / times["sdpa_dense"], 2)))
+    return rows
+
+
+def sweep_rows(dtype, device, iters):
+    query_lens, context_lens = workloads()["decode"]
+    paged, _, _ = build(query_lens, context_lens, dtype, device)
+    rows = []
+    for r in (256, 1024, 2048, 4096, 8192, 16384, 65536):
+        t = time_fn(lambda: attention_vectorized.unified_attention(*paged, HEAD_DIM ** -0.5, check_values=False,
+                                                                   kv_rows_per_batch=r), warmup=2, iters=iters)
+        rows.append(dict(workload="decode", impl=f"torch kv_rows_per_batch={r}", ms=round(t * 1e3, 3)))
+    return rows
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(dict.fromkeys(r["workload"] for r in rows if "speedup_vs_reference" in r))
+    impls = list(dict.fromkeys(r["impl"] for r in rows if "speedup_vs_reference" in r))
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    width = 0.8 / len(impls)
+    for j, impl in enumerate(impls):
+        ms = [next(r["ms"] for r in rows if r["workload"] == w and r["impl"] == impl) for w in names]
+        ax.bar([i + j * width for i in range(len(names))], ms, width, label=impl)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
+    ax.set_ylabel("ms per call (lower is better)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title("unified attention, SmolLM2 shapes (9/3 heads, d=64)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep-rows", action="store_true", help="also time kv_rows_per_batch choices (decode)")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    backends = ["torch", "triton"] if cuda else ["torch"]
+    rows = []
+    for name, (query_lens, context_lens) in workloads().items():
+        rows += bench_workload(name, query_lens, context_lens, dtype, device, backends, args.iters)
+    if args.sweep_rows:
+        rows += sweep_rows(dtype, device, args.iters)
+    print(f"{'workload':8} {'impl':34} {'ms':>9} {'useful GB/s':>11} {'x ref':>7} {'/ sdpa_dense':>12}")
+    for r in rows:
+        print(f"{r['workload']:8} {r['impl']:34} {r['ms']:9.3f} {r.get('useful_gb_s', ''):>11} "
+              f"{r.get('speedup_vs_reference', ''):>7} {r.get('ratio_vs_sdpa_dense', ''):>12}")
+    name = "unified_attention_gpu" if cuda else "unified_attention_cpu"
+    workload = dict(model="SmolLM2-135M attention shapes", num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
+                    head_dim=HEAD_DIM, block_size=BLOCK_SIZE, dtype=str(dtype), device=device,
+                    workloads={k: dict(query_lens=q, context_lens=c) for k, (q, c) in workloads().items()},
+                    command="python -m benchmarks.bench_unified_attention" + (" --sweep-rows" if args.sweep_rows else ""))
+    path = write_result(name, workload, rows)
+    plot(rows, RESULTS_DIR / f"{name}.png")
+    print(f"wrote {path} and {name}.png")
+
+
+if __name__ == "__main__":
+    main()

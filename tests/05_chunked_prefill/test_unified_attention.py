@@ -1,0 +1,428 @@
+"""Unified (mixed-batch) paged attention: every backend vs the reference loop, and the
+reference vs dense causal SDPA on contiguous K/V.
+
+Kinds: tolerance (from the shared table), exact (poison must change nothing, V = 1 gives 1,
+the sub-batch plan), property (hypothesis over random ragged batches), bad input. The
+Triton kernels run under the interpreter here (tiny shapes: tens of programs per call);
+test_unified_attention_gpu.py runs them natively with larger shapes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
+
+from chunked_prefill import attention_reference, attention_vectorized, ops
+from chunked_prefill.ops import unified_attention
+from paged_attention.cache_ops import reshape_and_cache
+from tolerances import assert_close
+
+BACKENDS = ["torch", "triton"]
+# triton 3.6's interpreter converts 1-element arrays with int(); numpy >= 1.25 warns about it.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+NAN = float("nan")
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor            # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor        # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor         # [num_seqs] int32
+    block_tables: torch.Tensor     # [num_seqs, max_blocks] int32
+    scale: float
+    keys: list[torch.Tensor]       # dense twin: per request [seq_len, num_kv_heads, head_dim]
+    values: list[torch.Tensor]
+    query_lens: list[int]
+
+    @property
+    def args(self):
+        return (self.query, self.key_cache, self.value_cache, self.query_start_loc, self.seq_lens,
+                self.block_tables, self.scale)
+
+
+def make_batch(query_lens, context_lens, *, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+               dtype=torch.float32, device="cpu", poison=NAN, table_pad=10**6, shuffle=True,
+               spare_blocks=2, values_one=False, seed=0) -> Batch:
+    """A mixed batch in an adversarial paged layout, with its dense twin.
+
+    Physical blocks are shuffled; every slot no request owns (spare blocks, the tail of
+    each last block) holds `poison`; block-table padding holds `table_pad` (an id far out
+    of range): a kernel that reads any of them changes its output. K/V of the context AND
+    the new tokens are written with chapter 01's reshape_and_cache, as the engine does
+    before it calls attention.
+    """
+    gen = torch.Generator().manual_seed(seed)       # data: the same whatever the layout
+    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    layout = torch.Generator().manual_seed(seed + 1)
+    order = torch.randperm(num_blocks, generator=layout).tolist() if shuffle else list(range(num_blocks))
+    block_tables = torch.full((len(seq_lens), max(blocks_per_seq, default=0) + 1), table_pad, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache, value_cache = torch.full(shape, poison, dtype=dtype), torch.full(shape, poison, dtype=dtype)
+    keys, values, slots = [], [], []
+    for i, (s, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
+        ids, order = order[:nb], order[nb:]
+        block_tables[i, :nb] = torch.tensor(ids, dtype=torch.int32)
+        keys.append(torch.randn(s, num_kv_heads, head_dim, generator=gen).to(dtype))
+        values.append(torch.ones(s, num_kv_heads, head_dim, dtype=dtype) if values_one
+                      else torch.randn(s, num_kv_heads, head_dim, generator=gen).to(dtype))
+        slots += [ids[p // block_size] * block_size + p % block_size for p in range(s)]
+    if slots:
+        reshape_and_cache(torch.cat(keys), torch.cat(values), key_cache, value_cache, torch.tensor(slots))
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
+    query_start_loc = torch.tensor([0] + list(query_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return Batch(query.to(device), key_cache.to(device), value_cache.to(device), query_start_loc.to(device),
+                 torch.tensor(seq_lens, dtype=torch.int32, device=device), block_tables.to(device),
+                 head_dim ** -0.5, [k.to(device) for k in keys], [v.to(device) for v in values], list(query_lens))
+
+
+def dense_attention(b: Batch) -> torch.Tensor:
+    """Per request: dense causal SDPA on contiguous K/V, lower-right aligned (fp32)."""
+    group = b.query.shape[1] // b.key_cache.shape[2]
+    out, start = [], 0
+    for q_len, k, v in zip(b.query_lens, b.keys, b.values):
+        q = b.query[start:start + q_len].float().transpose(0, 1)               # [h, q_len, d]
+        start += q_len
+        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)          # [h, s, d]
+        v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        s = k.shape[1]
+        visible = torch.arange(s, device=k.device)[None, :] <= torch.arange(s - q_len, s, device=k.device)[:, None]
+        out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=b.scale).transpose(0, 1))
+    return torch.cat(out).to(b.query.dtype)
+
+
+def run(backend: str, b: Batch, **kwargs) -> torch.Tensor:
+    return unified_attention(*b.args, backend=backend, **kwargs)
+
+
+# (query_lens, context_lens, block_size): each request is query_len new tokens after context_len cached ones
+SCENARIOS = {
+    "prefill": ([5, 11, 1], [0, 0, 0], 4),
+    "decode": ([1, 1, 1, 1], [3, 17, 8, 30], 4),
+    "mixed": ([1, 7, 1, 12], [20, 0, 5, 9], 4),
+    "chunk_splits_block": ([6, 1, 3], [5, 13, 0], 8),  # the chunk covers positions 5..10: starts and ends mid-block
+    "exact_blocks": ([4, 1, 8], [12, 7, 0], 4),         # seq_lens 16, 8, 8: every last block exactly full
+}
+
+
+# ---------------------------------------------------------------- the oracle itself
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_reference_matches_dense_sdpa(name):
+    q, c, bs = SCENARIOS[name]
+    b = make_batch(q, c, block_size=bs, num_heads=6, num_kv_heads=2)
+    assert_close(attention_reference.unified_attention(*b.args), dense_attention(b))
+
+
+# ---------------------------------------------------------------- every backend vs the oracle
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_backend_matches_reference(backend, name):
+    q, c, bs = SCENARIOS[name]
+    b = make_batch(q, c, block_size=bs, num_heads=6, num_kv_heads=2)
+    out = run(backend, b, max_query_len=max(q), max_seq_len=int(b.seq_lens.max()))
+    assert torch.isfinite(out).all()
+    assert_close(out, attention_reference.unified_attention(*b.args))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block_size", [1, 2, 3, 16, 64, 256])
+def test_block_sizes(backend, block_size):
+    b = make_batch([1, 6, 1, 9], [9, 3, 0, 14], block_size=block_size)
+    assert_close(run(backend, b), attention_reference.unified_attention(*b.args))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (16, 2), (4, 1), (8, 1)],
+                         ids=["MHA", "GQA3", "GQA8", "MQA4", "MQA8"])
+def test_gqa_ratios(backend, num_heads, num_kv_heads):
+    b = make_batch([1, 5, 1], [7, 4, 12], num_heads=num_heads, num_kv_heads=num_kv_heads)
+    assert_close(run(backend, b), attention_reference.unified_attention(*b.args))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+def test_head_dims(backend, head_dim):
+    """64 and 128 (SmolLM2, Llama); 80 is not a power of two (the kernel pads and masks it)."""
+    b = make_batch([1, 4], [6, 3], head_dim=head_dim, num_heads=3, num_kv_heads=1)
+    assert_close(run(backend, b), attention_reference.unified_attention(*b.args))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dtypes(backend, dtype):
+    b = make_batch([1, 7, 1, 12], [20, 0, 5, 9], dtype=dtype, num_heads=6, num_kv_heads=2)
+    out = run(backend, b)
+    assert out.dtype == dtype
+    assert_close(out, attention_reference.unified_attention(*b.args), dtype=dtype)
+
+
+@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+def test_unshuffled_and_shuffled_blocks_agree(backend):
+    """Physical placement is invisible: the same K/V in different blocks, the same output."""
+    q, c = [1, 6, 1], [9, 3, 17]
+    a = run(backend, make_batch(q, c, shuffle=False, spare_blocks=0))
+    b = run(backend, make_batch(q, c, shuffle=True, spare_blocks=5))
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+def test_poison_in_unused_slots_blocks_and_table_padding_changes_nothing(backend):
+    """NaN in every slot no request owns and junk ids in the table padding: bit-identical output."""
+    q, c = [1, 6, 1, 3], [9, 3, 0, 6]
+    clean = run(backend, make_batch(q, c, poison=0.0, table_pad=0))
+    poisoned = run(backend, make_batch(q, c, poison=NAN, table_pad=10**6))
+    assert torch.isfinite(poisoned).all()
+    assert torch.equal(poisoned, clean)
+
+
+@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_values_all_one_give_one(backend, dtype):
+    """With V = 1 every output is a convex combination of ones: 1, whatever the scores.
+
+    Exact for fp16/bf16. In fp32 the softmax weights are summed twice in different orders
+    (numerator and denominator), so the ratio may be off by a few ulp of 1.0, never more.
+    """
+    b = make_batch([1, 6, 1, 3], [9, 3, 0, 6], dtype=dtype, values_one=True)
+    out = run(backend, b).float()
+    if dtype == torch.float32:
+        assert (out - 1).abs().max() <= 4 * torch.finfo(torch.float32).eps
+    else:
+        assert torch.equal(out, torch.ones_like(out))
+
+
+@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+def test_chunked_prefill_equals_one_shot_prefill(backend):
+    """A 20-token prompt in chunks 7 + 7 + 6 (block 8: every chunk boundary splits a block),
+    each chunk attending to the cached earlier chunks, reproduces the one-shot prefill."""
+    prompt, chunks, bs = 20, [7, 7, 6], 8
+    full = make_batch([prompt], [0], block_size=bs)
+    one_shot = run(backend, full)
+    got, done = [], 0
+    for n in chunks:
+        # the same cache and block table; only this step's metadata changes
+        step = Batch(full.query[done:done + n], full.key_cache, full.value_cache,
+                     torch.tensor([0, n], dtype=torch.int32), torch.tensor([done + n], dtype=torch.int32),
+                     full.block_tables, full.scale, [], [], [n])
+        got.append(run(backend, step))
+        done += n
+    assert_close(torch.cat(got), one_shot)
+
+
+@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+def test_empty_batch(backend):
+    b = make_batch([], [], spare_blocks=1)
+    out = run(backend, b)
+    assert out.shape == (0, 4, 16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_query(backend):
+    """The query may be a view into a fused QKV projection: [num_tokens, heads + 2 kv_heads, d]."""
+    b = make_batch([1, 5], [6, 3], num_heads=4, num_kv_heads=2)
+    qkv = torch.randn(b.query.shape[0], 8, 16)
+    qkv[:, :4] = b.query
+    strided = Batch(qkv[:, :4], *list(b.__dict__.values())[1:])
+    assert not strided.query.is_contiguous()
+    assert torch.equal(run(backend, strided), run(backend, b))
+
+
+# ---------------------------------------------------------------- property test
+
+@st.composite
+def ragged_batches(draw):
+    n = draw(st.integers(1, 4))
+    query_lens = draw(st.lists(st.integers(1, 9), min_size=n, max_size=n))
+    context_lens = draw(st.lists(st.integers(0, 20), min_size=n, max_size=n))
+    block_size = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
+    num_heads, num_kv_heads = draw(st.sampled_from([(2, 2), (6, 2), (4, 1)]))
+    return make_batch(query_lens, context_lens, block_size=block_size, num_heads=num_heads,
+                      num_kv_heads=num_kv_heads, seed=draw(st.integers(0, 2**16)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=12, deadline=None)
+@given(b=ragged_batches())
+def test_random_ragged_batches(backend, b):
+    expected = attention_reference.unified_attention(*b.args)
+    assert_close(run(backend, b), expected)
+    assert_close(expected, dense_attention(b))
+
+
+# ---------------------------------------------------------------- the torch path's plan
+
+def test_plan_sub_batches_groups_by_query_len_sorted_and_capped():
+    query_lens = [1, 5, 1, 1, 5, 300, 1]
+    seq_lens = [10, 20, 60, 30, 8, 900, 40]
+    # query_len 1, by seq_len: 0 (10), 3 (30), 6 (40), 2 (60). [0, 3, 6] pads to 3 x 40 = 120
+    # rows, which fits; adding 2 would pad to 4 x 60 = 240. The 900-row request is alone.
+    assert attention_vectorized.plan_sub_batches(query_lens, seq_lens, kv_rows_per_batch=120) == [
+        [0, 3, 6], [2], [4, 1], [5]]
+    assert attention_vectorized.plan_sub_batches(query_lens, seq_lens, kv_rows_per_batch=10**6) == [
+        [0, 3, 6, 2], [4, 1], [5]]
+
+
+class CountSDPA(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += func is F.scaled_dot_product_attention
+        return func(*args, **(kwargs or {}))
+
+
+def test_torch_path_one_call_for_a_decode_batch():
+    """64 decodes are ONE SDPA call (no Python loop over requests), and tiny sub-batches
+    (every request alone: the lower-right-causal path) give the same answer."""
+    b = make_batch([1] * 64, [(7 * i) % 40 for i in range(64)])
+    with CountSDPA() as batched:
+        out = run("torch", b)
+    with CountSDPA() as alone:
+        one_by_one = attention_vectorized.unified_attention(*b.args, kv_rows_per_batch=1)
+    assert (batched.calls, alone.calls) == (1, 64)
+    assert_close(out, attention_reference.unified_attention(*b.args))
+    assert_close(one_by_one, out)
+
+
+# ---------------------------------------------------------------- Triton-specific variants
+
+@pytest.mark.parametrize("num_kv_splits", [2, 4, 16])
+@pytest.mark.parametrize("name", ["decode", "mixed"])
+def test_triton_split_kv_matches_reference(name, num_kv_splits):
+    """The 3-D (split-KV) kernel + reduce is correct for any batch, not only decode."""
+    from chunked_prefill import triton_ops
+    q, c, bs = SCENARIOS[name]
+    b = make_batch(q, c, block_size=bs, num_heads=6, num_kv_heads=2)
+    out = triton_ops.unified_attention(*b.args, num_kv_splits=num_kv_splits, tile_n=16)
+    assert_close(out, attention_reference.unified_attention(*b.args))
+
+
+@pytest.mark.parametrize("block_m,tile_n", [(16, 16), (64, 32), (8, 64)])
+def test_triton_tile_shapes(block_m, tile_n):
+    """16 rows with GROUP 3 is 5 positions x 3 heads + 1 masked row; tiles of 16 keys
+    cross 4-slot blocks; 8 rows is 2 positions (interpreter-only: GPU tl.dot wants >= 16)."""
+    from chunked_prefill import triton_ops
+    b = make_batch([1, 7, 1, 12], [20, 0, 5, 9], num_heads=6, num_kv_heads=2)
+    out = triton_ops.unified_attention(*b.args, block_m=block_m, tile_n=tile_n, num_kv_splits=1)
+    assert_close(out, attention_reference.unified_attention(*b.args))
+
+
+def test_triton_launch_heuristics():
+    from chunked_prefill import triton_ops as T
+    half, fp32 = torch.bfloat16, torch.float32
+    assert T.choose_tiles(3, 1, 64, half) == (16, 5, 32)         # decode: tl.dot's 16-row minimum
+    assert T.choose_tiles(3, None, 64, half) == (64, 21, 32)     # unknown max_query_len: prefill tiles
+    assert T.choose_tiles(8, 4, 128, half) == (32, 4, 32)
+    assert T.choose_tiles(4, 512, 256, half) == (32, 8, 32)      # head_dim 256: 32 rows
+    assert T.choose_tiles(32, 1, 64, half) == (32, 1, 32)        # a tile holds at least one whole group
+    assert T.choose_tiles(3, None, 64, fp32) == (16, 5, 32)      # ieee fp32: operands in registers
+    assert T.choose_tiles(1, None, 256, fp32) == (16, 16, 16)
+    assert T.choose_num_kv_splits(4, 3, max_query_len=1, max_seq_len=4096) == 16
+    assert T.choose_num_kv_splits(4, 3, max_query_len=1, max_seq_len=40) == 2   # only 2 tiles of 32 keys
+    assert T.choose_num_kv_splits(64, 3, max_query_len=1, max_seq_len=4096) == 1  # 192 programs: enough
+    assert T.choose_num_kv_splits(4, 3, max_query_len=2, max_seq_len=4096) == 1   # not pure decode
+    assert T.choose_num_kv_splits(4, 3, max_query_len=None, max_seq_len=None) == 1
+
+
+def test_triton_reads_no_tensor_values_with_check_values_false(monkeypatch):
+    """check_values=False must not read metadata values (a device sync on a GPU; illegal
+    in CUDA-graph capture): any read through item/tolist/int/bool fails here."""
+    from chunked_prefill import triton_ops
+    b = make_batch([3, 1], [4, 9], num_heads=6, num_kv_heads=2)
+    expected = attention_reference.unified_attention(*b.args)
+
+    def read(*_args, **_kwargs):
+        raise AssertionError("a tensor value was read")
+    for name in ("item", "tolist", "__int__", "__bool__", "__float__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, read)
+    for splits in (1, 2):
+        out = triton_ops.unified_attention(*b.args, check_values=False, max_query_len=3, max_seq_len=10,
+                                           num_kv_splits=splits)
+        monkeypatch.undo()
+        assert_close(out, expected)
+        for name in ("item", "tolist", "__int__", "__bool__", "__float__", "__index__"):
+            monkeypatch.setattr(torch.Tensor, name, read)
+
+
+# ---------------------------------------------------------------- bad input: clear errors
+
+def _bad(field: str, value):
+    b = make_batch([1, 3], [4, 2])
+    args = dict(query=b.query, key_cache=b.key_cache, value_cache=b.value_cache,
+                query_start_loc=b.query_start_loc, seq_lens=b.seq_lens, block_tables=b.block_tables)
+    args[field] = value(args) if callable(value) else value
+    return args
+
+
+BAD_INPUTS = {
+    "query_not_3d": (lambda: _bad("query", lambda a: a["query"][0]), ValueError, "query must be"),
+    "head_dim_mismatch": (lambda: _bad("query", lambda a: a["query"][..., :8]), ValueError, "head_dim mismatch"),
+    "heads_not_multiple": (lambda: _bad("query", lambda a: a["query"][:, :3]), ValueError, "multiple of num_kv_heads"),
+    "kv_shapes_differ": (lambda: _bad("value_cache", lambda a: a["value_cache"][:-1]), ValueError, "key_cache/value_cache"),
+    "dtype_mismatch": (lambda: _bad("query", lambda a: a["query"].half()), TypeError, "dtype mismatch"),
+    "float_metadata": (lambda: _bad("seq_lens", lambda a: a["seq_lens"].float()), TypeError, "seq_lens must be int32"),
+    "qsl_wrong_length": (lambda: _bad("query_start_loc", torch.tensor([0, 4], dtype=torch.int32)), ValueError, r"num_seqs \+ 1"),
+    "qsl_not_ending_at_num_tokens": (lambda: _bad("query_start_loc", torch.tensor([0, 1, 3], dtype=torch.int32)), ValueError, "num_tokens=4"),
+    "qsl_not_increasing": (lambda: _bad("query_start_loc", torch.tensor([0, 0, 4], dtype=torch.int32)), ValueError, "query_len >= 1"),
+    "seq_len_below_query_len": (lambda: _bad("seq_lens", torch.tensor([5, 2], dtype=torch.int32)), ValueError, "shorter than query lens"),
+    "seq_len_beyond_block_table": (lambda: _bad("seq_lens", torch.tensor([5, 40], dtype=torch.int32)), ValueError, "needs more than"),
+    "block_id_out_of_range": (lambda: _bad("block_tables", lambda a: a["block_tables"].index_fill(1, torch.tensor([0]), 99)), IndexError, "cache has"),
+    "block_id_negative": (lambda: _bad("block_tables", lambda a: a["block_tables"].index_fill(1, torch.tensor([0]), -1)), IndexError, "cache has"),
+    "block_tables_rows": (lambda: _bad("block_tables", lambda a: a["block_tables"][:1]), ValueError, "block_tables must be"),
+}
+
+
+@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_raises_clear_error(backend, case):
+    make_args, exc, match = BAD_INPUTS[case]
+    with pytest.raises(exc, match=match):
+        unified_attention(**make_args(), scale=0.25, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+def test_max_lens_smaller_than_the_batch_are_rejected(backend):
+    b = make_batch([1, 3], [4, 2])
+    with pytest.raises(ValueError, match="max_query_len=2"):
+        run(backend, b, max_query_len=2)
+    with pytest.raises(ValueError, match="max_seq_len=4"):
+        run(backend, b, max_seq_len=4)
+    assert_close(run(backend, b, max_query_len=8, max_seq_len=64), attention_reference.unified_attention(*b.args))
+
+
+def test_unknown_backend():
+    b = make_batch([1], [2])
+    with pytest.raises(ValueError, match=r"unknown unified_attention backend 'cuda'.*'torch', 'triton'"):
+        run("cuda", b)
+
+
+def test_triton_rejects_unsupported_shapes_and_dtypes():
+    from chunked_prefill import triton_ops
+    b = make_batch([1], [2], head_dim=264, num_heads=1, num_kv_heads=1)
+    with pytest.raises(ValueError, match="head_dim <= 256"):
+        triton_ops.unified_attention(*b.args)
+    b = make_batch([1], [2], dtype=torch.float64)
+    with pytest.raises(TypeError, match="supports"):
+        triton_ops.unified_attention(*b.args)
+    assert_close(run("torch", b), attention_reference.unified_attention(*b.args), dtype=torch.float32)  # torch: any float
+    with pytest.raises(ValueError, match="num_kv_splits"):
+        triton_ops.unified_attention(*make_batch([1], [2]).args, num_kv_splits=3)
+    with pytest.raises(ValueError, match="block_m"):
+        triton_ops.unified_attention(*make_batch([1], [2]).args, block_m=24)
+
+
+def test_dispatch_default_is_torch(monkeypatch):
+    b = make_batch([1], [2])
+    monkeypatch.setattr(ops.attention_vectorized, "unified_attention", lambda *a, **k: "torch path")
+    assert unified_attention(*b.args) == "torch path"
