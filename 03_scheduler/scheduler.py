@@ -385,7 +385,9 @@ class Scheduler:
         num_new_tokens = request.num_tokens - num_computed_tokens
         if num_new_tokens <= 0 or num_new_tokens > budget.token_budget:
             return 0
-        return num_new_tokens + self._num_drafts(request, num_new_tokens, budget)
+        if request.spec_token_ids:
+            num_new_tokens += self._num_drafts(request, num_new_tokens, budget)
+        return num_new_tokens
         ### END SOLUTION
 
     def _num_drafts(self, request: Request, num_new_tokens: int, budget: SchedulingBudget) -> int:
@@ -542,8 +544,10 @@ class Scheduler:
         del self.requests[request.request_id]
 
     # ================================================================== invariants
-    def check_invariants(self) -> None:
-        """Raise AssertionError if the queues/counters are inconsistent (used by tests)."""
+    def check_invariants(self, in_flight: SchedulerOutput | None = None) -> None:
+        """Raise AssertionError if the queues/counters are inconsistent (used by tests).
+        Between schedule() and update_from_output() pass the step's output: its scheduled
+        drafts are counted as computed until the rejected ones are rolled back."""
         running_ids = [r.request_id for r in self.running]
         waiting_ids = [r.request_id for r in self.waiting]
         assert len(set(running_ids)) == len(running_ids), "a request is twice in running"
@@ -557,6 +561,8 @@ class Scheduler:
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED,
                                       RequestStatus.WAITING_FOR_REMOTE_KVS), request
+        drafts = in_flight.scheduled_spec_decode_tokens if in_flight is not None else {}
         for request in self.requests.values():
-            assert 0 <= request.num_computed_tokens <= request.num_tokens_with_spec, request
+            in_flight_drafts = len(drafts.get(request.request_id, ()))
+            assert 0 <= request.num_computed_tokens <= request.num_tokens_with_spec + in_flight_drafts, request
             assert request.num_tokens < self.max_model_len, request
