@@ -1,0 +1,71 @@
+"""Chunked prefill under random load: random arrivals, aborts, drafts, chunk sizes, partial
+prefill limits and a small KV cache. After every step: the budget, max_num_seqs, no request
+both waiting and running, the counters and the KV manager's invariants. At the end: all
+finished, nothing leaked."""
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chunked_prefill import ChunkedPrefillConfig, ChunkedPrefillScheduler
+from kvcache import KVCacheManager
+from scheduler import POLICIES, MockModelRunner, Request
+
+EOS = 2
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.data())
+def test_random_chunked_workloads(data):
+    max_model_len = 64
+    max_num_seqs = data.draw(st.integers(1, 6))
+    partial = data.draw(st.integers(1, 3))
+    config = ChunkedPrefillConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=data.draw(st.integers(max(8, max_num_seqs), 40)),
+        max_model_len=max_model_len, policy=data.draw(st.sampled_from(POLICIES)),
+        preemption_mode=data.draw(st.sampled_from(["recompute", "swap"])),
+        max_num_partial_prefills=partial, max_long_partial_prefills=data.draw(st.integers(1, partial)),
+        long_prefill_token_threshold=data.draw(st.sampled_from([0, 4, 12, 30])),
+        num_lookahead_tokens=data.draw(st.integers(0, 2)))
+    num_blocks = data.draw(st.integers(8, 30))
+    kv = KVCacheManager(num_blocks, data.draw(st.sampled_from([2, 4, 8])), enable_caching=data.draw(st.booleans()),
+                        num_cpu_blocks=8)
+    s = ChunkedPrefillScheduler(config, kv)
+    rng = random.Random(data.draw(st.integers(0, 2**32 - 1)))
+    runner = MockModelRunner(next_token=lambda r: rng.choice([1, 3, EOS]),
+                             num_accepted=lambda r, drafts: rng.randint(0, len(drafts)))
+    admitted, finished = set(), set()
+
+    def run_step():
+        out = s.schedule()
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values()) <= config.max_num_batched_tokens
+        assert len(s.running) <= config.max_num_seqs
+        s.check_invariants(in_flight=out)
+        kv.check_invariants()
+        for o in s.update_from_output(out, runner.execute(s.requests, out)):
+            if o.finished:
+                assert o.request_id not in finished
+                finished.add(o.request_id)
+        s.check_invariants()
+
+    for t in range(data.draw(st.integers(1, 30))):
+        for _ in range(rng.randint(0, 2)):
+            rid = f"r{len(admitted)}"
+            prompt = [rng.randrange(3, 40) for _ in range(rng.randint(1, max_model_len - 2))]
+            s.add_request(Request(rid, prompt, max_tokens=rng.randint(1, 12), arrival_time=t, eos_token_id=EOS,
+                                  priority=rng.randint(0, 1)))
+            admitted.add(rid)
+        if admitted and rng.random() < 0.1:
+            victim = rng.choice(sorted(admitted))
+            if s.abort(victim):
+                finished.add(victim)
+        s.update_draft_token_ids({r.request_id: [5] * rng.randint(0, 3) for r in s.running if rng.random() < 0.3})
+        run_step()
+    for _ in range(3000):
+        if not s.has_unfinished_requests():
+            break
+        run_step()
+    assert not s.has_unfinished_requests(), f"stuck with {s.get_request_counts()} (running, waiting)"
+    assert finished == admitted
+    assert kv.num_free_blocks == num_blocks and not kv.req_to_blocks and not kv.swapped_out
+    assert kv.num_free_cpu_blocks == 8 and not kv.req_to_block_hashes
