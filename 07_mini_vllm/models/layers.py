@@ -130,7 +130,8 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) -
                 (< original_len / high_freq_factor) kept, a smooth blend in between (Llama 3.1).
     """
     ### BEGIN SOLUTION
-    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # On the CPU whatever the model's device, as HF computes it (one ulp of pow differs across devices).
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     rope_type = (rope_scaling or {}).get("rope_type", "default")
     if rope_type == "default":
         return inv_freq
@@ -164,8 +165,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, rope_theta: float, rope_scaling: dict | None, dtype: torch.dtype):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling)             # [d/2] fp32
-        t = torch.arange(max_position, dtype=torch.float32)                        # [max_position]
+        t = torch.arange(max_position, dtype=torch.float32)                        # [max_position] (on the model's device)
+        inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling).to(t.device)  # [d/2] fp32
         freqs = t[:, None] * inv_freq[None, :]                                     # [max_position, d/2] (as HF: pos * inv_freq)
         # Rounded to the model dtype once, as HF rounds cos/sin to the activations' dtype.
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype), persistent=False)

@@ -100,11 +100,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     ### END SOLUTION
     if unexpected:
         raise ValueError(f"checkpoint has {len(unexpected)} tensor(s) this {type(model).__name__} has no parameter for "
-                         f"(wrong architecture?): {sorted(unexpected)[:10]}")
+                         f"(wrong architecture?): {', '.join(sorted(unexpected)[:10])}")
     missing = sorted(expected - loaded, key=str)
     if missing:
         names = [n if sid is None else f"{n} (shard {sid!r})" for n, sid in missing]
-        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) for {type(model).__name__}: {names[:10]}")
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) for {type(model).__name__}: {', '.join(names[:10])}")
 
 
 @contextlib.contextmanager

@@ -1,0 +1,66 @@
+"""prepare_inputs / build_attention_metadata: exact layouts, and a property test against a per-token loop."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mini_vllm.input_batch import build_attention_metadata, prepare_inputs
+
+
+def test_mixed_step_exact():
+    """A prefill of 5, a decode at position 6, and a chunk of 3 after 4 cached tokens; block size 4."""
+    inputs = prepare_inputs(new_token_ids=[[10, 11, 12, 13, 14], [20], [30, 31, 32]],
+                            num_computed_tokens=[0, 6, 4],
+                            block_ids=[[7, 2], [5, 9], [3, 8]], block_size=4)
+    md = inputs.attn_metadata
+    assert inputs.input_ids.tolist() == [10, 11, 12, 13, 14, 20, 30, 31, 32]
+    assert inputs.positions.tolist() == [0, 1, 2, 3, 4, 6, 4, 5, 6]
+    # slot = block_table[pos // 4] * 4 + pos % 4
+    assert md.slot_mapping.tolist() == [28, 29, 30, 31, 8, 38, 32, 33, 34]
+    assert md.block_tables.tolist() == [[7, 2], [5, 9], [3, 8]]
+    assert md.seq_lens.tolist() == [5, 7, 7]
+    assert md.query_start_loc.tolist() == [0, 5, 6, 9]
+    assert (md.max_query_len, md.max_seq_len) == (5, 7)
+    assert inputs.logits_indices.tolist() == [4, 5, 8]
+    assert md.block_tables.dtype == md.seq_lens.dtype == md.query_start_loc.dtype == torch.int32
+    assert md.slot_mapping.dtype == inputs.positions.dtype == inputs.input_ids.dtype == torch.int64
+
+
+def test_block_table_rows_padded_with_zero():
+    _, md = build_attention_metadata([0, 0], [1, 9], [[4], [6, 1, 3]], block_size=4)
+    assert md.block_tables.tolist() == [[4, 0, 0], [6, 1, 3]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), block_size=st.sampled_from([1, 2, 3, 16]))
+def test_matches_per_token_loop(data, block_size):
+    num_reqs = data.draw(st.integers(1, 6))
+    computed = data.draw(st.lists(st.integers(0, 40), min_size=num_reqs, max_size=num_reqs))
+    new = data.draw(st.lists(st.integers(1, 12), min_size=num_reqs, max_size=num_reqs))
+    pool = data.draw(st.permutations(range(200)))
+    block_ids, used = [], 0
+    for c, n in zip(computed, new):
+        k = -(-(c + n) // block_size) + data.draw(st.integers(0, 2))     # sometimes more blocks than needed
+        block_ids.append(list(pool[used:used + k]))
+        used += k
+    positions, md = build_attention_metadata(computed, new, block_ids, block_size)
+    exp_pos, exp_slots = [], []
+    for c, n, blocks in zip(computed, new, block_ids):
+        for pos in range(c, c + n):
+            exp_pos.append(pos)
+            exp_slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+    assert positions.tolist() == exp_pos
+    assert md.slot_mapping.tolist() == exp_slots
+    assert len(set(exp_slots)) == len(exp_slots)                          # no two tokens share a slot
+    assert md.seq_lens.tolist() == [c + n for c, n in zip(computed, new)]
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="request 1 needs 9 slots but its 2 blocks of 4 hold 8"):
+        build_attention_metadata([0, 5], [3, 4], [[0], [1, 2]], block_size=4)
+    with pytest.raises(ValueError, match="need num_new_tokens >= 1"):
+        prepare_inputs([[1], []], [0, 3], [[0], [1]], block_size=4)
+    with pytest.raises(ValueError, match="one entry per request"):
+        build_attention_metadata([0], [1, 1], [[0], [1]], block_size=4)
