@@ -21,8 +21,8 @@ a few large calls:
 3. *One SDPA call* with GQA done by `enable_gqa=True` (K/V keep num_kv_heads; no copy
    per query head) and the causal mask offset by each request's context: query j of
    request i (position seq_len[i] - query_len + j) sees keys 0 .. that position. A
-   request alone in its sub-batch needs no padding, so it uses SDPA's lower-right
-   causal bias, which lets the fused CPU kernel skip fully masked tiles of a long chunk.
+   sub-batch of fresh prompts of one length needs no mask tensor: `is_causal=True`
+   lets SDPA's fused kernel skip the masked half.
 
 Numerics: SDPA in the input dtype with fp32 accumulation; matches the fp32 reference
 within the per-dtype tolerance table. Same signature as the reference; like it, this
@@ -35,7 +35,6 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from chunked_prefill.attention_reference import check_unified_attention_args
 
@@ -70,12 +69,18 @@ def plan_sub_batches(query_lens: list[int], seq_lens: list[int],
     return batches
 
 
-def _gather_padded(cache: torch.Tensor, blocks: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, B, kvh, d] x blocks [m, nb] -> [m, nb*B, kvh, d], zero past each seq_len."""
+def _gather_padded(cache: torch.Tensor, blocks: torch.Tensor, seq_lens: torch.Tensor,
+                   shortest: int, longest: int) -> torch.Tensor:
+    """[num_blocks, B, kvh, d] x blocks [m, nb] -> [m, longest, kvh, d], zero past each seq_len.
+
+    Rows before `shortest` (the sub-batch's smallest seq_len) are real for every request,
+    so only rows shortest..longest are masked: after sorting by length that is few.
+    """
     m, nb = blocks.shape
-    kv = cache.index_select(0, blocks.reshape(-1)).view(m, nb * cache.shape[1], *cache.shape[2:])
-    pad = torch.arange(kv.shape[1], device=kv.device)[None, :] >= seq_lens[:, None]   # [m, nb*B]
-    return kv.masked_fill_(pad[:, :, None, None], 0)
+    kv = cache.index_select(0, blocks.reshape(-1)).view(m, nb * cache.shape[1], *cache.shape[2:])[:, :longest]
+    pad = torch.arange(shortest, longest, device=kv.device)[None, :] >= seq_lens[:, None]   # [m, longest - shortest]
+    kv[:, shortest:].masked_fill_(pad[:, :, None, None], 0)
+    return kv
 
 
 def unified_attention(
@@ -107,29 +112,27 @@ def unified_attention(
     ### BEGIN SOLUTION
     for batch in plan_sub_batches(query_lens, lens, kv_rows_per_batch):
         q_len = query_lens[batch[0]]
-        longest = lens[batch[-1]]                                       # sorted ascending
+        shortest, longest = lens[batch[0]], lens[batch[-1]]             # sorted ascending
         num_blocks = -(-longest // block_size)
         reqs = torch.tensor(batch, device=device)                       # [m]
+        sl = seq_lens_t[reqs]                                           # [m]
         tokens = starts_t[reqs][:, None] + torch.arange(q_len, device=device)   # [m, q_len]
         q = query[tokens].transpose(1, 2)                               # [m, h, q_len, d]
-        if len(batch) == 1:
-            # Exactly this request's blocks, sliced to seq_len: nothing to pad or zero.
-            blocks = block_tables[batch[0], :num_blocks].long()
-            k = key_cache[blocks].flatten(0, 1)[:longest].transpose(0, 1)[None]    # [1, kvh, seq_len, d]
-            v = value_cache[blocks].flatten(0, 1)[:longest].transpose(0, 1)[None]
-            mask = causal_lower_right(q_len, longest)                   # key <= context_len + j
+        # Row padding past a request's last block may hold junk ids: any real block will
+        # do, its rows are zeroed and masked.
+        blocks = block_tables[reqs, :num_blocks].long()                 # [m, nb]
+        in_use = torch.arange(num_blocks, device=device)[None, :] < (sl[:, None] + block_size - 1) // block_size
+        blocks = torch.where(in_use, blocks, 0)
+        k = _gather_padded(key_cache, blocks, sl, shortest, longest).transpose(1, 2)   # [m, kvh, longest, d]
+        v = _gather_padded(value_cache, blocks, sl, shortest, longest).transpose(1, 2)
+        if shortest == longest == q_len:
+            # Fresh prompts of one length: plain causal, which SDPA's fused kernel runs
+            # without a mask tensor, skipping the masked half.
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            sl = seq_lens_t[reqs]                                       # [m]
-            blocks = block_tables[reqs, :num_blocks].long()             # [m, nb]
-            # Row padding past a request's last block may hold junk ids: any real block
-            # will do, its rows are zeroed and masked.
-            in_use = torch.arange(num_blocks, device=device)[None, :] < (sl[:, None] + block_size - 1) // block_size
-            blocks = torch.where(in_use, blocks, 0)
-            k = _gather_padded(key_cache, blocks, sl).transpose(1, 2)   # [m, kvh, nb*B, d]
-            v = _gather_padded(value_cache, blocks, sl).transpose(1, 2)
             last_visible = (sl - q_len)[:, None] + torch.arange(q_len, device=device)          # [m, q_len]
-            mask = (torch.arange(k.shape[2], device=device) <= last_visible[:, :, None])[:, None]  # [m, 1, q_len, nb*B]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)  # [m, h, q_len, d]
-        out[tokens] = o.transpose(1, 2)
+            mask = torch.arange(longest, device=device) <= last_visible[:, :, None]            # [m, q_len, longest]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=True)
+        out[tokens] = o.transpose(1, 2)                                 # o: [m, h, q_len, d]
     ### END SOLUTION
     return out

@@ -8,7 +8,7 @@ test_unified_attention_gpu.py runs them natively with larger shapes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -46,6 +46,11 @@ class Batch:
         return (self.query, self.key_cache, self.value_cache, self.query_start_loc, self.seq_lens,
                 self.block_tables, self.scale)
 
+    def to(self, device) -> "Batch":
+        return replace(self, **{name: getattr(self, name).to(device) for name in
+                                ("query", "key_cache", "value_cache", "query_start_loc", "seq_lens", "block_tables")},
+                       keys=[k.to(device) for k in self.keys], values=[v.to(device) for v in self.values])
+
 
 def make_batch(query_lens, context_lens, *, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
                dtype=torch.float32, device="cpu", poison=NAN, table_pad=10**6, shuffle=True,
@@ -79,9 +84,8 @@ def make_batch(query_lens, context_lens, *, num_heads=4, num_kv_heads=2, head_di
         reshape_and_cache(torch.cat(keys), torch.cat(values), key_cache, value_cache, torch.tensor(slots))
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
     query_start_loc = torch.tensor([0] + list(query_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    return Batch(query.to(device), key_cache.to(device), value_cache.to(device), query_start_loc.to(device),
-                 torch.tensor(seq_lens, dtype=torch.int32, device=device), block_tables.to(device),
-                 head_dim ** -0.5, [k.to(device) for k in keys], [v.to(device) for v in values], list(query_lens))
+    return Batch(query, key_cache, value_cache, query_start_loc, torch.tensor(seq_lens, dtype=torch.int32),
+                 block_tables, head_dim ** -0.5, keys, values, list(query_lens)).to(device)
 
 
 def dense_attention(b: Batch) -> torch.Tensor:
@@ -105,7 +109,7 @@ def run(backend: str, b: Batch, **kwargs) -> torch.Tensor:
 
 # (query_lens, context_lens, block_size): each request is query_len new tokens after context_len cached ones
 SCENARIOS = {
-    "prefill": ([5, 11, 1], [0, 0, 0], 4),
+    "prefill": ([5, 11, 5, 1], [0, 0, 0, 0], 4),     # two equal prompts share one causal call (torch)
     "decode": ([1, 1, 1, 1], [3, 17, 8, 30], 4),
     "mixed": ([1, 7, 1, 12], [20, 0, 5, 9], 4),
     "chunk_splits_block": ([6, 1, 3], [5, 13, 0], 8),  # the chunk covers positions 5..10: starts and ends mid-block
@@ -211,9 +215,8 @@ def test_chunked_prefill_equals_one_shot_prefill(backend):
     got, done = [], 0
     for n in chunks:
         # the same cache and block table; only this step's metadata changes
-        step = Batch(full.query[done:done + n], full.key_cache, full.value_cache,
-                     torch.tensor([0, n], dtype=torch.int32), torch.tensor([done + n], dtype=torch.int32),
-                     full.block_tables, full.scale, [], [], [n])
+        step = replace(full, query=full.query[done:done + n], query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+                       seq_lens=torch.tensor([done + n], dtype=torch.int32), query_lens=[n])
         got.append(run(backend, step))
         done += n
     assert_close(torch.cat(got), one_shot)
@@ -232,7 +235,7 @@ def test_strided_query(backend):
     b = make_batch([1, 5], [6, 3], num_heads=4, num_kv_heads=2)
     qkv = torch.randn(b.query.shape[0], 8, 16)
     qkv[:, :4] = b.query
-    strided = Batch(qkv[:, :4], *list(b.__dict__.values())[1:])
+    strided = replace(b, query=qkv[:, :4])
     assert not strided.query.is_contiguous()
     assert torch.equal(run(backend, strided), run(backend, b))
 
@@ -284,7 +287,7 @@ class CountSDPA(TorchFunctionMode):
 
 def test_torch_path_one_call_for_a_decode_batch():
     """64 decodes are ONE SDPA call (no Python loop over requests), and tiny sub-batches
-    (every request alone: the lower-right-causal path) give the same answer."""
+    (every request alone) give the same answer."""
     b = make_batch([1] * 64, [(7 * i) % 40 for i in range(64)])
     with CountSDPA() as batched:
         out = run("torch", b)
@@ -426,3 +429,96 @@ def test_dispatch_default_is_torch(monkeypatch):
     b = make_batch([1], [2])
     monkeypatch.setattr(ops.attention_vectorized, "unified_attention", lambda *a, **k: "torch path")
     assert unified_attention(*b.args) == "torch path"
+
+
+# ---------------------------------------------------------------- native kernels on a GPU (make test-gpu)
+
+GPU_SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}   # (num_heads, num_kv_heads, head_dim)
+
+
+def gpu_mixed_batch(shape, dtype, block_size=16, seed=0):
+    """One chunked-prefill step at a realistic size: 32 decodes with contexts up to ~2k,
+    a 300-token chunk after 700 cached tokens (boundaries split 16-slot blocks), a fresh
+    200-token prompt, and a 3-token speculative verify."""
+    num_heads, num_kv_heads, head_dim = GPU_SHAPES[shape]
+    ctx = [(97 * i) % 2000 + 1 for i in range(32)]
+    return make_batch([1] * 32 + [300, 200, 3], ctx + [700, 0, 45], num_heads=num_heads,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype,
+                      device="cuda", seed=seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_mixed_batch_matches_reference(backend, dtype, shape):
+    b = gpu_mixed_batch(shape, dtype)
+    expected = attention_reference.unified_attention(*b.args)
+    out = run(backend, b, max_query_len=300, max_seq_len=int(b.seq_lens.max()))
+    assert out.is_cuda and torch.isfinite(out).all()
+    assert_close(out, expected, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+def test_gpu_block_sizes(block_size):
+    b = gpu_mixed_batch("smollm2", torch.bfloat16, block_size=block_size)
+    assert_close(run("triton", b), attention_reference.unified_attention(*b.args), dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_split_kv_decode_long_contexts(dtype):
+    """Few long decodes: the heuristic picks the 3-D kernel; it must match the 2-D one too."""
+    from chunked_prefill import triton_ops
+    b = make_batch([1] * 4, [8000, 5000, 3000, 6100], num_heads=32, num_kv_heads=8, head_dim=128,
+                   block_size=16, dtype=dtype, device="cuda")
+    assert triton_ops.choose_num_kv_splits(4, 8, max_query_len=1, max_seq_len=8001) == 16
+    expected = attention_reference.unified_attention(*b.args)
+    split = run("triton", b, max_query_len=1, max_seq_len=8001)
+    assert_close(split, expected, dtype=dtype)
+    assert_close(triton_ops.unified_attention(*b.args, num_kv_splits=1), expected, dtype=dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_poison_changes_nothing():
+    q, c = [1] * 8 + [37, 5], [(13 * i) % 90 for i in range(8)] + [20, 0]
+    clean = run("triton", make_batch(q, c, block_size=16, dtype=torch.bfloat16, device="cuda", poison=0.0, table_pad=0))
+    poisoned = run("triton", make_batch(q, c, block_size=16, dtype=torch.bfloat16, device="cuda"))
+    assert torch.equal(poisoned, clean)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_query_len", [1, 300])
+def test_gpu_no_sync_and_cuda_graph_capture(max_query_len):
+    """check_values=False + known max lens: no host sync, so the op can live in a CUDA graph
+    (max_query_len=1 takes the split-KV path: its scratch buffers come from the graph pool)."""
+    q_lens = [1] * 6 if max_query_len == 1 else [1] * 5 + [300]
+    b = make_batch(q_lens, [50, 400, 7, 1000, 33, 200], num_heads=9, num_kv_heads=3, head_dim=64,
+                   block_size=16, dtype=torch.bfloat16, device="cuda")
+    kwargs = dict(backend="triton", max_query_len=max_query_len, max_seq_len=1200, check_values=False)
+    expected = attention_reference.unified_attention(*b.args)
+    run_fn = lambda: unified_attention(*b.args, **kwargs)   # noqa: E731
+    run_fn()                                                  # compile outside the capture
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = run_fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_close(out, expected, dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run_fn()
+    b.query.copy_(torch.randn_like(b.query))                  # new inputs in the same buffers
+    graph.replay()
+    assert_close(captured, attention_reference.unified_attention(*b.args), dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=30, deadline=None)
+@given(b=ragged_batches())
+def test_gpu_random_ragged_batches(backend, b):
+    b = b.to("cuda")
+    assert_close(run(backend, b), attention_reference.unified_attention(*b.args))
