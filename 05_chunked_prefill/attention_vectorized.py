@@ -109,20 +109,19 @@ def unified_attention(
     query_lens = [b - a for a, b in zip(starts, starts[1:])]
     starts_t = query_start_loc.to(device=device, dtype=torch.long)
     seq_lens_t = seq_lens.to(dtype=torch.long)
+    # Row padding past a request's last block may hold junk ids: any real block will do,
+    # its rows get zeroed and masked.
+    in_use = torch.arange(block_tables.shape[1], device=device)[None, :] < (seq_lens_t[:, None] + block_size - 1) // block_size
+    safe_tables = torch.where(in_use, block_tables, 0).long()           # [num_seqs, max_blocks]
     ### BEGIN SOLUTION
     for batch in plan_sub_batches(query_lens, lens, kv_rows_per_batch):
         q_len = query_lens[batch[0]]
         shortest, longest = lens[batch[0]], lens[batch[-1]]             # sorted ascending
-        num_blocks = -(-longest // block_size)
         reqs = torch.tensor(batch, device=device)                       # [m]
         sl = seq_lens_t[reqs]                                           # [m]
         tokens = starts_t[reqs][:, None] + torch.arange(q_len, device=device)   # [m, q_len]
         q = query[tokens].transpose(1, 2)                               # [m, h, q_len, d]
-        # Row padding past a request's last block may hold junk ids: any real block will
-        # do, its rows are zeroed and masked.
-        blocks = block_tables[reqs, :num_blocks].long()                 # [m, nb]
-        in_use = torch.arange(num_blocks, device=device)[None, :] < (sl[:, None] + block_size - 1) // block_size
-        blocks = torch.where(in_use, blocks, 0)
+        blocks = safe_tables[reqs, :-(-longest // block_size)]          # [m, blocks of the longest]
         k = _gather_padded(key_cache, blocks, sl, shortest, longest).transpose(1, 2)   # [m, kvh, longest, d]
         v = _gather_padded(value_cache, blocks, sl, shortest, longest).transpose(1, 2)
         if shortest == longest == q_len:

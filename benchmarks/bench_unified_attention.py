@@ -20,7 +20,8 @@ Peers, timed in the same run on the same tensors:
   sdpa_loop     one SDPA call per request on its contiguous K/V (lower-right causal)
   torch         ours, attention_vectorized.py (backend="torch")
   triton        ours, triton_ops.py (backend="triton"; GPU only, the interpreter is no timing)
-"Useful GB/s" = K/V bytes a request really owns (sum of seq_lens) / time.
+"Useful GB/s" = K/V bytes a request really owns (sum of seq_lens) / time. Each time is
+the best of --rounds medians of --iters calls, implementations interleaved.
 """
 from __future__ import annotations
 
@@ -113,7 +114,17 @@ def sdpa_loop_peer(query, query_lens, keys, values, scale):
     return run
 
 
-def bench_workload(name, query_lens, context_lens, dtype, device, backends, iters):
+def interleaved_times(fns: dict, rounds: int, iters: int) -> dict[str, float]:
+    """Best of `rounds` medians, the implementations taking turns within each round, so a
+    burst of load on a shared machine hits all of them rather than one."""
+    samples = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            samples[k].append(time_fn(f, warmup=1, iters=iters))
+    return {k: min(v) for k, v in samples.items()}
+
+
+def bench_workload(name, query_lens, context_lens, dtype, device, backends, rounds, iters):
     paged, keys, values = build(query_lens, context_lens, dtype, device)
     scale = HEAD_DIM ** -0.5
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
@@ -128,7 +139,7 @@ def bench_workload(name, query_lens, context_lens, dtype, device, backends, iter
         torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)   # time only right answers
         fns[backend] = lambda b=backend: unified_attention(*paged, scale, backend=b, **meta)
     kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * paged[1].element_size()
-    times = {k: time_fn(f, warmup=2, iters=iters) for k, f in fns.items()}
+    times = interleaved_times(fns, rounds, iters)
     rows = []
     for impl, t in times.items():
         rows.append(dict(workload=name, impl=impl, ms=round(t * 1e3, 3), useful_gb_s=round(kv_bytes / t / 1e9, 2),
@@ -137,15 +148,14 @@ def bench_workload(name, query_lens, context_lens, dtype, device, backends, iter
     return rows
 
 
-def sweep_rows(dtype, device, iters):
+def sweep_rows(dtype, device, rounds, iters):
     query_lens, context_lens = workloads()["decode"]
     paged, _, _ = build(query_lens, context_lens, dtype, device)
-    rows = []
-    for r in (256, 1024, 2048, 4096, 8192, 16384, 65536):
-        t = time_fn(lambda: attention_vectorized.unified_attention(*paged, HEAD_DIM ** -0.5, check_values=False,
-                                                                   kv_rows_per_batch=r), warmup=2, iters=iters)
-        rows.append(dict(workload="decode", impl=f"torch kv_rows_per_batch={r}", ms=round(t * 1e3, 3)))
-    return rows
+    fns = {r: (lambda r=r: attention_vectorized.unified_attention(*paged, HEAD_DIM ** -0.5, check_values=False,
+                                                                  kv_rows_per_batch=r))
+           for r in (256, 1024, 2048, 4096, 8192, 16384, 65536)}
+    return [dict(workload="decode", impl=f"torch kv_rows_per_batch={r}", ms=round(t * 1e3, 3))
+            for r, t in interleaved_times(fns, rounds, iters).items()]
 
 
 def plot(rows, path):
@@ -170,7 +180,8 @@ def plot(rows, path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--sweep-rows", action="store_true", help="also time kv_rows_per_batch choices (decode)")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -179,9 +190,9 @@ def main(argv=None):
     backends = ["torch", "triton"] if cuda else ["torch"]
     rows = []
     for name, (query_lens, context_lens) in workloads().items():
-        rows += bench_workload(name, query_lens, context_lens, dtype, device, backends, args.iters)
+        rows += bench_workload(name, query_lens, context_lens, dtype, device, backends, args.rounds, args.iters)
     if args.sweep_rows:
-        rows += sweep_rows(dtype, device, args.iters)
+        rows += sweep_rows(dtype, device, args.rounds, args.iters)
     print(f"{'workload':8} {'impl':34} {'ms':>9} {'useful GB/s':>11} {'x ref':>7} {'/ sdpa_dense':>12}")
     for r in rows:
         print(f"{r['workload']:8} {r['impl']:34} {r['ms']:9.3f} {r.get('useful_gb_s', ''):>11} "
