@@ -14,8 +14,8 @@ a few large calls:
    temporary costs more in page faults than the attention itself on this CPU). The
    Python loop is over sub-batches, not requests.
 2. *Gather* each sub-batch's K/V through the block table into a padded
-   [m, max_blocks * block_size, num_kv_heads, head_dim] tensor (one index_select per
-   cache) and zero the rows past each request's seq_len: the row padding of
+   [m, longest seq_len, num_kv_heads, head_dim] tensor (one index_select per cache)
+   and zero the rows past each request's seq_len: the row padding of
    block_tables and the unused slots of a last block may hold junk, even NaN, and
    SDPA multiplies masked-out V rows by 0 — which keeps NaN.
 3. *One SDPA call* with GQA done by `enable_gqa=True` (K/V keep num_kv_heads; no copy

@@ -148,9 +148,9 @@ def _load_query_tile(
 ):
     """Locate this program's tile and load it.
 
-    Returns (q [BLOCK_M, HEAD_DIM_PADDED], token index, head index, absolute position and
-    validity of each row, the request's index, seq_len and the causal key bound of the
-    tile's last row, and whether the tile holds any query at all).
+    Returns q [BLOCK_M, HEAD_DIM_PADDED]; per row its token index, query head, absolute
+    position and validity; the request's index; kv_end, the causal key bound of the
+    tile's last row; and whether the tile holds any query at all.
     """
     seq_idx = _find_seq_idx(query_start_loc_ptr, q_tile_idx, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq_idx)
@@ -366,7 +366,7 @@ def plan_launches(
     if query.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"the Triton kernel supports {SUPPORTED_DTYPES}, got {query.dtype}")
     num_tokens, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, _ = key_cache.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"the Triton kernel supports head_dim <= {MAX_HEAD_DIM}, got {head_dim}")
     group = num_heads // num_kv_heads
