@@ -230,11 +230,12 @@ class Scheduler:
             req_to_new_block_ids[request.request_id] = new_blocks.get_block_ids()
             num_scheduled_tokens[request.request_id] = num_new_tokens
             budget.token_budget -= num_new_tokens
-            num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
-            if num_spec > 0:
-                scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec]
-            # Drafts are used once; chapter 04 proposes new ones before the next step.
-            request.spec_token_ids = []
+            if request.spec_token_ids:
+                num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
+                if num_spec > 0:
+                    scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+                # Drafts are used once; chapter 04 proposes new ones before the next step.
+                request.spec_token_ids = []
             req_index += 1
 
         # ---- 2. WAITING requests ---------------------------------------------------------
@@ -489,27 +490,27 @@ class Scheduler:
                 continue     # aborted while the model was running: drop its tokens
             if req_id not in index:
                 raise ValueError(f"the model runner returned nothing for scheduled request {req_id}")
-            generated = list(sampled[index[req_id]])
+            generated = sampled[index[req_id]]
 
             ### BEGIN SOLUTION
-            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id, ())
-            if len(generated) > len(drafts) + 1:
-                raise ValueError(f"request {req_id}: {len(generated)} sampled tokens for {len(drafts)} drafts")
-            if generated and drafts:
+            if generated:
+                drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+                num_drafts = len(drafts) if drafts else 0
+                if len(generated) > num_drafts + 1:
+                    raise ValueError(f"request {req_id}: {len(generated)} sampled tokens for {num_drafts} drafts")
                 # Speculative decoding: num_computed_tokens advanced over every draft; the rejected
                 # ones (and their KV) are not part of the sequence.
-                num_rejected = len(drafts) + 1 - len(generated)
-                request.num_computed_tokens -= num_rejected
-            if generated and request.num_computed_tokens < request.num_tokens:
-                raise ValueError(f"request {req_id}: a token was sampled for a partial prefill "
-                                 f"({request.num_computed_tokens} of {request.num_tokens} tokens computed)")
-            if request.streaming_input:
-                generated = []    # the input is still open: those logits belong to an unfinished prompt
+                request.num_computed_tokens -= num_drafts + 1 - len(generated)
+                if request.num_computed_tokens < request.num_tokens:
+                    raise ValueError(f"request {req_id}: a token was sampled for a partial prefill "
+                                     f"({request.num_computed_tokens} of {request.num_tokens} tokens computed)")
+                if request.streaming_input:
+                    generated = []    # the input is still open: those logits belong to an unfinished prompt
             stopped = False
             for n, token_id in enumerate(generated, 1):
                 request.append_output_token_ids(token_id)
                 if check_stop(request, self.max_model_len):
-                    del generated[n:]
+                    generated = generated[:n]       # tokens after the stop are dropped
                     stopped = True
                     break
             ### END SOLUTION
@@ -517,9 +518,10 @@ class Scheduler:
             if stopped:    # check_stop set the finished status; it was RUNNING, so it holds blocks
                 self._free_request(request, request.status, owns_kv=True)
                 stopped_running.add(id(request))
-            if generated or stopped:
                 outputs.append(EngineCoreOutput(req_id, generated, request.get_finished_reason(),
                                                 request.stop_reason, max(request.num_cached_tokens, 0)))
+            elif generated:
+                outputs.append(EngineCoreOutput(req_id, generated, num_cached_tokens=max(request.num_cached_tokens, 0)))
         if stopped_running:
             self.running = [r for r in self.running if id(r) not in stopped_running]
         self.finished_recving_kv_req_ids |= model_runner_output.finished_recving

@@ -7,9 +7,12 @@ scheduler CPU time per step is already a 10% loss; the step must stay O(running)
 Workload: R requests with 20-token prompts, all decoding (prefill done before timing),
 16-token KV blocks, no prefix caching on either side (ours is also timed with it on).
 One "step" = what the engine does around the forward pass:
-  ours          Scheduler.schedule() + MockModelRunner + Scheduler.update_from_output()
+  ours          Scheduler.schedule() + Scheduler.update_from_output() (the MockModelRunner
+                that stands in for the model between them is not timed)
   transformers  FIFOScheduler.schedule_batch() + RequestState.update_and_check_completion()
                 + PagedAttentionCache.mark_complete_blocks()   (its ContinuousBatchProcessor.update_batch)
+Times are the thread's CPU time (time.thread_time), not wall time: these CPUs are shared,
+and a step descheduled by the OS would otherwise count other processes' work.
 The `schedule_only` column is our schedule() alone. The contenders' steps are interleaved
 (ours, theirs, ours, ...) so both see the same load on this shared CPU; medians of 40 steps
 after warm-up, `speedup_vs_transformers` = median of the per-step ratios.
@@ -31,23 +34,22 @@ PROMPT_LEN = 20
 BLOCK_SIZE = 16
 
 
-def interleaved_times(steps: dict[str, Callable[[], None]], iters: int = 40, warmup: int = 5) -> dict[str, list[float]]:
-    """Time the contenders alternately, step by step, so both see the same machine load
-    (these CPUs are shared): a noisy moment slows both, not one."""
+def interleaved_times(steps: dict[str, Callable[[], float]], iters: int = 40, warmup: int = 5) -> dict[str, list[float]]:
+    """Run the contenders alternately, step by step, so both see the same machine load (these
+    CPUs are shared): a noisy moment slows both, not one. Each step returns its own CPU time."""
     for _ in range(warmup):
         for step in steps.values():
             step()
     samples: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(iters):
         for name, step in steps.items():
-            t0 = time.perf_counter()
-            step()
-            samples[name].append(time.perf_counter() - t0)
+            samples[name].append(step())
     return samples
 
 
-def ours(num_running: int, enable_caching: bool) -> tuple[Callable[[], None], list[float]]:
-    """A step function over num_running decoding requests, and the list its schedule() times go to."""
+def ours(num_running: int, enable_caching: bool) -> tuple[Callable[[], float], list[float]]:
+    """A step function over num_running decoding requests (returns the CPU time of schedule()
+    + update_from_output(), not of the mock runner), and the list its schedule() times go to."""
     kv = KVCacheManager(num_running * 16, BLOCK_SIZE, enable_caching=enable_caching)
     config = SchedulerConfig(max_num_seqs=max(num_running, 1), max_num_batched_tokens=max(8192, num_running),
                              max_model_len=8192)
@@ -57,13 +59,16 @@ def ours(num_running: int, enable_caching: bool) -> tuple[Callable[[], None], li
         s.add_request(Request(f"r{i}", list(range(i, i + PROMPT_LEN)), max_tokens=100_000, ignore_eos=True))
     schedule_times: list[float] = []
 
-    def step():
-        t0 = time.perf_counter()
+    def step() -> float:
+        t0 = time.thread_time()
         out = s.schedule()
-        schedule_times.append(time.perf_counter() - t0)
-        s.update_from_output(out, runner.execute(s.requests, out))
-        assert len(out.num_scheduled_tokens) == num_running or any(
-            r.num_computed_tokens < r.num_prompt_tokens for r in s.requests.values())
+        t1 = time.thread_time()
+        model_output = runner.execute(s.requests, out)        # the model's job: not timed
+        t2 = time.thread_time()
+        s.update_from_output(out, model_output)
+        t3 = time.thread_time()
+        schedule_times.append(t1 - t0)
+        return (t1 - t0) + (t3 - t2)
 
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in s.requests.values()):
         step()                                      # finish every prefill before timing
@@ -71,7 +76,7 @@ def ours(num_running: int, enable_caching: bool) -> tuple[Callable[[], None], li
     return step, schedule_times
 
 
-def transformers_fifo(num_running: int) -> Callable[[], None] | None:
+def transformers_fifo(num_running: int) -> Callable[[], float] | None:
     """A step function of transformers' FIFOScheduler, or None if this transformers lacks it."""
     try:
         import torch
@@ -95,7 +100,8 @@ def transformers_fifo(num_running: int) -> Callable[[], None] | None:
         scheduler.add_waiting_request(RequestState(request_id=f"r{i}", initial_tokens=list(range(i, i + PROMPT_LEN)),
                                                    max_new_tokens=100_000))
 
-    def step():
+    def step() -> float:
+        t0 = time.thread_time()
         requests, *_ = scheduler.schedule_batch(cache.max_batch_tokens, cache.max_tokens_read)
         for future in requests:                      # ContinuousBatchProcessor.update_batch, minus the tensors
             if future.has_new_token:
@@ -104,7 +110,9 @@ def transformers_fifo(num_running: int) -> Callable[[], None] | None:
                     state.status = RequestStatus.DECODING
                 state.update_and_check_completion(7, None)
                 cache.mark_complete_blocks(state, future.complete_blocks)
+        elapsed = time.thread_time() - t0
         step.last = len(requests)
+        return elapsed
 
     while any(s.status != RequestStatus.DECODING for s in scheduler.active_requests.values()) or scheduler.waiting_requests:
         step()
