@@ -35,7 +35,10 @@ import triton.language as tl
 from paged_attention.cache_ops import check_cache_write_args
 from paged_attention.checks import check_decode_args, check_prefill_args
 
-DEFAULT_TILE = 32       # KV tokens per decode inner-loop step
+# Launch shapes, chosen so that every kernel compiles for sm_90 without register spills
+# (tests/01_paged_attention/test_triton_compile.py checks with ptxas). Not tuned on a GPU.
+DEFAULT_TILE = 16       # KV tokens per decode inner-loop step (4 warps: ~140 registers at head_dim 128)
+PREFILL_BLOCKS = {torch.float16: (64, 16), torch.bfloat16: (64, 16), torch.float32: (32, 16)}   # (BLOCK_M, BLOCK_N)
 SPLIT_TARGET_PROGRAMS = 256  # split-KV aims for about this many programs (2 per SM on an H100, 132 SMs)
 MIN_TOKENS_PER_SPLIT = 256   # below this a split costs more in the reduce than it saves
 
@@ -298,14 +301,20 @@ def _prefill_kernel(
     head = tl.program_id(1)
     seq = tl.program_id(2)
     start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - start
+    q_len = (tl.load(query_start_loc_ptr + seq + 1) - tl.load(query_start_loc_ptr + seq)).to(tl.int32)
     kv_head = head // QUERIES_PER_KV
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)     # query positions inside the prompt
     m_mask = offs_m < q_len
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + (start + offs_m)[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :],
+    # 64-bit scalar base pointers per sequence, 32-bit offsets inside it (a prompt's rows span
+    # < 2**31 elements): 2-D tensors of 64-bit pointers would cost twice the registers.
+    q_ptr += start * stride_q_tok + head * stride_q_head
+    k_ptr += start * stride_k_tok + kv_head * stride_k_head
+    v_ptr += start * stride_v_tok + kv_head * stride_v_head
+    out_ptr += start * stride_o_tok + head * stride_o_head
+    q = tl.load(q_ptr + offs_m[:, None] * stride_q_tok + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)             # [BLOCK_M, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
@@ -319,10 +328,8 @@ def _prefill_kernel(
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + (start + offs_n)[:, None] * stride_k_tok + kv_head * stride_k_head + offs_d[None, :],
-                    mask=kv_mask, other=0.0)                                   # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + (start + offs_n)[:, None] * stride_v_tok + kv_head * stride_v_head + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+        k = tl.load(k_ptr + offs_n[:, None] * stride_k_tok + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptr + offs_n[:, None] * stride_v_tok + offs_d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale             # [BLOCK_M, BLOCK_N]
@@ -338,7 +345,7 @@ def _prefill_kernel(
         m_i = m_new
     ### END SOLUTION
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (start + offs_m)[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :],
+    tl.store(out_ptr + offs_m[:, None] * stride_o_tok + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
@@ -349,11 +356,10 @@ def prefill_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int
     scale: float,
     max_query_len: int | None = None,
-    block_m: int = 16,
-    block_n: int = 16,
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     """Causal varlen attention of each prompt over itself (no cache involved)."""
     _require_unit_last_stride(query=query, key=key, value=value)
+    block_m, block_n = PREFILL_BLOCKS[query.dtype]
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = query_start_loc.shape[0] - 1
     out = torch.empty_like(query)

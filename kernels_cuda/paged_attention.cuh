@@ -91,7 +91,7 @@ __device__ __forceinline__ void paged_attention_kernel(
     return;
   }
 
-  extern __shared__ float shared_mem[];
+  VFS_DYNAMIC_SHARED(float, shared_mem);
   float* logits = shared_mem;                       // [num_tokens] (v1: whole sequence; v2: one partition)
   __shared__ float q_smem[HEAD_SIZE];
   __shared__ float red_smem[NUM_WARPS];
@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_reduce_kernel(
     return;
   }
 
-  extern __shared__ float shared_mem[];
+  VFS_DYNAMIC_SHARED(float, shared_mem);
   float* weights = shared_mem;                        // [num_partitions]
   __shared__ float red_smem[NUM_WARPS];
   const float* row_max = max_logits + row * max_num_partitions;

@@ -22,6 +22,13 @@ constexpr int kUnsupportedConfig = -1;
 
 constexpr int WARP_SIZE = 32;
 
+// Dynamic shared memory (its size is a launch argument). A macro only so that the CPU
+// emulation in tests/01_paged_attention can point it at a host buffer; on the GPU this is
+// exactly `extern __shared__ T name[];`.
+#ifndef VFS_DYNAMIC_SHARED
+#define VFS_DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+#endif
+
 template <typename T> __host__ __device__ constexpr T divide_round_up(T a, T b) { return (a + b - 1) / b; }
 
 __device__ __forceinline__ float to_float(float x) { return x; }
