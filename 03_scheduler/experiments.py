@@ -26,11 +26,18 @@ BATCHING_KINDS = ("continuous", "orca-oracle", "orca-pow2", "orca-max", "static"
 def make_scheduler(kind: str, *, kv_tokens: int = OPT_13B_A100_KV_TOKENS, block_size: int = 16,
                    max_model_len: int = 2048, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                    policy: str = "fcfs", preemption_mode: str = "recompute", enable_caching: bool = False):
-    """One of BATCHING_KINDS over a KV cache of `kv_tokens` slots."""
+    """One of BATCHING_KINDS over a KV cache of `kv_tokens` slots.
+
+    The default token budget is max_model_len + max_num_seqs: without chunked prefill a
+    prompt must fit in what the running decodes leave of the budget (they are scheduled
+    first, as in vLLM V1), so a budget of exactly max_model_len would make a near-max-length
+    prompt wait until almost every running request has finished — head-of-line blocking that
+    chapter 05 removes, and that the thesis-era vLLM avoided with prefill-only steps."""
     num_blocks = kv_tokens // block_size
     if kind == "static":
         return StaticBatchScheduler(max_num_seqs, max_model_len, kv_tokens)
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens or max_model_len,
+    config = SchedulerConfig(max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens or max_model_len + max_num_seqs,
                              max_model_len=max_model_len, policy=policy, preemption_mode=preemption_mode)
     if kind == "continuous":
         # Swap tier as large as the device cache: what is swapped out never exceeds it (thesis §3.4.5).

@@ -106,6 +106,23 @@ def test_prefix_cache_hit_starts_at_the_cached_length():
     assert outs["b"].num_cached_tokens == 8
 
 
+def test_prefix_hits_on_free_blocks_leave_the_free_pool():
+    """A cached block nobody holds is both a prefix hit and a free block: it must not be
+    counted twice. Here the only free blocks ARE c's two hits, so c (4 blocks) must wait."""
+    s, kv = make(num_blocks=4, block_size=4)
+    s.add_request(req("a", 8, max_tokens=1, first_token=0))
+    step(s)                                              # a done: its 2 full blocks cached, free
+    s.add_request(req("b", 5, max_tokens=3))             # b takes the 2 never-used blocks (8 tokens max)
+    step(s)
+    s.add_request(Request("c", list(range(8)) + [50] * 5, max_tokens=1))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"b": 1}          # c: 2 hits + 2 new blocks > 2 free: waits
+    out, outs = step(s)
+    assert outs["b"].finished and "c" not in out.num_scheduled_tokens
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"c": 5} and out.scheduled_new_reqs[0].num_computed_tokens == 8
+
+
 def _fill_pool_then_grow(mode="recompute", cpu=0, caching=False):
     """4 blocks of 4: r0 and r1 (7-token prompts) take two blocks each; r0 then needs a third."""
     s, kv = make(num_blocks=4, block_size=4, caching=caching, cpu=cpu, preemption_mode=mode)
