@@ -34,7 +34,7 @@ CHECK_TOLERANCE = {"float16": dict(atol=4e-3, rtol=4e-3), "bfloat16": dict(atol=
 
 GPU_SWEEP = dict(dtypes=("float16", "bfloat16"), batches=(1, 8, 32, 128), contexts=(512, 2048, 8192, 32768),
                  max_tokens=1 << 20)
-SMOKE_SWEEP = dict(dtypes=("float16", "bfloat16"), batches=(2,), contexts=(40,), max_tokens=1 << 10)
+SMOKE_SWEEP = dict(dtypes=("float16", "bfloat16"), batches=(1,), contexts=(24,), max_tokens=1 << 10)
 
 
 def make_workload(batch: int, context: int, dtype: torch.dtype, device: str, seed: int = 0):

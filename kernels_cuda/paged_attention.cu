@@ -6,6 +6,8 @@
 // register spills. paged_attention_binding.cpp is the torch side.
 //
 // Mirrors vLLM's csrc/attention/paged_attention_v1.cu and paged_attention_v2.cu.
+#include <type_traits>
+
 #include <cuda_runtime.h>
 
 #include "paged_attention.cuh"

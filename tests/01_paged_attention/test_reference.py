@@ -8,6 +8,7 @@ from paged_attention import ops, reference as ref
 from paged_attention.synthetic import make_paged_kv, random_query
 from tolerances import assert_close
 
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")  # triton interpreter
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
