@@ -26,7 +26,9 @@ the best of --rounds medians of --iters calls, implementations interleaved.
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -183,7 +185,11 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--sweep-rows", action="store_true", help="also time kv_rows_per_batch choices (decode)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -201,7 +207,10 @@ def main(argv=None):
     workload = dict(model="SmolLM2-135M attention shapes", num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
                     head_dim=HEAD_DIM, block_size=BLOCK_SIZE, dtype=str(dtype), device=device,
                     workloads={k: dict(query_lens=q, context_lens=c) for k, (q, c) in workloads().items()},
-                    command="python -m benchmarks.bench_unified_attention" + (" --sweep-rows" if args.sweep_rows else ""))
+                    threads=torch.get_num_threads(),
+                    # other processes on a shared machine distort CPU timings: say how busy it was
+                    load_average_1min=dict(before=round(load_before, 2), after=round(os.getloadavg()[0], 2)),
+                    command="python -m benchmarks.bench_unified_attention " + " ".join(argv if argv is not None else sys.argv[1:]))
     path = write_result(name, workload, rows)
     plot(rows, RESULTS_DIR / f"{name}.png")
     print(f"wrote {path} and {name}.png")

@@ -3,8 +3,9 @@ reference vs dense causal SDPA on contiguous K/V.
 
 Kinds: tolerance (from the shared table), exact (poison must change nothing, V = 1 gives 1,
 the sub-batch plan), property (hypothesis over random ragged batches), bad input. The
-Triton kernels run under the interpreter here (tiny shapes: tens of programs per call);
-test_unified_attention_gpu.py runs them natively with larger shapes.
+Triton kernels run under the interpreter on a CPU (tiny shapes: tens of programs per
+call); the `gpu`-marked tests at the end run them natively at engine sizes
+(`make test-gpu CH=05`). test_unified_attention_compile.py compiles them for Hopper.
 """
 from __future__ import annotations
 
@@ -300,8 +301,7 @@ def test_torch_path_one_call_for_a_decode_batch():
 
 # ---------------------------------------------------------------- Triton-specific variants
 
-@pytest.mark.parametrize("num_kv_splits", [2, 4, 16])
-@pytest.mark.parametrize("name", ["decode", "mixed"])
+@pytest.mark.parametrize("name,num_kv_splits", [("decode", 2), ("decode", 16), ("mixed", 2), ("mixed", 4)])
 def test_triton_split_kv_matches_reference(name, num_kv_splits):
     """The 3-D (split-KV) kernel + reduce is correct for any batch, not only decode."""
     from chunked_prefill import triton_ops
