@@ -278,6 +278,9 @@ class Scheduler:
                     num_external, load_kv_async = (0, False)
                     if self.connector is not None:
                         num_external, load_kv_async = self.connector.get_num_new_matched_tokens(request, num_local)
+                        if load_kv_async and num_external <= 0:
+                            raise ValueError(f"KV connector asked to load {num_external} tokens asynchronously "
+                                             f"for request {request.request_id}")
                 else:   # remote KV finished loading into blocks the request already owns
                     new_computed_blocks, num_local, num_external, load_kv_async = None, 0, 0, False
                 num_computed_tokens = request.num_computed_tokens + num_local + num_external
@@ -287,7 +290,8 @@ class Scheduler:
                 else:
                     num_new_tokens = self._num_new_tokens(request, num_computed_tokens, budget)
                     if num_new_tokens == 0:
-                        # Strict FCFS: the head does not fit this step, nobody jumps ahead of it.
+                        # The queue's head does not fit this step, and nobody behind it jumps
+                        # ahead (under FCFS: head-of-line blocking).
                         break
                     if self._defer_admission(request, num_computed_tokens, num_new_tokens, budget):
                         skipped.append(self.waiting.pop_request())
@@ -400,8 +404,9 @@ class Scheduler:
 
     def _defer_admission(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
                          budget: SchedulingBudget) -> bool:
-        """May this waiting request start now? (Chapter 05 limits concurrent partial prefills.)
-        A deferred request is skipped, not a blocker: requests behind it may be admitted."""
+        """Should this waiting request wait although it fits? (Chapter 05: limits on concurrent
+        partial prefills.) A deferred request is skipped, not a blocker: requests behind it
+        may still be admitted this step."""
         return False
 
     def _on_admitted(self, request: Request, num_computed_tokens: int, num_new_tokens: int,

@@ -13,6 +13,7 @@ Throughput, TTFT, ITL and the average number of batched requests (thesis Fig. 3.
 from __future__ import annotations
 
 import argparse
+import json
 
 from benchmarks.common import RESULTS_DIR, write_result
 from scheduler.cost_model import OPT_13B_A100
@@ -34,7 +35,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-requests", type=int, default=600)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--replot", action="store_true", help="only redraw the plot from the JSON")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads((RESULTS_DIR / "sim_batching.json").read_text())["rows"], RESULTS_DIR / "sim_batching.png")
+        return
     n = 150 if args.quick else args.num_requests
     rows = []
     for workload in (SHAREGPT, ALPACA):
@@ -63,23 +68,28 @@ def plot(rows: list[dict], path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, workload in zip(axes, RATES):
-        for kind in BATCHING_KINDS:
-            pts = [(r["rate"], r["normalized_latency_s_per_tok"]) for r in rows
-                   if r["workload"] == workload and r["kind"] == kind]
-            label = "ours (paged, continuous)" if kind == "continuous" else kind
-            if all(y > 1.0 for _, y in pts):
-                label += " (above 1 s/token everywhere)"
-            ax.plot(*zip(*pts), "o-", ms=3, label=label)
-        ax.axhline(SLO_S_PER_TOKEN, color="gray", lw=0.8, ls=":")
-        ax.set_ylim(0, 1.0)
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel("normalized latency (s/token)")
-        ax.set_title(f"{workload}, OPT-13B / A100 (simulated)", fontsize=9)
-        ax.legend(fontsize=7)
+    metrics = [("normalized_latency_s_per_tok", "normalized latency (s/token)", (0, 1.0)),
+               ("throughput_tok_s", "throughput (output tokens/s)", None),
+               ("ttft_p50_s", "median TTFT (s), log", "log")]
+    fig, axes = plt.subplots(len(RATES), len(metrics), figsize=(14, 7))
+    for row_axes, workload in zip(axes, RATES):
+        for ax, (key, label, scale) in zip(row_axes, metrics):
+            for kind in BATCHING_KINDS:
+                pts = [(r["rate"], r[key]) for r in rows if r["workload"] == workload and r["kind"] == kind]
+                name = "ours (paged, continuous)" if kind == "continuous" else kind
+                ax.plot(*zip(*pts), "o-", ms=3, label=name)
+            if key == "normalized_latency_s_per_tok":
+                ax.axhline(SLO_S_PER_TOKEN, color="gray", lw=0.8, ls=":")
+            if scale == "log":
+                ax.set_yscale("log")
+            elif scale:
+                ax.set_ylim(*scale)
+            ax.set_xlabel("request rate (req/s)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{workload}, OPT-13B / A100 (simulated)", fontsize=9)
+        row_axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
