@@ -91,7 +91,7 @@ def test_streaming_prefill_grows_num_total(L, chunks):
 @settings(max_examples=30, deadline=None)
 @given(st.sampled_from([1, 2, 4, 8]), st.integers(1, 60), st.integers(0, 60), st.integers(1, 20))
 def test_prefix_caching_starts_at_the_cached_length(block_size, L_a, shared, tail):
-    s = make(block_size=block_size)
+    s = make(num_blocks=256, block_size=block_size)      # room for a's cached blocks and all of b
     prompt_a = list(range(L_a))
     s.add_request(Request("a", prompt_a, max_tokens=1))
     step(s)                                                      # a computed: its full blocks are cached
