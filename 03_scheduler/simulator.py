@@ -127,6 +127,11 @@ def step_work(scheduler, output: SchedulerOutput) -> tuple[int, int]:
 def simulate(scheduler, trace: Iterable[TraceRequest], cost_model: StepCostModel, *, seed: int = 0,
              record_steps: bool = False, make_request_fn: Callable[[TraceRequest, np.random.Generator], Request] = make_request,
              max_steps: int = 10_000_000) -> SimResult:
+    """Serve `trace` with `scheduler` (anything with the Scheduler interface) and return
+    per-request timelines; `record_steps` also keeps one StepRecord per step (Gantt charts,
+    queue states). `make_request_fn` builds each Request (e.g. to give prompts a shared
+    prefix); the default draws distinct random prompts from `seed`. Raises RuntimeError if
+    the scheduler stalls with nothing left to wait for (a deadlock)."""
     rng = np.random.default_rng(seed)
     runner = MockModelRunner(next_token=lambda request: SAMPLED_TOKEN_ID)
     pending = deque(sorted(trace, key=lambda t: t.arrival_time))
