@@ -18,12 +18,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from chunked_prefill.ops import BACKENDS as ATTENTION_BACKENDS
 from chunked_prefill.ops import unified_attention
-from paged_attention.cache_ops import reshape_and_cache
 from paged_attention.metadata import AttentionMetadata
+from paged_attention.ops import reshape_and_cache
 
 from mini_vllm.models.layers import Linear, QKVLinear, RMSNorm, apply_rotary_emb
+
+# attn_backend -> (chapter 01 cache-write backend, chapter 05 unified-attention backend)
+ATTENTION_BACKENDS: dict[str, tuple[str, str]] = {
+    "torch": ("torch", "torch"),            # the CPU default: vectorized SDPA over the gathered blocks
+    "reference": ("torch", "reference"),    # the per-request loop, the oracle (slow, clear)
+    "triton": ("triton", "triton"),         # GPU, or CPU under TRITON_INTERPRET=1
+    # vLLM's TritonAttentionBackend pairing: CUDA reshape_and_cache_flash + Triton unified_attention.
+    "cuda": ("cuda", "triton"),
+}
 
 KVCache = tuple[torch.Tensor, torch.Tensor]   # (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -36,6 +44,7 @@ class PagedAttention(nn.Module):
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.backend = backend
+        self.cache_backend, self.attention_backend = ATTENTION_BACKENDS[backend]
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -43,10 +52,11 @@ class PagedAttention(nn.Module):
         key_cache, value_cache = kv_cache
         ### BEGIN SOLUTION
         # The engine built slot_mapping itself: skip the range check (a device sync per layer on GPU).
-        reshape_and_cache(key, value, key_cache, value_cache, attn_metadata.slot_mapping, check_values=False)
         md = attn_metadata
+        reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping, check_values=False,
+                          backend=self.cache_backend)
         return unified_attention(query, key_cache, value_cache, md.query_start_loc, md.seq_lens, md.block_tables,
-                                 self.scale, backend=self.backend, max_query_len=md.max_query_len,
+                                 self.scale, backend=self.attention_backend, max_query_len=md.max_query_len,
                                  max_seq_len=md.max_seq_len, check_values=False)
         ### END SOLUTION
 

@@ -99,7 +99,7 @@ def test_mixed_prefill_and_decode_step_equals_separate_runs(smollm2, smollm2_tok
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
 def test_greedy_matches_hf_generate_cuda(smollm2_dir, paged_driver, hf_oracle, smollm2_tokenizer, backend):
     """The same greedy parity on CUDA (fp32), through each attention backend."""
     from transformers import AutoModelForCausalLM

@@ -1,0 +1,99 @@
+"""One model forward, ours vs HF transformers, on the same tokens — side by side in one run.
+
+    python -m mini_vllm.bench_model_forward                  # from the repo root (uses benchmarks/common.py)
+    python -m mini_vllm.bench_model_forward --quick          # fewer iterations
+
+Workloads (SmolLM2-135M-Instruct, fp32, on this machine's CPU or GPU):
+  * prefill:  one 256-token prompt.           ours: flat [256] + paged cache.  HF: model(ids[1, 256]).
+  * decode:   64 requests, 128 tokens of context each, one new token each.
+              ours: flat [64] + paged cache (block size 16, shuffled blocks).
+              HF: model(ids[64, 1], past_key_values=DynamicCache of 128), the step generate() runs.
+Both sides run under torch.inference_mode() with warm-up; the result is the median wall time per
+forward and ours/HF speed-up. HF's cache is cropped back to 128 tokens after every decode call so
+every timed call sees the same context; the crop is inside HF's timing (it is cheap: a slice).
+Results go to benchmarks/results/model_forward.json.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="HF-format directory (default: the converted SmolLM2)")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--attn-backend", default="torch")
+    args = parser.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM
+    from transformers.cache_utils import DynamicCache
+
+    from benchmarks.common import time_fn, write_result
+    from mini_vllm.default_model import default_model_path
+    from mini_vllm.input_batch import prepare_inputs
+    from mini_vllm.kv_cache import allocate_kv_caches
+    from mini_vllm.models.loader import load_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = args.model or default_model_path()
+    model, config = load_model(path, dtype="float32", device=device, attn_backend=args.attn_backend)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    warmup, iters = (1, 3) if args.quick else (3, 10)
+    block_size, rng = 16, random.Random(0)
+    rows = []
+
+    def shuffled_blocks(num_reqs: int, tokens_per_req: int) -> list[list[int]]:
+        free = list(range(num_blocks))
+        rng.shuffle(free)
+        n = -(-tokens_per_req // block_size)
+        return [[free.pop() for _ in range(n)] for _ in range(num_reqs)]
+
+    with torch.inference_mode():
+        # --- prefill: one 256-token prompt ---------------------------------------------------
+        num_blocks = 64
+        caches = allocate_kv_caches(config, num_blocks, block_size, device=device)
+        ids = torch.randint(0, config.vocab_size, (256,), generator=torch.Generator().manual_seed(0)).tolist()
+        inp = prepare_inputs([ids], [0], shuffled_blocks(1, len(ids)), block_size, device)
+        ours = time_fn(lambda: model.compute_logits(
+            model(inp.input_ids, inp.positions, caches, inp.attn_metadata)[inp.logits_indices]), warmup, iters)
+        hf_ids = torch.tensor([ids], device=device)
+        theirs = time_fn(lambda: hf(hf_ids, logits_to_keep=1).logits, warmup, iters)
+        rows.append(dict(workload="prefill 1x256", ours_ms=ours * 1e3, hf_ms=theirs * 1e3, speedup=theirs / ours))
+
+        # --- decode: 64 requests x 128 tokens of context, one new token each -------------------
+        batch, context = 64, 128
+        num_blocks = batch * (context // block_size + 1) + 8
+        caches = allocate_kv_caches(config, num_blocks, block_size, device=device)
+        prompts = torch.randint(0, config.vocab_size, (batch, context + 1), generator=torch.Generator().manual_seed(1))
+        blocks = shuffled_blocks(batch, context + 1)
+        pre = prepare_inputs(prompts[:, :context].tolist(), [0] * batch, blocks, block_size, device)
+        model(pre.input_ids, pre.positions, caches, pre.attn_metadata)          # fill the cache
+        step = prepare_inputs(prompts[:, context:].tolist(), [context] * batch, blocks, block_size, device)
+        ours = time_fn(lambda: model.compute_logits(
+            model(step.input_ids, step.positions, caches, step.attn_metadata)[step.logits_indices]), warmup, iters)
+
+        cache = DynamicCache(config=hf.config)
+        hf(prompts[:, :context].to(device), past_key_values=cache, use_cache=True)
+        next_ids = prompts[:, context:].to(device)
+
+        def hf_decode():
+            hf(next_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache.crop(-1)                                                     # back to `context` tokens
+
+        theirs = time_fn(hf_decode, warmup, iters)
+        rows.append(dict(workload=f"decode {batch}x1, context {context}", ours_ms=ours * 1e3, hf_ms=theirs * 1e3,
+                         speedup=theirs / ours))
+
+    for r in rows:
+        print(f"{r['workload']:<28} ours {r['ours_ms']:8.2f} ms   HF {r['hf_ms']:8.2f} ms   speed-up x{r['speedup']:.2f}")
+    out = write_result("model_forward", dict(model=str(path), dtype="float32", device=device,
+                                             attn_backend=args.attn_backend, block_size=block_size,
+                                             warmup=warmup, iters=iters), rows)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
