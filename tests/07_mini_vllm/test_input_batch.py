@@ -1,12 +1,17 @@
-"""prepare_inputs / build_attention_metadata: exact layouts, and a property test against a per-token loop."""
+"""prepare_inputs: exact layouts, and a property test against a per-token loop.
+
+(The attention metadata itself is chapter 01's build_attention_metadata, tested there; these
+tests check what prepare_inputs adds — input_ids, positions, logits_indices — and the composition.)"""
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mini_vllm.input_batch import build_attention_metadata, prepare_inputs
+from mini_vllm.input_batch import prepare_inputs
 
 
 def test_mixed_step_exact():
@@ -29,7 +34,7 @@ def test_mixed_step_exact():
 
 
 def test_block_table_rows_padded_with_zero():
-    _, md = build_attention_metadata([0, 0], [1, 9], [[4], [6, 1, 3]], block_size=4)
+    md = prepare_inputs([[1], [2] * 9], [0, 0], [[4], [6, 1, 3]], block_size=4).attn_metadata
     assert md.block_tables.tolist() == [[4, 0, 0], [6, 1, 3]]
 
 
@@ -39,28 +44,34 @@ def test_matches_per_token_loop(data, block_size):
     num_reqs = data.draw(st.integers(1, 6))
     computed = data.draw(st.lists(st.integers(0, 40), min_size=num_reqs, max_size=num_reqs))
     new = data.draw(st.lists(st.integers(1, 12), min_size=num_reqs, max_size=num_reqs))
-    pool = data.draw(st.permutations(range(200)))
+    pool = list(range(6 * (52 + 2)))                                   # enough blocks for the largest draw
+    random.Random(data.draw(st.integers(0, 2**16))).shuffle(pool)
     block_ids, used = [], 0
     for c, n in zip(computed, new):
         k = -(-(c + n) // block_size) + data.draw(st.integers(0, 2))     # sometimes more blocks than needed
         block_ids.append(list(pool[used:used + k]))
         used += k
-    positions, md = build_attention_metadata(computed, new, block_ids, block_size)
-    exp_pos, exp_slots = [], []
+    tokens = [[data.draw(st.integers(0, 500)) for _ in range(n)] for n in new]
+    inputs = prepare_inputs(tokens, computed, block_ids, block_size)
+    md = inputs.attn_metadata
+    exp_pos, exp_slots, exp_last = [], [], []
     for c, n, blocks in zip(computed, new, block_ids):
         for pos in range(c, c + n):
             exp_pos.append(pos)
             exp_slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-    assert positions.tolist() == exp_pos
+        exp_last.append(len(exp_pos) - 1)
+    assert inputs.input_ids.tolist() == [t for ts in tokens for t in ts]
+    assert inputs.positions.tolist() == exp_pos
+    assert inputs.logits_indices.tolist() == exp_last
     assert md.slot_mapping.tolist() == exp_slots
     assert len(set(exp_slots)) == len(exp_slots)                          # no two tokens share a slot
     assert md.seq_lens.tolist() == [c + n for c, n in zip(computed, new)]
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match="request 1 needs 9 slots but its 2 blocks of 4 hold 8"):
-        build_attention_metadata([0, 5], [3, 4], [[0], [1, 2]], block_size=4)
-    with pytest.raises(ValueError, match="need num_new_tokens >= 1"):
+    with pytest.raises(ValueError, match="request 1 needs 9 slots but holds 2 blocks of 4"):
+        prepare_inputs([[1, 2, 3], [4] * 4], [0, 5], [[0], [1, 2]], block_size=4)
+    with pytest.raises(ValueError, match=r"num_new_tokens >= 1 for each, got \[1, 0\]"):
         prepare_inputs([[1], []], [0, 3], [[0], [1]], block_size=4)
     with pytest.raises(ValueError, match="one entry per request"):
-        build_attention_metadata([0], [1, 1], [[0], [1]], block_size=4)
+        prepare_inputs([[1], [1]], [0], [[0], [1]], block_size=4)
