@@ -100,7 +100,10 @@ def plot(rows: list[dict], path) -> None:
             if key == "hit_rate":
                 ax.axhline(ideal["hit_rate"], color="gray", lw=0.8, label="unbounded cache")
                 ax.set_title(f"{name} (seed 001: {ideal['seed_table']})", fontsize=9)
+            fracs = sorted({r["cache_fraction"] for r in rows if r["policy"] not in ("ideal", "no_cache")})
             ax.set_xscale("log")
+            ax.set_xticks(fracs, [f"{f:g}" for f in fracs])
+            ax.minorticks_off()
         axes[1, col].set_xlabel("cache size / unbounded")
     axes[0, 0].set_ylabel("hit rate (first admissions)")
     axes[1, 0].set_ylabel("prefill compute saved vs no cache")
