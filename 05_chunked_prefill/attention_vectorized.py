@@ -10,9 +10,9 @@ a few large calls:
    batch with k drafts is one group, a long prefill chunk is a group of its own), sorted
    by seq_len and cut into sub-batches of at most `kv_rows_per_batch` padded KV rows.
    Sorting keeps the padding to each sub-batch's longest sequence small; the cap keeps
-   the gathered K/V cache-sized and below the allocator's mmap threshold (a 40 MB
-   temporary costs more in page faults than the attention itself on this CPU). The
-   Python loop is over sub-batches, not requests.
+   the gathered K/V cache-sized, so SDPA reads them back from L2/L3 rather than DRAM
+   (one padded batch of 64 x 768 rows allocates and streams ~40 MB per cache). The
+   Python loop is over sub-batches (~10 for 64 decodes), not requests.
 2. *Gather* each sub-batch's K/V through the block table into a padded
    [m, longest seq_len, num_kv_heads, head_dim] tensor (one index_select per cache)
    and zero the rows past each request's seq_len: the row padding of
@@ -38,10 +38,12 @@ import torch.nn.functional as F
 
 from chunked_prefill.attention_reference import check_unified_attention_args
 
-# 4096 rows x 3 KV heads x 64 dims x 4 bytes = 3 MB per gathered K (and V) for SmolLM2
-# fp32: fits L2/L3 and stays far below glibc's 32 MB mmap ceiling. Measured by
-# benchmarks/bench_unified_attention.py --sweep-rows.
-KV_ROWS_PER_BATCH = 4096
+# 2048 rows x 3 KV heads x 64 dims x 4 bytes = 1.5 MB per gathered K (and V) for SmolLM2
+# fp32: SDPA reads the gathered K/V while they are still in L2/L3. Chosen by
+# `python -m benchmarks.bench_unified_attention --sweep-rows` (64 decodes, 2-core EPYC:
+# 1536-3072 rows are best; 512 pays per-call overhead, 8192+ spills the caches, one
+# padded 64 x 768 batch is ~4x slower).
+KV_ROWS_PER_BATCH = 2048
 
 
 def plan_sub_batches(query_lens: list[int], seq_lens: list[int],

@@ -287,16 +287,22 @@ class CountSDPA(TorchFunctionMode):
 
 
 def test_torch_path_one_call_for_a_decode_batch():
-    """64 decodes are ONE SDPA call (no Python loop over requests), and tiny sub-batches
+    """64 decodes that fit the row budget are ONE SDPA call (no Python loop over
+    requests); the default budget makes one call per planned sub-batch; tiny budgets
     (every request alone) give the same answer."""
     b = make_batch([1] * 64, [(7 * i) % 40 for i in range(64)])
     with CountSDPA() as batched:
+        one_call = attention_vectorized.unified_attention(*b.args, kv_rows_per_batch=64 * 40)
+    with CountSDPA() as default:
         out = run("torch", b)
     with CountSDPA() as alone:
         one_by_one = attention_vectorized.unified_attention(*b.args, kv_rows_per_batch=1)
-    assert (batched.calls, alone.calls) == (1, 64)
-    assert_close(out, attention_reference.unified_attention(*b.args))
-    assert_close(one_by_one, out)
+    plan = attention_vectorized.plan_sub_batches([1] * 64, b.seq_lens.tolist())
+    assert (batched.calls, default.calls, alone.calls) == (1, len(plan), 64)
+    assert len(plan) == 2            # 64 x 40 padded rows exceed 2048: the sorted requests split in two
+    expected = attention_reference.unified_attention(*b.args)
+    for got in (one_call, out, one_by_one):
+        assert_close(got, expected)
 
 
 # ---------------------------------------------------------------- Triton-specific variants
