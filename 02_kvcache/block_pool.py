@@ -171,17 +171,17 @@ class BlockPool:
         h = head.block_hash
         if h is None or len(self.cached_block_hash_to_block[h.hash_value]) > 1 or not self._children.get(h.hash_value):
             return
-        # Pre-order walk of the cached subtree below h; reversed, every block precedes its parent.
-        preorder, seen, stack = [], {h.hash_value}, [h.hash_value]
+        # Walk the cached subtree below h, listing every block after its parent.
+        order, seen, stack = [], {h.hash_value}, [h.hash_value]
         while stack:
             for child in self._children.get(stack.pop(), {}).values():
                 if child.ref_cnt > 0:       # cannot happen (a holder of a child holds its parent)
                     continue
-                preorder.append(child)
+                order.append(child)
                 if child.block_hash.hash_value not in seen:
                     seen.add(child.block_hash.hash_value)
                     stack.append(child.block_hash.hash_value)
-        for block in preorder:              # appendleft in pre-order = reversed pre-order at the head
+        for block in order:                 # appendleft each in turn: at the head, children precede parents
             self.free_block_queue.remove(block)
             self.free_block_queue.appendleft(block)
         self.num_chain_reorders += 1

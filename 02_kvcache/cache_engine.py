@@ -46,8 +46,10 @@ class KVCacheSpec:
         """(key_caches, value_caches): num_layers tensors each of
         [num_blocks, block_size, num_kv_heads, head_dim], zero-filled."""
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        make = lambda: torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin_memory)  # noqa: E731
-        return [make() for _ in range(self.num_layers)], [make() for _ in range(self.num_layers)]
+
+        def one_layer() -> torch.Tensor:
+            return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
+        return [one_layer() for _ in range(self.num_layers)], [one_layer() for _ in range(self.num_layers)]
 
 
 class CacheEngine:

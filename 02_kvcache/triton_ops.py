@@ -38,8 +38,8 @@ def _move_blocks_kernel(
     ALIGNED16: tl.constexpr,  # every chunk starts 16-byte aligned: allow 16-byte vector loads/stores
 ):
     ### BEGIN SOLUTION
-    cache = tl.program_id(0)            # which tensor (layer x {key, value})
-    pair = tl.program_id(1)             # which (src, dst) pair
+    pair = tl.program_id(0)             # which (src, dst) pair (axis 0: up to 2**31 - 1 of them)
+    cache = tl.program_id(1)            # which tensor (layer x {key, value})
     chunk = tl.program_id(2)            # which CHUNK of the block
     src_block = tl.load(block_mapping + 2 * pair)       # int64: offsets below cannot overflow
     dst_block = tl.load(block_mapping + 2 * pair + 1)
@@ -83,7 +83,7 @@ def move_blocks(src_caches: Sequence[torch.Tensor], dst_caches: Sequence[torch.T
     chunk = min(triton.next_power_of_2(words_per_block), max(1, max_chunk_bytes // word))
     aligned16 = (bytes_per_block % 16 == 0 and (chunk * word) % 16 == 0
                  and all(c.data_ptr() % 16 == 0 for c in list(src_caches) + list(dst_caches)))
-    grid = (len(src_caches), num_pairs, triton.cdiv(words_per_block, chunk))
+    grid = (num_pairs, len(src_caches), triton.cdiv(words_per_block, chunk))
     mapping = block_mapping.to(device=run_on, dtype=torch.int64).contiguous()
     _move_blocks_kernel[grid](_pointer_table(src_caches, run_on), _pointer_table(dst_caches, run_on), mapping,
                               words_per_block, WORD=_WORD_TYPES[word], CHUNK=chunk, ALIGNED16=aligned16,
