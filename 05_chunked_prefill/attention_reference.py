@@ -52,9 +52,9 @@ def check_unified_attention_args(
     devices = {t.device for t in (query, key_cache, value_cache, query_start_loc, seq_lens, block_tables)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    n = seq_lens.shape[0]
     if seq_lens.dim() != 1:
         raise ValueError(f"seq_lens must be [num_seqs], got {tuple(seq_lens.shape)}")
+    n = seq_lens.shape[0]
     if query_start_loc.shape != (n + 1,):
         raise ValueError(f"query_start_loc must be [num_seqs + 1 = {n + 1}], got {tuple(query_start_loc.shape)}")
     if block_tables.dim() != 2 or block_tables.shape[0] != n:

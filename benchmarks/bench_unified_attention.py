@@ -17,7 +17,7 @@ Peers, timed in the same run on the same tensors:
                 (queries padded to max_query_len, offset-causal + padding mask): what a
                 non-paged engine with a static per-request cache does; the K/V are built
                 before timing, so it pays no gather
-  sdpa_loop     one SDPA call per request on its contiguous K/V (lower-right causal)
+  sdpa_loop     one SDPA call per request on its contiguous K/V (offset-causal mask)
   torch         ours, attention_vectorized.py (backend="torch")
   triton        ours, triton_ops.py (backend="triton"; GPU only, the interpreter is no timing)
 "Useful GB/s" = K/V bytes a request really owns (sum of seq_lens) / time. Each time is
@@ -32,7 +32,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from benchmarks.common import RESULTS_DIR, time_fn, write_result
 from chunked_prefill import attention_reference, attention_vectorized
@@ -80,39 +79,49 @@ def build(query_lens, context_lens, dtype, device, seed=0):
     return paged, [k.to(**to) for k in keys], [v.to(**to) for v in values]
 
 
+def offset_causal_mask(q_len: int, seq_len: int, device) -> torch.Tensor:   # [q_len, seq_len] bool
+    return torch.arange(seq_len, device=device)[None, :] <= torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+
+
 def sdpa_dense_peer(query, query_lens, keys, values, scale):
-    """Pad everything into dense tensors once (not timed); return the one-call SDPA to time."""
+    """Pad everything into dense tensors once (not timed). Returns (the one-call SDPA to
+    time, a function that unpads its output to [num_tokens, h, d] for the check)."""
     n, max_q, max_s = len(keys), max(query_lens), max(k.shape[0] for k in keys)
     dev, dt = query.device, query.dtype
     k_pad = torch.zeros(n, NUM_KV_HEADS, max_s, HEAD_DIM, dtype=dt, device=dev)
     v_pad = torch.zeros_like(k_pad)
     q_pad = torch.zeros(n, NUM_HEADS, max_q, HEAD_DIM, dtype=dt, device=dev)
     mask = torch.zeros(n, 1, max_q, max_s, dtype=torch.bool, device=dev)
-    starts = [0]
+    mask[:, :, :, 0] = True                    # padded query rows see key 0 (their output is dropped)
+    start = 0
     for i, (k, v, q_len) in enumerate(zip(keys, values, query_lens)):
         s = k.shape[0]
         k_pad[i, :, :s] = k.transpose(0, 1)
         v_pad[i, :, :s] = v.transpose(0, 1)
-        q_pad[i, :, :q_len] = query[starts[-1]:starts[-1] + q_len].transpose(0, 1)
-        starts.append(starts[-1] + q_len)
-        # padded query rows see key 0 only (their output is discarded), real rows offset-causal
-        mask[i, 0, :, 0] = True
-        mask[i, 0, :q_len, :s] = torch.arange(s, device=dev)[None, :] <= (s - q_len + torch.arange(q_len, device=dev))[:, None]
-    return lambda: F.scaled_dot_product_attention(q_pad, k_pad, v_pad, attn_mask=mask, scale=scale, enable_gqa=True)
+        q_pad[i, :, :q_len] = query[start:start + q_len].transpose(0, 1)
+        mask[i, 0, :q_len, :s] = offset_causal_mask(q_len, s, dev)
+        start += q_len
+
+    def unpad(out):                            # [n, h, max_q, d] -> [num_tokens, h, d]
+        return torch.cat([out[i, :, :q_len].transpose(0, 1) for i, q_len in enumerate(query_lens)])
+    return lambda: F.scaled_dot_product_attention(q_pad, k_pad, v_pad, attn_mask=mask, scale=scale,
+                                                  enable_gqa=True), unpad
 
 
 def sdpa_loop_peer(query, query_lens, keys, values, scale):
-    ks = [k.transpose(0, 1)[None].contiguous() for k in keys]          # [1, kvh, s, d], contiguous
-    vs = [v.transpose(0, 1)[None].contiguous() for v in values]
-    starts = [0]
-    for q_len in query_lens:
-        starts.append(starts[-1] + q_len)
-    qs = [query[a:b].transpose(0, 1)[None] for a, b in zip(starts, starts[1:])]
+    """One SDPA call per request on contiguous [1, kvh, seq_len, d] K/V (built untimed)."""
+    calls, start = [], 0
+    for q_len, k, v in zip(query_lens, keys, values):
+        q = query[start:start + q_len].transpose(0, 1)[None]                # [1, h, q_len, d]
+        start += q_len
+        s = k.shape[0]
+        mask = None if q_len == 1 or q_len == s else offset_causal_mask(q_len, s, query.device)
+        calls.append((q, k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous(),
+                      mask, q_len == s and q_len > 1))
 
     def run():
-        return [F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
-                                               scale=scale, enable_gqa=True)
-                for q, k, v in zip(qs, ks, vs)]
+        return [F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, scale=scale, enable_gqa=True)
+                for q, k, v, m, causal in calls]
     return run
 
 
@@ -131,14 +140,19 @@ def bench_workload(name, query_lens, context_lens, dtype, device, backends, roun
     scale = HEAD_DIM ** -0.5
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
     meta = dict(max_query_len=max(query_lens), max_seq_len=max(seq_lens), check_values=False)
-    expected = attention_reference.unified_attention(*paged, scale)
+    expected = attention_reference.unified_attention(*paged, scale).float()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+
+    def check(out):                                       # time only right answers, peers included
+        torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    dense, unpad = sdpa_dense_peer(paged[0], query_lens, keys, values, scale)
+    loop = sdpa_loop_peer(paged[0], query_lens, keys, values, scale)
+    check(unpad(dense()))
+    check(torch.cat([o[0].transpose(0, 1) for o in loop()]))
     fns = {"reference": lambda: attention_reference.unified_attention(*paged, scale, check_values=False),
-           "sdpa_dense": sdpa_dense_peer(paged[0], query_lens, keys, values, scale),
-           "sdpa_loop": sdpa_loop_peer(paged[0], query_lens, keys, values, scale)}
+           "sdpa_dense": dense, "sdpa_loop": loop}
     for backend in backends:
-        out = unified_attention(*paged, scale, backend=backend, **meta)
-        tol = 1e-4 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)   # time only right answers
+        check(unified_attention(*paged, scale, backend=backend, **meta))
         fns[backend] = lambda b=backend: unified_attention(*paged, scale, backend=b, **meta)
     kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * paged[1].element_size()
     times = interleaved_times(fns, rounds, iters)
