@@ -8,17 +8,38 @@ Workloads (SmolLM2-135M-Instruct, fp32, on this machine's CPU or GPU):
   * decode:   64 requests, 128 tokens of context each, one new token each.
               ours: flat [64] + paged cache (block size 16, shuffled blocks).
               HF: model(ids[64, 1], past_key_values=DynamicCache of 128), the step generate() runs.
-Both sides run under torch.inference_mode() with warm-up; the result is the median wall time per
-forward and ours/HF speed-up. HF's cache is cropped back to 128 tokens after every decode call so
+Both sides run under torch.inference_mode() with warm-up, *interleaved* (ours, HF, ours, HF, ...)
+so that a noisy shared machine slows both alike; the result is the median wall time per forward
+and the speed-up HF/ours. HF's cache is cropped back to 128 tokens after every decode call so
 every timed call sees the same context; the crop is inside HF's timing (it is cheap: a slice).
 Results go to benchmarks/results/model_forward.json.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import statistics
+import time
 
 import torch
+
+
+def paired_medians(ours, theirs, warmup: int, iters: int) -> tuple[float, float]:
+    """Median seconds of ours() and theirs(), called alternately after `warmup` calls of each."""
+    from benchmarks.common import sync
+
+    for _ in range(warmup):
+        ours(), theirs()
+    samples = ([], [])
+    for _ in range(iters):
+        for fn, out in ((ours, samples[0]), (theirs, samples[1])):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(samples[0]), statistics.median(samples[1])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,12 +47,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="HF-format directory (default: the converted SmolLM2)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--attn-backend", default="torch")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from transformers import AutoModelForCausalLM
     from transformers.cache_utils import DynamicCache
 
     from benchmarks.common import time_fn, write_result
+    from chunked_prefill.ops import unified_attention
+    from paged_attention.ops import reshape_and_cache
     from mini_vllm.default_model import default_model_path
     from mini_vllm.input_batch import prepare_inputs
     from mini_vllm.kv_cache import allocate_kv_caches
@@ -57,10 +83,10 @@ def main(argv: list[str] | None = None) -> None:
         caches = allocate_kv_caches(config, num_blocks, block_size, device=device)
         ids = torch.randint(0, config.vocab_size, (256,), generator=torch.Generator().manual_seed(0)).tolist()
         inp = prepare_inputs([ids], [0], shuffled_blocks(1, len(ids)), block_size, device)
-        ours = time_fn(lambda: model.compute_logits(
-            model(inp.input_ids, inp.positions, caches, inp.attn_metadata)[inp.logits_indices]), warmup, iters)
         hf_ids = torch.tensor([ids], device=device)
-        theirs = time_fn(lambda: hf(hf_ids, logits_to_keep=1).logits, warmup, iters)
+        ours, theirs = paired_medians(
+            lambda: model.compute_logits(model(inp.input_ids, inp.positions, caches, inp.attn_metadata)[inp.logits_indices]),
+            lambda: hf(hf_ids, logits_to_keep=1).logits, warmup, iters)
         rows.append(dict(workload="prefill 1x256", ours_ms=ours * 1e3, hf_ms=theirs * 1e3, speedup=theirs / ours))
 
         # --- decode: 64 requests x 128 tokens of context, one new token each -------------------
@@ -72,9 +98,6 @@ def main(argv: list[str] | None = None) -> None:
         pre = prepare_inputs(prompts[:, :context].tolist(), [0] * batch, blocks, block_size, device)
         model(pre.input_ids, pre.positions, caches, pre.attn_metadata)          # fill the cache
         step = prepare_inputs(prompts[:, context:].tolist(), [context] * batch, blocks, block_size, device)
-        ours = time_fn(lambda: model.compute_logits(
-            model(step.input_ids, step.positions, caches, step.attn_metadata)[step.logits_indices]), warmup, iters)
-
         cache = DynamicCache(config=hf.config)
         hf(prompts[:, :context].to(device), past_key_values=cache, use_cache=True)
         next_ids = prompts[:, context:].to(device)
@@ -83,15 +106,44 @@ def main(argv: list[str] | None = None) -> None:
             hf(next_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache.crop(-1)                                                     # back to `context` tokens
 
-        theirs = time_fn(hf_decode, warmup, iters)
+        ours, theirs = paired_medians(
+            lambda: model.compute_logits(model(step.input_ids, step.positions, caches, step.attn_metadata)[step.logits_indices]),
+            hf_decode, warmup, iters)
         rows.append(dict(workload=f"decode {batch}x1, context {context}", ours_ms=ours * 1e3, hf_ms=theirs * 1e3,
                          speedup=theirs / ours))
 
+        # --- where our decode step goes: the paged-attention ops and the lm_head, timed alone -----
+        md = step.attn_metadata
+        attn = model.model.layers[0].self_attn.attn
+        q = torch.randn(batch, config.num_attention_heads, config.head_dim, device=device)
+        kv = torch.randn(batch, config.num_key_value_heads, config.head_dim, device=device)
+        hidden = torch.randn(batch, config.hidden_size, device=device)
+        # One call per layer, each on that layer's own cache, as in the forward (a single hot cache
+        # timed 30 times would fit in L2 and flatter the ops).
+        breakdown = {
+            "cache write (ch01 reshape_and_cache), all layers": time_fn(lambda: [reshape_and_cache(
+                kv, kv, k_cache, v_cache, md.slot_mapping, check_values=False, backend=attn.cache_backend)
+                for k_cache, v_cache in caches], warmup, iters),
+            "unified attention (ch05), all layers": time_fn(lambda: [unified_attention(
+                q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, attn.scale,
+                backend=attn.attention_backend, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
+                check_values=False) for k_cache, v_cache in caches], warmup, iters),
+            "lm_head (compute_logits)": time_fn(lambda: model.compute_logits(hidden), warmup, iters),
+        }
+        breakdown["everything else (GEMMs, norms, RoPE, ...)"] = ours - sum(breakdown.values())
+        for part, seconds in breakdown.items():
+            rows.append(dict(workload=f"decode {batch}x1 breakdown: {part}", ours_ms=seconds * 1e3,
+                             share=seconds / ours))
+
     for r in rows:
-        print(f"{r['workload']:<28} ours {r['ours_ms']:8.2f} ms   HF {r['hf_ms']:8.2f} ms   speed-up x{r['speedup']:.2f}")
+        if "hf_ms" in r:
+            print(f"{r['workload']:<28} ours {r['ours_ms']:8.2f} ms   HF {r['hf_ms']:8.2f} ms   speed-up x{r['speedup']:.2f}")
+        else:
+            print(f"  {r['workload']:<68} {r['ours_ms']:8.2f} ms  ({r['share']:.0%})")
     out = write_result("model_forward", dict(model=str(path), dtype="float32", device=device,
                                              attn_backend=args.attn_backend, block_size=block_size,
-                                             warmup=warmup, iters=iters), rows)
+                                             warmup=warmup, iters=iters, threads=torch.get_num_threads(),
+                                             load_average_after=os.getloadavg()), rows)
     print(f"wrote {out}")
 
 
