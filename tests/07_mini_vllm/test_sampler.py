@@ -22,6 +22,8 @@ from mini_vllm.sampler import (Sampler, SamplingMetadata, apply_top_k_only, appl
 from mini_vllm.sampling_params import SamplingParams
 
 DELTA = 1e-6
+# CPU always; the same tests on CUDA (CUDA generators, CUDA kernels) under `make test-gpu`.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.7, 0.3, 0.1, -0.2, -0.6, -1.0, -1.7, -2.5])   # V = 12, no ties
 
 
@@ -74,12 +76,13 @@ WRONG = {
 DRAWS_PER_CASE = 40_000
 
 
-def test_distributions_match_targets():
+@pytest.mark.parametrize("dev", DEVICES)
+def test_distributions_match_targets(dev):
     """All five cases in ONE batch (rows carry their own parameters), 40k rows each."""
     params = [SamplingParams(**kw) for kw in CASES.values() for _ in range(DRAWS_PER_CASE)]
-    logits = LOGITS.expand(len(params), -1).contiguous()
-    sampler = Sampler(generator=torch.Generator().manual_seed(1234))
-    tokens = sampler(logits, SamplingMetadata.from_params(params)).sampled_token_ids
+    logits = LOGITS.to(dev).expand(len(params), -1).contiguous()
+    sampler = Sampler(generator=torch.Generator(dev).manual_seed(1234))
+    tokens = sampler(logits, SamplingMetadata.from_params(params, device=dev)).sampled_token_ids.cpu()
     V = LOGITS.numel()
     eps = bhc_eps(V, DRAWS_PER_CASE)
     for i, (name, kw) in enumerate(CASES.items()):
@@ -92,27 +95,30 @@ def test_distributions_match_targets():
         assert np.abs(wrong - target).sum() > 2 * eps, f"{name}: the test could not tell the wrong answer apart"
 
 
-def test_greedy_rows_are_exact_argmax_next_to_random_rows():
+@pytest.mark.parametrize("dev", DEVICES)
+def test_greedy_rows_are_exact_argmax_next_to_random_rows(dev):
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(6, 1000, generator=g)
+    logits = torch.randn(6, 1000, generator=g).to(dev)
     logits[2, 17] = logits[2, 400] = logits[2].max() + 1           # a tie: argmax takes the first index, as HF does
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0), SamplingParams(temperature=0),
               SamplingParams(temperature=2.0, top_p=0.9), SamplingParams(temperature=0, seed=5), SamplingParams(top_k=3)]
-    out = Sampler()(logits, SamplingMetadata.from_params(params, [None, None, None, None, None, None])).sampled_token_ids
+    out = Sampler()(logits, SamplingMetadata.from_params(params, device=dev)).sampled_token_ids
     greedy_rows = [0, 2, 4]
     assert out[greedy_rows].tolist() == logits[greedy_rows].argmax(-1).tolist()
     assert out[2].item() == 17
 
 
-def test_top_k_1_is_greedy():
+@pytest.mark.parametrize("dev", DEVICES)
+def test_top_k_1_is_greedy(dev):
     g = torch.Generator().manual_seed(1)
-    logits = torch.randn(32, 500, generator=g)
+    logits = torch.randn(32, 500, generator=g).to(dev)
     params = [SamplingParams(temperature=t, top_k=1) for t in np.linspace(0.1, 3.0, 32).tolist()]
-    out = Sampler(torch.Generator().manual_seed(0))(logits, SamplingMetadata.from_params(params)).sampled_token_ids
+    out = Sampler(torch.Generator(dev).manual_seed(0))(logits, SamplingMetadata.from_params(params, device=dev)).sampled_token_ids
     assert torch.equal(out, logits.argmax(-1))
 
 
-def test_seeded_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("dev", DEVICES)
+def test_seeded_rows_do_not_depend_on_the_batch(dev):
     """Request x (seed 42) samples the same 8 tokens alone and inside a batch whose size, order and
     other rows (greedy, unseeded, another seed, other filters) change every step."""
     V, steps = 64, 8
@@ -121,8 +127,8 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     x = SamplingParams(temperature=1.0, top_p=0.95, seed=42)
 
     def sample_x(other_rows) -> list[int]:
-        gen_x = request_generator(x)                     # created once, advances every step
-        sampler = Sampler(torch.Generator().manual_seed(99))
+        gen_x = request_generator(x, dev)                # created once, advances every step
+        sampler = Sampler(torch.Generator(dev).manual_seed(99))
         tokens = []
         for step in range(steps):
             rows = other_rows(step)                        # [(params, generator or None)]
@@ -130,11 +136,11 @@ def test_seeded_rows_do_not_depend_on_the_batch():
             rows.insert(at, (x, gen_x))
             logits = torch.randn(len(rows), V, generator=g)
             logits[at] = logits_x[step]
-            md = SamplingMetadata.from_params([p for p, _ in rows], [gen for _, gen in rows])
-            tokens.append(sampler(logits, md).sampled_token_ids[at].item())
+            md = SamplingMetadata.from_params([p for p, _ in rows], [gen for _, gen in rows], device=dev)
+            tokens.append(sampler(logits.to(dev), md).sampled_token_ids[at].item())
         return tokens
 
-    gen7 = request_generator(SamplingParams(seed=7))
+    gen7 = request_generator(SamplingParams(seed=7), dev)
     busy_rows = lambda step: [(SamplingParams(temperature=0), None),
                               (SamplingParams(temperature=0.5, top_k=step + 1), None),
                               (SamplingParams(seed=7), gen7)][:1 + step % 3]
@@ -142,9 +148,9 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     assert sample_x(busy_rows) == alone
     assert sample_x(lambda step: []) == alone                                  # and run to run
     other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=43)
-    gen = request_generator(other_seed)
-    different = [Sampler()(logits_x[s][None], SamplingMetadata.from_params([other_seed], [gen])).sampled_token_ids.item()
-                 for s in range(steps)]
+    gen = request_generator(other_seed, dev)
+    different = [Sampler()(logits_x[s][None].to(dev), SamplingMetadata.from_params([other_seed], [gen], device=dev))
+                 .sampled_token_ids.item() for s in range(steps)]
     assert different != alone, "another seed should give another sequence"
 
 
