@@ -98,7 +98,7 @@ class ModelConfig:
         """Read and validate `model/config.json` (via transformers.AutoConfig).
 
         dtype: "auto" = the checkpoint's dtype (config "dtype"/"torch_dtype"), fp32 if it names none.
-        max_model_len: default = max_position_embeddings.
+        max_model_len: default = max_position_embeddings (or a smaller sliding window).
         """
         path = Path(model).expanduser()
         check_model_dir(path)

@@ -154,6 +154,10 @@ def default_model_path(cache_dir: Path | str | None = None, force: bool = False)
     final = root / MODEL_NAME
     if is_converted(final) and not force:
         return final
+    if final.exists() and not force:
+        missing = [name for name in REQUIRED_FILES if not (final / name).is_file()]
+        raise FileExistsError(f"{final} exists but is not a complete conversion (missing {', '.join(missing)}); "
+                              "remove it, or run `python -m mini_vllm.default_model --force`")
     gguf_path = find_gguf()
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{MODEL_NAME}.tmp-{os.getpid()}"

@@ -203,17 +203,18 @@ class Sampler(nn.Module):
 
 
 def check_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
-    """Shape/dtype checks, and a clear error naming the rows whose logits hold NaN or inf.
+    """Shape/dtype checks, and a clear error naming the rows whose logits hold NaN or +inf (or no
+    finite value at all). -inf alone is fine: it is how a token is masked out.
 
-    Without it a NaN row would sample token 0 (or whatever argmax makes of NaN) forever, silently.
+    Without it a NaN row would sample whatever argmax makes of NaN, every step, silently.
     """
     if logits.dim() != 2 or logits.shape[0] != metadata.num_rows:
         raise ValueError(f"logits must be [num_reqs={metadata.num_rows}, vocab], got {tuple(logits.shape)}")
     if logits.dtype != torch.float32:
         raise TypeError(f"the sampler works in fp32; got logits of dtype {logits.dtype} (compute_logits returns fp32)")
-    bad = ~torch.isfinite(logits).all(dim=-1)                                  # [N]
+    bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | ~torch.isfinite(logits).any(-1)   # [N]
     if bool(bad.any()):
         rows = bad.nonzero().flatten().tolist()
         names = f" (requests {[metadata.req_ids[r] for r in rows]})" if metadata.req_ids else ""
-        raise FloatingPointError(f"non-finite logits (NaN or inf) in rows {rows}{names}: the model's output overflowed "
+        raise FloatingPointError(f"non-finite logits (NaN, +inf or all -inf) in rows {rows}{names}: the model's output overflowed "
                                  "or its weights are corrupt (fp16 overflow? try bfloat16 or float32)")

@@ -76,3 +76,13 @@ def test_real_conversion_output(smollm2_dir):
     config = json.loads((smollm2_dir / "config.json").read_text())
     assert "quantization_config" not in config and config["rope_theta"] == 100000.0
     assert (smollm2_dir / "model.safetensors").stat().st_size > 500_000_000
+
+
+def test_incomplete_directory_is_not_trusted(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(dm, "convert_gguf", fake_convert(calls))
+    (tmp_path / dm.MODEL_NAME).mkdir()
+    (tmp_path / dm.MODEL_NAME / "config.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="exists but is not a complete conversion .*missing model.safetensors"):
+        dm.default_model_path(tmp_path)
+    assert dm.is_converted(dm.default_model_path(tmp_path, force=True)) and len(calls) == 1

@@ -179,15 +179,20 @@ def test_logprobs_are_raw_model_logprobs():
 
 
 def test_non_finite_logits_name_the_rows():
-    logits = torch.zeros(4, 10)
+    logits = torch.zeros(5, 10)
     logits[1, 3] = float("nan")
+    logits[2, :9] = float("-inf")                    # masked tokens are fine while one stays finite
     logits[3, 0] = float("inf")
-    md = SamplingMetadata.from_params([SamplingParams(temperature=0)] * 4, req_ids=["a", "b", "c", "d"])
-    with pytest.raises(FloatingPointError, match=r"non-finite logits \(NaN or inf\) in rows \[1, 3\] \(requests \['b', 'd'\]\)"):
+    logits[4, :] = float("-inf")                     # nothing left to sample
+    md = SamplingMetadata.from_params([SamplingParams(temperature=0)] * 5, req_ids=["a", "b", "c", "d", "e"])
+    with pytest.raises(FloatingPointError, match=r"non-finite logits \(NaN, \+inf or all -inf\) in rows \[1, 3, 4\] "
+                                                 r"\(requests \['b', 'd', 'e'\]\)"):
         Sampler()(logits, md)
+    assert Sampler()(logits[[0, 2]], SamplingMetadata.from_params([SamplingParams(temperature=0)] * 2)) \
+        .sampled_token_ids.tolist() == [0, 9]
     with pytest.raises(TypeError, match="the sampler works in fp32"):
         Sampler()(logits.half(), md)
-    with pytest.raises(ValueError, match=r"logits must be \[num_reqs=4, vocab\]"):
+    with pytest.raises(ValueError, match=r"logits must be \[num_reqs=5, vocab\]"):
         Sampler()(logits[:3], md)
 
 
