@@ -10,7 +10,7 @@ Mirrors vLLM's `vllm/model_executor/layers/`:
 Every activation is 2-D `[num_tokens, ...]`: the tokens of all requests in a step laid end to end,
 no batch dimension and no padding (vLLM v1's layout). Parameters are created uninitialised
 (`torch.empty`): the loader overwrites every one of them and fails loudly if any is missing,
-so random initialisation would be wasted work (~1 s for SmolLM2 on a CPU).
+so random initialisation would be wasted work (seconds for SmolLM2 on a CPU).
 
 Numerics follow HF transformers op for op (fp32 norm statistics, the same RoPE frequencies and
 rotation), so fp32 results agree with the oracle to rounding (see the README, "Parity").
@@ -41,9 +41,10 @@ class MergedColumnLinear(Linear):
     """Several linears that read the same input, stacked along the output dim: ONE matmul.
 
     Why: q/k/v (and gate/up) projections all read the same normed hidden state. One GEMM over
-    the stacked weight reads the input once and launches one kernel instead of three, which is
-    what makes small models fast on a CPU and decode steps fast on a GPU. Checkpoints still
-    store the pieces separately, so each piece is a *shard* with its own `weight_loader`
+    the stacked weight reads the input once and launches one kernel instead of three — what
+    matters in a GPU decode step, where each small GEMM is bound by launch overhead and by reading
+    its weights (on a CPU at SmolLM2's sizes the gain is within noise). Checkpoints still store the
+    pieces separately, so each piece is a *shard* with its own `weight_loader`
     (vLLM: `MergedColumnParallelLinear.weight_loader(param, loaded_weight, loaded_shard_id)`).
     """
 
@@ -155,12 +156,12 @@ def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) -
 class RotaryEmbedding(nn.Module):
     """RoPE through a precomputed table: cos/sin of every (position, frequency), looked up by position.
 
-    vLLM's `RotaryEmbedding` keeps the same `cos_sin_cache` [max_position, head_dim] (cos | sin)
-    and indexes it with the flat `positions` tensor, so a ragged batch whose requests sit at
-    different positions costs one gather instead of one trig call per token. Rotation is the
-    "neox" layout HF Llama uses: dims (i, i + d/2) form a pair.
+    vLLM's `RotaryEmbedding` keeps the same `cos_sin_cache` [max_position, head_dim] (cos | sin),
+    computed once, and indexes it with the flat `positions` tensor: a step costs one gather, not
+    a trig call per token per step. Rotation is the "neox" layout HF Llama uses: dims (i, i + d/2)
+    form a pair. Positions must be < max_position (the engine's max_model_len).
 
-    The model computes `cos_sin(positions)` once per step and every layer reuses it.
+    The model calls `cos_sin(positions)` once per step and every layer reuses it.
     """
 
     def __init__(self, head_dim: int, max_position: int, rope_theta: float, rope_scaling: dict | None, dtype: torch.dtype):
@@ -172,18 +173,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, 1, d]: each half-angle repeated for both dims of its pair."""
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)                  # [T, d/2] each
-        return cos[:, None, :], sin[:, None, :]                                    # [T, 1, d/2]: broadcast over heads
+        return torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((sin, sin), dim=-1)[:, None, :]
 
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each pair (x_i, x_{i+d/2}) by its angle: [T, heads, d] -> [T, heads, d].
 
-    Equal, bit for bit in fp32, to HF's `x * cos + rotate_half(x) * sin`.
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), written as HF writes it,
+    `x * cos + rotate_half(x) * sin` with rotate_half(x) = (-x2, x1): the same ops in the same
+    order, so bit for bit HF's result, and two full-width multiplies instead of four half-width ones.
     """
     ### BEGIN SOLUTION
     x1, x2 = x.chunk(2, dim=-1)                                                    # [T, heads, d/2] each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
     ### END SOLUTION
 
 

@@ -75,6 +75,9 @@ def test_rotary_embedding_equals_hf(variant, num_tokens, seed):
     ref_q, ref_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin)
     assert_close(ours_q, ref_q[0].transpose(0, 1), torch.float32)
     assert_close(ours_k, ref_k[0].transpose(0, 1), torch.float32)
+    # Given HF's own cos/sin, the rotation is HF's ops in HF's order: bit for bit.
+    hf_cos_t, hf_sin_t = hf_cos[0][:, None, :], hf_sin[0][:, None, :]              # [T, 1, d]
+    assert torch.equal(apply_rotary_emb(q, hf_cos_t, hf_sin_t), ref_q[0].transpose(0, 1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
