@@ -2,6 +2,7 @@
 
     python -m mini_vllm.bench_model_forward                  # from the repo root (uses benchmarks/common.py)
     python -m mini_vllm.bench_model_forward --quick          # fewer iterations
+    python -m mini_vllm.bench_model_forward --profile        # + both decode steps' top ops (torch.profiler)
 
 Workloads (SmolLM2-135M-Instruct, fp32, on this machine's CPU or GPU):
   * prefill:  one 256-token prompt.           ours: flat [256] + paged cache.  HF: model(ids[1, 256]).
@@ -42,12 +43,30 @@ def paired_medians(ours, theirs, warmup: int, iters: int) -> tuple[float, float]
     return statistics.median(samples[0]), statistics.median(samples[1])
 
 
+def print_op_profiles(fns: dict, steps: int = 4, top: int = 8) -> None:
+    """Self CPU time per op (ms per call of fn), each fn profiled alone, `steps` calls interleaved."""
+    from collections import Counter
+
+    totals = {name: Counter() for name in fns}
+    for _ in range(steps):
+        for name, fn in fns.items():
+            with torch.profiler.profile() as prof:
+                fn()
+            for event in prof.key_averages():
+                totals[name][event.key] += event.self_cpu_time_total / 1e3 / steps
+    for name, ops in totals.items():
+        print(f"{name}: {sum(ops.values()):.1f} ms of ops per decode step")
+        for op, ms in ops.most_common(top):
+            print(f"    {op:<56} {ms:7.1f} ms")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="HF-format directory (default: the converted SmolLM2)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--attn-backend", default="torch")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--profile", action="store_true", help="also print both decode steps' top ops (torch.profiler)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -106,11 +125,15 @@ def main(argv: list[str] | None = None) -> None:
             hf(next_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             cache.crop(-1)                                                     # back to `context` tokens
 
-        ours, theirs = paired_medians(
-            lambda: model.compute_logits(model(step.input_ids, step.positions, caches, step.attn_metadata)[step.logits_indices]),
-            hf_decode, warmup, iters)
+        def decode_ours():
+            model.compute_logits(model(step.input_ids, step.positions, caches, step.attn_metadata)[step.logits_indices])
+
+        ours, theirs = paired_medians(decode_ours, hf_decode, warmup, iters)
         rows.append(dict(workload=f"decode {batch}x1, context {context}", ours_ms=ours * 1e3, hf_ms=theirs * 1e3,
                          speedup=theirs / ours))
+
+        if args.profile:
+            print_op_profiles({"ours": decode_ours, "HF": hf_decode})
 
         # --- where our decode step goes: the paged-attention ops and the lm_head, timed alone -----
         md = step.attn_metadata
