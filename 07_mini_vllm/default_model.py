@@ -97,7 +97,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress=None) -> None:
 
     say = progress or (lambda _description: None)
     say(f"dequantizing {gguf_path.name} with transformers (Q4_1 -> fp32, ~20 s)")
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)   # dequantized to fp32
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     config = model.config
     if tokenizer.chat_template is None:
