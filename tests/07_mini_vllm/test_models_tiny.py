@@ -79,6 +79,23 @@ def test_greedy_matches_hf_generate(case, paged_driver, hf_oracle):
         assert_same_greedy(ours[r], hf_greedy(hf, prompt, MAX_NEW), MAX_NEW, config.eos_token_ids, f"{name}/{r}")
 
 
+def test_chunked_prefill_equals_one_shot(case, paged_driver):
+    """A prompt computed in chunks of 4, 3 and 4 tokens (context > 0 and query > 1: chunked prefill,
+    or a prefix-cache hit) gives every position the logits of the one-shot prefill."""
+    name, path, hf, config, model = case
+    prompt = PROMPTS["b"]
+    one_shot = paged_driver(model, config, num_blocks=16, block_size=4, seed=4)
+    one_shot.add("x", prompt)
+    expected = one_shot.step(["x"], all_logits=True)
+    chunked = paged_driver(model, config, num_blocks=16, block_size=4, seed=8)
+    chunked.add("x", [])
+    got = []
+    for start, end in ((0, 4), (4, 7), (7, 11)):
+        chunked.tokens["x"] += prompt[start:end]
+        got.append(chunked.step(["x"], all_logits=True))
+    assert_close(torch.cat(got), expected, torch.float32, msg=name)
+
+
 @torch.inference_mode()
 def test_bf16_logits_within_bf16_rounding(tmp_path, tiny_checkpoint, paged_driver):
     """In bf16 our kernels and HF's round differently (fused vs separate matmuls, SDPA vs eager
