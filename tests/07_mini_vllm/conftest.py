@@ -12,6 +12,8 @@ from mini_vllm.config import ModelConfig
 from mini_vllm.input_batch import prepare_inputs
 from mini_vllm.kv_cache import allocate_kv_caches
 from mini_vllm.models.loader import get_model
+from mini_vllm.sampler import Sampler, SamplingMetadata
+from mini_vllm.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------------------------------------
 # A test-only paged driver: shuffled physical blocks, NaN in every slot nobody wrote.
@@ -58,12 +60,15 @@ class PagedDriver:
         return self.model.compute_logits(hidden if all_logits else hidden[inputs.logits_indices])
 
     def greedy(self, prompts: dict[str, list[int]], max_new_tokens: int) -> dict[str, list[int]]:
-        """Prefill all prompts in one step, then decode all of them one token per step."""
+        """Prefill all prompts in one step, then decode all of them one token per step, sampling
+        with the engine's Sampler at temperature 0."""
         for r, p in prompts.items():
             self.add(r, p)
         out = {r: [] for r in prompts}
+        sampler = Sampler()
+        metadata = SamplingMetadata.from_params([SamplingParams(temperature=0)] * len(prompts), device=self.device)
         for _ in range(max_new_tokens):
-            next_ids = self.step(list(prompts)).argmax(dim=-1).tolist()
+            next_ids = sampler(self.step(list(prompts)), metadata).sampled_token_ids.tolist()
             for r, t in zip(prompts, next_ids):
                 out[r].append(t)
                 self.tokens[r].append(t)
