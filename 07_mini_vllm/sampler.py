@@ -212,9 +212,15 @@ def check_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
         raise ValueError(f"logits must be [num_reqs={metadata.num_rows}, vocab], got {tuple(logits.shape)}")
     if logits.dtype != torch.float32:
         raise TypeError(f"the sampler works in fp32; got logits of dtype {logits.dtype} (compute_logits returns fp32)")
-    bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | ~torch.isfinite(logits).any(-1)   # [N]
+    bad = nonfinite_rows(logits)                                                                           # [N]
     if bool(bad.any()):
         rows = bad.nonzero().flatten().tolist()
         names = f" (requests {[metadata.req_ids[r] for r in rows]})" if metadata.req_ids else ""
         raise FloatingPointError(f"non-finite logits (NaN, +inf or all -inf) in rows {rows}{names}: the model's output overflowed "
                                  "or its weights are corrupt (fp16 overflow? try bfloat16 or float32)")
+
+
+def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> [N] bool: rows holding a NaN or +inf, or no finite value at all. The engine uses it
+    to fail only the offending requests and keep sampling the others."""
+    return torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | ~torch.isfinite(logits).any(-1)

@@ -16,6 +16,13 @@ bad value fails at `generate()` time with a message naming it — not as a NaN t
     ignore_eos   keep generating past EOS (benchmarks use it to fix the output length)
     logprobs     None: none; k: the sampled token's log-probability plus the k most likely (0..20)
 
+How the engine reports the request (vLLM's names; used by the engine, not the sampler):
+    output_kind  CUMULATIVE: every step, the whole text so far; DELTA: only what is new this step;
+                 FINAL_ONLY: one output when the request finishes (what LLM.generate uses)
+    detokenize   turn tokens into text (False: token ids only; stop strings then impossible)
+    skip_special_tokens          leave special tokens (EOS, chat markers) out of the text
+    include_stop_str_in_output   keep the stop string that ended the request in its text
+
 Filters apply in vLLM's order: temperature, then min-p, then top-k, then top-p (sampler.py).
 """
 from __future__ import annotations
@@ -25,6 +32,13 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(IntEnum):
+    """What each step's RequestOutput carries (vLLM: vllm/sampling_params.py: RequestOutputKind)."""
+    CUMULATIVE = 0      # all text / tokens so far, every step
+    DELTA = 1           # only the text / tokens produced since the previous output
+    FINAL_ONLY = 2      # nothing until the request finishes, then everything
 
 
 class SamplingType(IntEnum):
@@ -53,6 +67,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     # __post_init__ normalises `stop` to a list[str] and `stop_token_ids` to a list[int].
 
     def __post_init__(self):
@@ -70,8 +88,11 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 
         stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
@@ -79,6 +100,8 @@ class SamplingParams:
         if any(s == "" for s in stop):
             raise ValueError("stop strings must be non-empty (an empty string would stop before the first token)")
         self.stop = list(stop)
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched on the output text)")
 
         stop_ids = [] if self.stop_token_ids is None else self.stop_token_ids
         if not isinstance(stop_ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in stop_ids):

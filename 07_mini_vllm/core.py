@@ -1,0 +1,136 @@
+"""EngineCore: the scheduler, the KV cache manager and the model runner, one step at a time.
+
+Mirrors vLLM v1's `vllm/v1/engine/core.py: EngineCore` (`__init__` -> `_initialize_kv_caches`,
+`add_request`, `abort_requests`, `step`). Token ids in, token ids out: no text here (that is
+the LLMEngine's processor and output processor).
+
+    step():  scheduler.schedule()                      -> SchedulerOutput      (chapter 03 / 05)
+             model_runner.execute_model(...)           -> ModelRunnerOutput    (this chapter)
+             scheduler.update_from_output(...)         -> EngineCoreOutputs    (chapter 03)
+
+Start-up sizes the KV cache (`kv_memory.py`), allocates it, captures CUDA graphs, and only
+then builds the KVCacheManager (chapter 02) with that many blocks and the scheduler on top.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvcache import KVCacheManager
+from scheduler import EngineCoreOutput, FinishReason, Request, RequestStatus, Scheduler, SchedulerOutput
+
+from mini_vllm.config import ModelConfig
+from mini_vllm.engine_config import GiB, EngineConfig
+from mini_vllm.input_batch import ModelInputs
+from mini_vllm.kv_memory import (DEFAULT_CPU_KV_CACHE_MEMORY, GPUMemorySnapshot, KVCacheReport,
+                                 check_enough_kv_cache_memory, gpu_kv_cache_bytes, num_blocks_for_bytes)
+from mini_vllm.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreStep:
+    """Everything one step produced. The LLMEngine turns it into RequestOutputs; the notebook
+    reads scheduler_output and model_inputs to trace a request."""
+    scheduler_output: SchedulerOutput
+    outputs: list[EngineCoreOutput]
+    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)     # requests that failed this step: the reason
+    model_inputs: ModelInputs | None = None
+    start_time: float = 0.0                                   # time.monotonic() when the step began
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig):
+        self.config, self.model_config = config, model_config
+        device = config.resolved_device
+        profile_gpu = (device.type == "cuda" and config.num_gpu_blocks_override is None
+                       and config.kv_cache_memory is None)
+        baseline = None
+        if profile_gpu:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            baseline = GPUMemorySnapshot.take(device)
+        self.model_runner = ModelRunner(config, model_config)
+        self.kv_cache_report = self._determine_kv_cache_size(baseline)
+        self.model_runner.initialize_kv_cache(self.kv_cache_report.num_blocks, self.kv_cache_report.num_cpu_blocks)
+        use_graphs = (device.type == "cuda" and not config.enforce_eager
+                      and self.model_runner.attn_backend in ("triton", "cuda"))
+        if use_graphs:
+            t0 = time.perf_counter()
+            self.model_runner.capture_model()
+            logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", config.capture_sizes(),
+                        time.perf_counter() - t0)
+
+        self.kv_cache_manager = KVCacheManager(self.kv_cache_report.num_blocks, config.block_size,
+                                               enable_caching=config.enable_prefix_caching,
+                                               num_cpu_blocks=self.kv_cache_report.num_cpu_blocks)
+        scheduler_config = config.scheduler_config(model_config.max_model_len)
+        if config.enable_chunked_prefill:
+            from chunked_prefill import ChunkedPrefillScheduler
+            self.scheduler: Scheduler = ChunkedPrefillScheduler(scheduler_config, self.kv_cache_manager)
+        else:
+            self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
+        logger.info("%s", self.kv_cache_report)
+
+    def _determine_kv_cache_size(self, baseline: GPUMemorySnapshot | None) -> KVCacheReport:
+        config = self.config
+        spec = self.model_runner.kv_cache_spec
+        bytes_per_block = spec.bytes_per_block
+        max_model_len = self.model_config.max_model_len
+        num_cpu_blocks = int(config.swap_space * GiB) // bytes_per_block if config.preemption_mode == "swap" else 0
+        report = dict(block_size=config.block_size, bytes_per_block=bytes_per_block, max_model_len=max_model_len,
+                      num_cpu_blocks=num_cpu_blocks)
+        if config.num_gpu_blocks_override is not None:
+            num_blocks = config.num_gpu_blocks_override
+            if num_blocks * config.block_size < max_model_len:
+                logger.warning("num_gpu_blocks_override=%d holds %d tokens < max_model_len=%d: longer requests "
+                               "will fail", num_blocks, num_blocks * config.block_size, max_model_len)
+            return KVCacheReport(num_blocks=num_blocks, how="num_gpu_blocks_override", **report)
+        if baseline is not None:
+            self.model_runner.profile_run()
+            kv_bytes, how = gpu_kv_cache_bytes(baseline, config.gpu_memory_utilization, self.model_runner.device)
+        else:
+            kv_bytes = config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+            how = f"kv_cache_memory={kv_bytes / GiB:.2f} GiB"
+        num_blocks = num_blocks_for_bytes(kv_bytes, bytes_per_block)
+        check_enough_kv_cache_memory(num_blocks, config.block_size, max_model_len, bytes_per_block, kv_bytes)
+        return KVCacheReport(num_blocks=num_blocks, how=how, **report)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> list[str]:
+        return self.scheduler.finish_requests(request_ids, status)
+
+    def abort_requests(self, request_ids) -> list[str]:
+        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> EngineCoreStep:
+        start = time.monotonic()
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        errors = dict(runner_output.failed)
+        if errors:
+            self.scheduler.finish_requests(list(errors), RequestStatus.FINISHED_ABORTED)
+        for output in outputs:
+            # Chapter 03 reports a request the KV cache can never hold as FINISHED_IGNORED,
+            # i.e. finish reason "length" with the KV manager's message as stop_reason.
+            if output.finish_reason == FinishReason.LENGTH and isinstance(output.stop_reason, str):
+                errors[output.request_id] = output.stop_reason
+        if (scheduler_output.is_empty and not scheduler_output.preempted_req_ids and not outputs and not errors
+                and not self.scheduler.running and self.scheduler.has_unfinished_requests()):
+            raise RuntimeError(f"the scheduler could schedule none of {self.scheduler.get_num_unfinished_requests()} "
+                               "waiting requests with an idle engine: this is a bug, not a full cache")
+        return EngineCoreStep(scheduler_output, outputs, runner_output.logprobs, errors,
+                              self.model_runner.last_inputs if not scheduler_output.is_empty else None, start)

@@ -1,0 +1,174 @@
+"""EngineConfig: every knob of the engine, validated once, in one flat dataclass.
+
+Mirrors vLLM's `vllm/engine/arg_utils.py: EngineArgs` (one flat list of user-facing
+arguments, the same names) and the configs it is split into (`vllm/config/`: `CacheConfig`,
+`SchedulerConfig`, `CompilationConfig`). Flat because that is how users pass them:
+`LLM(model, max_num_seqs=64, enable_prefix_caching=False)`. What depends on the checkpoint
+(`max_model_len` by default, the dtype) is resolved once the model's `ModelConfig` is read,
+by `resolve(model_config)`.
+
+Defaults follow vLLM v1: prefix caching and chunked prefill on, recompute preemption,
+16-token blocks, CUDA graphs unless `enforce_eager`. KV memory: on a GPU,
+`gpu_memory_utilization` of the device's memory is the engine's, and whatever the weights and
+the profiled activations leave goes to KV blocks; on a CPU there is nothing to profile
+against, so `kv_cache_memory` bytes are given explicitly (vLLM's CPU backend: VLLM_CPU_KVCACHE_SPACE).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from scheduler import POLICIES, SchedulerConfig
+
+GiB = 1 << 30
+
+# attention_backend -> what runs (see models/attention.py: ATTENTION_BACKENDS). "auto" picks
+# Triton on a GPU (vLLM's TritonAttentionBackend) and the vectorized torch path on a CPU.
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda", "reference")
+
+
+def _positive_int(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer{' or None' if allow_none else ''}, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    model: str | Path | None = None
+    """An HF-format checkpoint directory (config.json + *.safetensors + tokenizer). None: the
+    default model, SmolLM2-135M-Instruct, converted once (`mini_vllm.default_model`)."""
+
+    tokenizer: str | Path | None = None
+    """Tokenizer directory; None = the model directory."""
+
+    dtype: str | torch.dtype = "auto"
+    """'auto' = the checkpoint's dtype; or float32 / bfloat16 / float16."""
+
+    device: str = "auto"
+    """'auto' = cuda if available, else cpu."""
+
+    attention_backend: str = "auto"
+    """torch (CPU default) | triton (GPU default) | cuda (CUDA cache write + Triton attention) | reference (the loop)."""
+
+    max_model_len: int | None = None
+    """Longest prompt + output; None = the model's max_position_embeddings (or its sliding window)."""
+
+    block_size: int = 16
+    """Tokens per KV block (vLLM's default)."""
+
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full blocks whose token prefix was computed before (chapter 02)."""
+
+    enable_chunked_prefill: bool = True
+    """Split prompts across steps to fit the token budget (chapter 05); off: chapter 03's scheduler."""
+
+    max_num_seqs: int = 128
+    """Most requests running at once (also the largest CUDA-graph batch)."""
+
+    max_num_batched_tokens: int | None = None
+    """The token budget of one step. None: 2048 with chunked prefill, else max(max_model_len, 2048)
+    (without chunking a whole prompt must fit in one step)."""
+
+    scheduling_policy: str = "fcfs"
+    """fcfs | priority | srtf | two_level (chapter 03)."""
+
+    preemption_mode: str = "recompute"
+    """recompute (vLLM v1) | swap (v0: the victim's blocks go to a CPU tier of `swap_space` GiB)."""
+
+    swap_space: float = 0.0
+    """GiB of CPU memory for swapped-out KV blocks (preemption_mode='swap')."""
+
+    gpu_memory_utilization: float = 0.9
+    """GPU: the fraction of the device's memory this engine may use (weights + activations + KV)."""
+
+    kv_cache_memory: int | None = None
+    """Bytes for KV blocks. Default: 2 GiB on a CPU; on a GPU None = profile (gpu_memory_utilization)."""
+
+    num_gpu_blocks_override: int | None = None
+    """Exactly this many KV blocks, skipping the memory computation (tests: a tiny pool forces preemption).
+    Unlike a computed size it may be too small for one max_model_len request: such requests then fail
+    with an error instead of the engine refusing to start."""
+
+    enforce_eager: bool = False
+    """Never use CUDA graphs (they are only used on a GPU with the triton/cuda backends anyway)."""
+
+    cuda_graph_sizes: list[int] | None = None
+    """Decode batch sizes to capture; None: 1, 2, 4, 8, ... up to max_num_seqs (and max_num_seqs itself)."""
+
+    seed: int = 0
+    """Seeds the random stream shared by sampled requests that bring no seed of their own."""
+
+    def __post_init__(self):
+        if self.model is not None and not isinstance(self.model, (str, Path)):
+            raise ValueError(f"model must be a path (str or Path) or None, got {self.model!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if str(self.device).startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but CUDA is not available (use device='cpu')")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        _positive_int("block_size", self.block_size)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_model_len", self.max_model_len, allow_none=True)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        _positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override, allow_none=True)
+        _positive_int("kv_cache_memory", self.kv_cache_memory, allow_none=True)
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        if self.preemption_mode == "swap" and self.swap_space == 0:
+            raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped-out KV)")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.cuda_graph_sizes is not None:
+            if not self.cuda_graph_sizes or not all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes):
+                raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive ints, got {self.cuda_graph_sizes!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "triton" if self.resolved_device.type == "cuda" else "torch"
+
+    def resolve_max_num_batched_tokens(self, max_model_len: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        budget = 2048 if self.enable_chunked_prefill else max(max_model_len, 2048)
+        return max(budget, self.max_num_seqs)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """Chapter 03's SchedulerConfig, or chapter 05's ChunkedPrefillConfig when chunking is on."""
+        kwargs = dict(max_num_seqs=self.max_num_seqs,
+                      max_num_batched_tokens=self.resolve_max_num_batched_tokens(max_model_len),
+                      max_model_len=max_model_len, policy=self.scheduling_policy,
+                      preemption_mode=self.preemption_mode)
+        if self.enable_chunked_prefill:
+            from chunked_prefill import ChunkedPrefillConfig
+            return ChunkedPrefillConfig(**kwargs)
+        return SchedulerConfig(**kwargs)
+
+    def capture_sizes(self) -> list[int]:
+        """Decode batch sizes with a CUDA graph, ascending (vLLM: cudagraph_capture_sizes)."""
+        if self.cuda_graph_sizes is not None:
+            return sorted({s for s in self.cuda_graph_sizes if s <= self.max_num_seqs})
+        sizes, s = [], 1
+        while s < self.max_num_seqs:
+            sizes.append(s)
+            s *= 2
+        return sizes + [self.max_num_seqs]

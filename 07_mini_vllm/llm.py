@@ -1,0 +1,136 @@
+"""LLM: the offline API — a batch of prompts in, a list of RequestOutputs out.
+
+Mirrors vLLM's `vllm/entrypoints/llm.py: LLM` (`generate`, `chat`, `_validate_and_add_requests`,
+`_run_engine` with its progress bar):
+
+    from mini_vllm import LLM, SamplingParams
+    llm = LLM()                                   # the default model, SmolLM2-135M-Instruct
+    outputs = llm.generate(["The capital of France is", "def fibonacci(n):"],
+                           SamplingParams(temperature=0, max_tokens=32))
+    print(outputs[0].outputs[0].text, outputs[0].metrics.time_to_first_token)
+
+All prompts are validated and tokenized before the first one is queued: a bad prompt in a
+batch raises without starting any of it. Outputs come back in the order of the prompts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Mapping, Sequence
+
+from mini_vllm.engine_config import EngineConfig
+from mini_vllm.llm_engine import LLMEngine
+from mini_vllm.outputs import RequestOutput
+from mini_vllm.processor import PromptType
+from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    """One prompt (text, token ids, a dict) or a list of them -> a list."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            raise ValueError("no prompts given")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]              # one prompt as token ids
+        return list(prompts)
+    raise TypeError(f"prompts must be a str, token ids, a dict, or a list of them; got {type(prompts).__name__}")
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs):
+        """kwargs: any EngineConfig field (dtype, max_model_len, max_num_seqs, enable_prefix_caching, ...)."""
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        return self._run(prompt_list, [None] * len(prompt_list), sampling_params, use_tqdm, priority)
+
+    def chat(self, messages: Sequence[Mapping] | Sequence[Sequence[Mapping]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: Mapping | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} messages) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        rendered = [self.llm_engine.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)
+                    for c in conversations]
+        return self._run([text for text, _ in rendered], [ids for _, ids in rendered], sampling_params,
+                         use_tqdm, None)
+
+    # ------------------------------------------------------------------ internals
+    def _run(self, prompts: list, token_ids: list, sampling_params, use_tqdm: bool, priority) -> list[RequestOutput]:
+        n = len(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * n
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != n:
+                raise ValueError(f"{len(params_list)} SamplingParams for {n} prompts")
+        if priority is not None and len(priority) != n:
+            raise ValueError(f"{len(priority)} priorities for {n} prompts")
+        engine = self.llm_engine
+        # Validate and tokenize everything first: a bad prompt changes nothing.
+        requests = []
+        for i, (prompt, ids, params) in enumerate(zip(prompts, token_ids, params_list)):
+            if ids is None:
+                text, ids = engine.processor.process_inputs(prompt, params)
+            else:
+                text = prompt
+            # One output per request, when it finishes (vLLM's LLM does the same).
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+            requests.append((f"{next(self._request_counter)}", text, ids, params, priority[i] if priority else 0))
+        added: list[str] = []
+        try:
+            for request_id, text, ids, params, prio in requests:
+                engine.add_request(request_id, text, params, priority=prio, prompt_token_ids=ids)
+                added.append(request_id)
+        except BaseException:
+            engine.abort_request(added)
+            raise
+        return self._run_engine(added, use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        progress = _Progress(len(request_ids)) if use_tqdm and len(request_ids) > 1 else None
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if progress is not None:
+                            progress.update(output)
+        except BaseException:
+            # Leave the engine serviceable: drop what this call queued (frees their KV blocks).
+            engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+        return [finished[r] for r in request_ids]
+
+
+class _Progress:
+    """A rich progress bar over finished requests, with generation speed (vLLM shows tqdm's)."""
+
+    def __init__(self, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(TextColumn("[bold]Processed prompts"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[speed]}"), transient=False)
+        self.task = self.progress.add_task("generate", total=total, speed="")
+        self.output_tokens = 0
+        self.progress.start()
+
+    def update(self, output: RequestOutput) -> None:
+        self.output_tokens += len(output.outputs[0].token_ids)
+        elapsed = self.progress.tasks[0].elapsed or 1e-9
+        self.progress.update(self.task, advance=1, speed=f"output {self.output_tokens / elapsed:,.1f} tok/s")
+
+    def close(self) -> None:
+        self.progress.stop()

@@ -1,0 +1,120 @@
+"""LLMEngine: text in, streamed text out, one `step()` at a time.
+
+Mirrors vLLM v1's `vllm/v1/engine/llm_engine.py: LLMEngine` (`add_request`, `step`,
+`abort_request`, `has_unfinished_requests`): the Processor validates and tokenizes, the
+EngineCore schedules and runs the model, the OutputProcessor detokenizes and builds
+RequestOutputs. vLLM runs the core in another process (ZMQ between the two); here it is a
+plain object, so a step is a function call — same division of labour, no IPC.
+
+    engine = LLMEngine(EngineConfig(max_num_seqs=8))
+    engine.add_request("a", "The capital of France is", SamplingParams(max_tokens=20))
+    while engine.has_unfinished_requests():
+        for out in engine.step():                # CUMULATIVE by default: the text so far, every step
+            print(out.request_id, out.outputs[0].text)
+
+Bad input raises in `add_request` before any state changes. A request that fails inside a
+step (non-finite logits, can never fit in the KV cache) comes back finished with
+finish_reason "error" while the others continue.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from scheduler import Request, RequestStatus
+
+from mini_vllm.config import ModelConfig
+from mini_vllm.core import EngineCore, EngineCoreStep
+from mini_vllm.engine_config import EngineConfig
+from mini_vllm.output_processor import OutputProcessor
+from mini_vllm.outputs import RequestOutput
+from mini_vllm.processor import Processor, PromptType
+from mini_vllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs):
+        if config is not None and kwargs:
+            raise ValueError("pass either an EngineConfig or keyword arguments, not both")
+        self.config = config if config is not None else EngineConfig(**kwargs)
+        if self.config.model is not None:
+            model_path = Path(self.config.model).expanduser()
+        else:
+            from mini_vllm.default_model import default_model_path
+            model_path = default_model_path()
+        self.model_config = ModelConfig.from_pretrained(model_path, dtype=self.config.dtype,
+                                                        max_model_len=self.config.max_model_len)
+        self.tokenizer = load_tokenizer(self.config.tokenizer or model_path)
+        self.processor = Processor(self.model_config, self.tokenizer)
+        self.engine_core = EngineCore(self.config, self.model_config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.last_step: EngineCoreStep | None = None       # for tracing (the notebook)
+
+    @property
+    def kv_cache_report(self):
+        return self.engine_core.kv_cache_report
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
+                    arrival_time: float | None = None, priority: int = 0,
+                    prompt_token_ids: list[int] | None = None) -> None:
+        """Validate, tokenize and queue one request. Raises (changing nothing) on bad input.
+
+        prompt_token_ids: already-validated ids of `prompt` (LLM.generate tokenizes a whole batch
+        before adding any of it)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.output_processor.request_states:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if prompt_token_ids is None:
+            prompt, prompt_token_ids = self.processor.process_inputs(prompt, params)
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        eos_ids = self.model_config.eos_token_ids
+        request = Request(
+            request_id, prompt_token_ids, params.max_tokens, arrival_time=arrival_time, priority=priority,
+            eos_token_id=eos_ids[0] if eos_ids else None, ignore_eos=params.ignore_eos,
+            # Chat models list more than one EOS (generation_config.json): all of them stop, as in HF
+            # generate and vLLM — unless ignore_eos.
+            stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_ids[1:])),
+            sampling_params=params)
+        self.engine_core.add_request(request)
+        self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None,
+                                          prompt_token_ids, params, arrival_time)
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Stop requests now; their KV blocks are freed at once."""
+        request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.engine_core.abort_requests(request_ids)
+        self.output_processor.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """One engine step: schedule, run the model, sample, detokenize. Returns the outputs of
+        this step (per each request's output kind)."""
+        step = self.engine_core.step()
+        self.last_step = step
+        outputs, reqs_to_stop = self.output_processor.process_outputs(step)
+        if reqs_to_stop:                                     # stop strings: the scheduler frees them now
+            self.engine_core.finish_requests(reqs_to_stop, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
+                            chat_template_kwargs: Mapping | None = None) -> tuple[str, list[int]]:
+        return self.processor.chat_to_token_ids(messages, add_generation_prompt, chat_template_kwargs)

@@ -1,0 +1,295 @@
+"""ModelRunner: turns each SchedulerOutput into one forward pass and one sampled token per request.
+
+Mirrors vLLM v1's `vllm/v1/worker/gpu_model_runner.py: GPUModelRunner` — `_update_states`
+(apply the scheduler's deltas to the persistent batch), `_prepare_inputs` (the flat ragged
+batch), `execute_model` (forward, logits for the sampling rows only, sample),
+`profile_run` (a dummy forward at the largest batch, to measure activation memory),
+`initialize_kv_cache`, `capture_model` — and the block moves of v0's worker
+(`CacheEngine.swap_in/swap_out/copy`, executed before the forward).
+
+One step:
+
+    SchedulerOutput ──_update_states──> persistent batch (rows = requests scheduled this step)
+        finished / preempted / unscheduled requests leave their row; new and resumed ones get
+        one; running ones append their new block ids; num_computed_tokens comes from the scheduler
+    blocks_to_swap_out -> blocks_to_swap_in -> blocks_to_copy  (chapter 02's CacheEngine)
+    _prepare_inputs:  input_ids, positions, slot_mapping (chapter 01's compute_slot_mapping),
+                      block_tables, seq_lens, query_start_loc -> AttentionMetadata; logits_indices
+    model(...) -> hidden [T, hidden];  compute_logits(hidden[logits_indices]) -> [S, vocab]
+    Sampler -> one token per sampling row, appended to the persistent batch
+    -> ModelRunnerOutput(req_ids, sampled_token_ids) for chapter 03's update_from_output
+
+A row samples only when this step's tokens reach the end of what the request has: a prefill
+chunk that stops short gets no logits at all (for SmolLM2 the 49152 x 576 vocabulary projection
+is the largest matmul of a decode step).
+
+A request whose logits are not finite (NaN, +inf, or all -inf) does not take the batch down:
+the sampler refuses such rows, the runner samples the other rows and reports the bad one in
+`failed`, and the engine finishes it with an error.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvcache.cache_engine import CacheEngine, KVCacheSpec
+from paged_attention.block_table import compute_slot_mapping
+from paged_attention.metadata import AttentionMetadata
+from scheduler import ModelRunnerOutput as SchedulerModelRunnerOutput
+from scheduler import SchedulerOutput
+
+from mini_vllm.config import ModelConfig
+from mini_vllm.cuda_graph import CUDAGraphRunner
+from mini_vllm.engine_config import EngineConfig
+from mini_vllm.input_batch import ModelInputs, prepare_inputs
+from mini_vllm.models.loader import get_model
+from mini_vllm.persistent_batch import CachedRequestState, InputBatch
+from mini_vllm.sampler import Sampler, SamplerOutput, SamplingMetadata, nonfinite_rows, request_generator
+from mini_vllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class ModelRunnerOutput(SchedulerModelRunnerOutput):
+    """Chapter 03's ModelRunnerOutput (what update_from_output reads) plus what only the engine's
+    output processor needs (vLLM's ModelRunnerOutput carries logprobs the same way)."""
+    # req_id -> ([sampled, top-1, ..., top-k] token ids, their logprobs, the sampled token's rank)
+    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    # req_id -> why it produced no token (non-finite logits): the engine fails these requests
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig):
+        self.config, self.model_config = config, model_config
+        self.device = config.resolved_device
+        self.attn_backend = config.resolved_attention_backend
+        self.block_size = config.block_size
+        self.max_model_len = model_config.max_model_len
+        self.max_num_reqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.max_model_len)
+        self.max_num_blocks_per_req = cdiv(self.max_model_len, self.block_size)
+
+        self.model = get_model(model_config, device=self.device, attn_backend=self.attn_backend)
+        # The stream of unseeded random rows, seeded by the engine's seed: runs are reproducible.
+        self.sampler = Sampler(generator=torch.Generator(device=self.device).manual_seed(config.seed))
+
+        self.requests: dict[str, CachedRequestState] = {}    # every request the runner knows, by id
+        self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req)
+        self.kv_cache_spec = KVCacheSpec(model_config.num_hidden_layers, self.block_size,
+                                         model_config.num_key_value_heads, model_config.head_dim, model_config.dtype)
+        self.cache_engine: CacheEngine | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.cuda_graph_runner: CUDAGraphRunner | None = None
+        self._sampling_metadata: tuple[tuple[str, ...], SamplingMetadata] | None = None   # (row ids, metadata)
+        self.last_inputs: ModelInputs | None = None          # the last step's tensors (the notebook traces them)
+
+    # ================================================================== set-up
+    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        """Allocate the device KV cache (and the CPU swap tier) through chapter 02's CacheEngine."""
+        copy_backend = "torch" if self.device.type == "cpu" else "triton"
+        self.cache_engine = CacheEngine(self.kv_cache_spec, num_blocks, num_cpu_blocks, device=self.device,
+                                        backend=copy_backend)
+        self.kv_caches = list(zip(self.cache_engine.key_caches, self.cache_engine.value_caches))
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """One forward at the largest step the scheduler may ask for (max_num_batched_tokens over
+        max_num_seqs requests), plus logits and sampling for max_num_seqs rows — so that the
+        peak memory afterwards is the activations' high-water mark (vLLM: profile_run,
+        _dummy_sampler_run). Uses a throwaway KV cache just big enough for it."""
+        num_reqs = min(self.max_num_reqs, self.max_num_batched_tokens)
+        base, extra = divmod(self.max_num_batched_tokens, num_reqs)
+        lens = [min(base + (i < extra), self.max_model_len) for i in range(num_reqs)]
+        block_ids, next_block = [], 0
+        for n in lens:
+            k = cdiv(n, self.block_size)
+            block_ids.append(list(range(next_block, next_block + k)))
+            next_block += k
+        key_caches, value_caches = self.kv_cache_spec.allocate(next_block, self.device)
+        inputs = prepare_inputs([[0] * n for n in lens], [0] * num_reqs, block_ids, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, list(zip(key_caches, value_caches)),
+                            inputs.attn_metadata)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        # Random sampling with top-p exercises the sampler's largest buffers (the full sort).
+        params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * num_reqs
+        self.sampler(logits, SamplingMetadata.from_params(params, device=self.device))
+        del key_caches, value_caches, hidden, logits
+
+    def capture_model(self) -> None:
+        """CUDA graphs for decode batches (GPU, triton/cuda backends, unless enforce_eager)."""
+        self.cuda_graph_runner = CUDAGraphRunner(
+            self.model, self.kv_caches, self.config.capture_sizes(), self.max_model_len,
+            self.max_num_blocks_per_req, self.device)
+        self.cuda_graph_runner.capture()
+
+    # ================================================================== one step
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if scheduler_output.scheduled_spec_decode_tokens:
+            raise NotImplementedError("speculative decoding (chapter 04) is not composed into this engine")
+        self._update_states(scheduler_output)
+        # Block moves BEFORE the forward, in this order: a block a swap-out frees may be written
+        # by this very step (chapter 02).
+        so = scheduler_output
+        if so.blocks_to_swap_out or so.blocks_to_swap_in or so.blocks_to_copy:
+            self.cache_engine.execute(so.blocks_to_swap_out, so.blocks_to_swap_in, so.blocks_to_copy)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], [])
+
+        inputs, sample_rows = self._prepare_inputs(so)
+        self.last_inputs = inputs
+        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(inputs):
+            hidden = self.cuda_graph_runner.run(inputs)                                  # [T, hidden]
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        return self._sample(hidden, inputs.logits_indices, sample_rows)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        """Apply the scheduler's deltas to `requests` and the persistent batch (vLLM: _update_states)."""
+        batch = self.input_batch
+        ### BEGIN SOLUTION
+        for req_id in so.finished_req_ids:                   # gone for good
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        for req_id in so.preempted_req_ids:                  # KV dropped or swapped: out of the batch,
+            batch.remove_request(req_id)                     # state (and generator) kept for resumption
+        scheduled = so.num_scheduled_tokens
+        for req_id in [r for r in batch.req_id_to_index if r not in scheduled]:
+            batch.remove_request(req_id)                     # not scheduled this step: row freed, state kept
+
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params if new.sampling_params is not None else SamplingParams(temperature=0.0)
+            state = CachedRequestState(new.req_id, list(new.prompt_token_ids), params,
+                                       request_generator(params, self.device), list(new.block_ids),
+                                       new.num_computed_tokens)
+            self.requests[new.req_id] = state
+            batch.add_request(state)
+
+        cached = so.scheduled_cached_reqs
+        for req_id, resumed, new_block_ids, num_computed in zip(
+                cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids, cached.num_computed_tokens):
+            state = self.requests[req_id]
+            state.num_computed_tokens = num_computed
+            if resumed:
+                # Preempted earlier: the block table is replaced, and the scheduler's tokens
+                # (prompt + output so far) are the truth.
+                state.block_ids = list(new_block_ids)
+                all_tokens = cached.resumed_token_ids[req_id]
+                state.output_token_ids = list(all_tokens[len(state.prompt_token_ids):])
+            else:
+                state.block_ids.extend(new_block_ids)
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:                                  # resumed, or back after a step unscheduled
+                batch.add_request(state)
+            else:
+                batch.num_computed_tokens[row] = num_computed
+                if new_block_ids:
+                    batch.append_block_ids(row, new_block_ids)
+        batch.condense()
+        ### END SOLUTION
+        if batch.num_reqs != len(scheduled):
+            raise RuntimeError(f"the persistent batch holds {batch.num_reqs} requests but {len(scheduled)} are scheduled")
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> tuple[ModelInputs, np.ndarray]:
+        """The flat ragged batch from the persistent arrays, in a handful of numpy ops.
+
+        Returns (inputs, sample_rows): the rows whose tokens reach the request's end this step.
+        """
+        batch, B = self.input_batch, self.block_size
+        n = batch.num_reqs
+        num_scheduled = np.fromiter((so.num_scheduled_tokens[r] for r in batch.req_ids), dtype=np.int64, count=n)
+        ### BEGIN SOLUTION
+        cu_num_tokens = np.cumsum(num_scheduled)                                   # [n]
+        total = int(cu_num_tokens[-1])
+        req_indices = np.repeat(np.arange(n), num_scheduled)                       # [T] row of each token
+        offsets = np.arange(total) - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
+        computed = batch.num_computed_tokens[:n]
+        positions = computed[req_indices] + offsets                                # [T]
+        input_ids = batch.token_ids.reshape(-1)[req_indices * batch.max_model_len + positions]
+        seq_lens = computed + num_scheduled                                        # [n] KV length after the step
+        sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:n])             # reach the end: sample
+        logits_indices = cu_num_tokens[sample_rows] - 1
+        ### END SOLUTION
+        if (seq_lens > batch.num_tokens[:n]).any():
+            bad = [batch.req_ids[i] for i in np.flatnonzero(seq_lens > batch.num_tokens[:n])]
+            raise RuntimeError(f"scheduled past the tokens the runner has for {bad}: scheduler and runner disagree")
+        width = max(1, int(batch.num_blocks[:n].max()))
+        device = self.device
+        block_tables = torch.from_numpy(np.ascontiguousarray(batch.block_table[:n, :width])).to(device)
+        positions_t = torch.from_numpy(positions).to(device)
+        # Chapter 01's vectorized slot mapping over the block tables we just built.
+        slot_mapping = compute_slot_mapping(block_tables, torch.from_numpy(req_indices).to(device), positions_t,
+                                            B, check_values=False)
+        query_start_loc = np.zeros(n + 1, dtype=np.int32)
+        query_start_loc[1:] = cu_num_tokens
+        md = AttentionMetadata(
+            slot_mapping=slot_mapping, block_tables=block_tables,
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+            query_start_loc=torch.from_numpy(query_start_loc).to(device),
+            max_query_len=int(num_scheduled.max()), max_seq_len=int(seq_lens.max()))
+        inputs = ModelInputs(input_ids=torch.from_numpy(input_ids.astype(np.int64)).to(device),
+                             positions=positions_t, attn_metadata=md,
+                             logits_indices=torch.from_numpy(logits_indices).to(device))
+        return inputs, sample_rows
+
+    def _sampling_metadata_for(self, rows: np.ndarray) -> SamplingMetadata:
+        """The sampler's per-row tensors, rebuilt only when the sampling rows change (in a run of
+        decode steps they do not, and rebuilding is O(rows) of Python)."""
+        batch = self.input_batch
+        key = tuple(batch.req_ids[i] for i in rows)
+        if self._sampling_metadata is None or self._sampling_metadata[0] != key:
+            states = [batch.states[i] for i in rows]
+            md = SamplingMetadata.from_params([s.sampling_params for s in states], [s.generator for s in states],
+                                              req_ids=key, device=self.device)
+            self._sampling_metadata = (key, md)
+        return self._sampling_metadata[1]
+
+    def _sample(self, hidden: torch.Tensor, logits_indices: torch.Tensor, sample_rows: np.ndarray) -> ModelRunnerOutput:
+        batch = self.input_batch
+        req_ids = list(batch.req_ids)
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        output = ModelRunnerOutput(req_ids, sampled)
+        if len(sample_rows) == 0:
+            return output
+        logits = self.model.compute_logits(hidden[logits_indices])                 # [S, vocab] fp32
+        rows = sample_rows
+        try:
+            result = self.sampler(logits, self._sampling_metadata_for(rows))
+        except FloatingPointError as error:
+            # Fail only the offending rows (the sampler checks before drawing anything, so no
+            # random stream has advanced), then sample the others.
+            bad = nonfinite_rows(logits).cpu().numpy()
+            for i in rows[bad]:
+                output.failed[req_ids[i]] = f"non-finite logits (NaN or +inf, or no finite value): {error}"
+            rows, logits = rows[~bad], logits[torch.from_numpy(~bad).to(logits.device)]
+            if len(rows) == 0:
+                return output
+            result = self.sampler(logits, self._sampling_metadata_for(rows))
+        self._record(result, rows, output)
+        return output
+
+    def _record(self, result: SamplerOutput, rows: np.ndarray, output: ModelRunnerOutput) -> None:
+        """Append each sampled token to its request (the runner keeps its own copy of the
+        tokens: the next step's input ids are read from the persistent batch)."""
+        batch = self.input_batch
+        tokens = result.sampled_token_ids.tolist()
+        for i, token in zip(rows.tolist(), tokens):
+            output.sampled_token_ids[i].append(token)
+            batch.states[i].output_token_ids.append(token)
+            batch.append_token(i, token)
+        lp = result.logprobs_tensors
+        if lp is not None:
+            ids, logprobs, ranks = lp.logprob_token_ids.tolist(), lp.logprobs.tolist(), lp.selected_token_ranks.tolist()
+            for j, i in enumerate(rows.tolist()):
+                k = batch.states[i].sampling_params.logprobs
+                if k is not None:
+                    output.logprobs[batch.req_ids[i]] = (ids[j][:k + 1], logprobs[j][:k + 1], ranks[j])

@@ -1,0 +1,148 @@
+"""OutputProcessor: the engine core's token ids -> RequestOutputs (text, logprobs, metrics).
+
+Mirrors vLLM v1's `vllm/v1/engine/output_processor.py` (`RequestState`,
+`OutputProcessor.process_outputs`, `make_request_output`): one RequestState per live request
+holds its detokenizer, its tokens, its logprobs and its timestamps. Each step it
+
+  1. stamps the first-scheduled time of requests that started,
+  2. appends each request's new tokens (and their logprobs), times them, detokenizes,
+  3. looks for stop strings — a request that hit one is finished here and reported back to the
+     engine (`reqs_to_stop`), which tells the scheduler (`finish_requests(FINISHED_STOPPED)`),
+  4. builds a RequestOutput in the request's output kind (cumulative, delta, or final only).
+
+Finish reasons: chapter 03's FinishReason (stop / length / abort) as vLLM's strings, plus
+"error" for the requests the engine core failed (non-finite logits, can never fit).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mini_vllm.core import EngineCoreStep
+from mini_vllm.detokenizer import IncrementalDetokenizer
+from mini_vllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    metrics: RequestMetrics
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    num_cached_tokens: int = 0
+    sent_tokens: int = 0                 # DELTA: tokens already sent
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.request_states: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float) -> None:
+        if request_id in self.request_states:
+            raise ValueError(f"request id {request_id!r} is already running")
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if params.detokenize else None
+        self.request_states[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, detokenizer, RequestMetrics(arrival_time),
+            logprobs=[] if params.logprobs is not None else None,
+            cumulative_logprob=0.0 if params.logprobs is not None else None)
+
+    def abort_requests(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            self.request_states.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.request_states)
+
+    # ------------------------------------------------------------------ one step
+    def process_outputs(self, step: EngineCoreStep, now: float | None = None) -> tuple[list[RequestOutput], list[str]]:
+        """-> (RequestOutputs to hand to the caller, ids of requests that hit a stop string)."""
+        now = time.monotonic() if now is None else now
+        for new in step.scheduler_output.scheduled_new_reqs:
+            state = self.request_states.get(new.req_id)
+            if state is not None and state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = step.start_time
+        request_outputs: list[RequestOutput] = []
+        reqs_to_stop: list[str] = []
+        for core_output in step.outputs:
+            state = self.request_states.get(core_output.request_id)
+            if state is None or core_output.request_id in step.errors:
+                continue                  # aborted meanwhile; errors are reported below
+            new_ids = core_output.new_token_ids
+            state.num_cached_tokens = core_output.num_cached_tokens
+            finish_reason = str(core_output.finish_reason) if core_output.finish_reason is not None else None
+            stop_reason = core_output.stop_reason
+            if new_ids:
+                self._append_tokens(state, new_ids, step.logprobs.get(core_output.request_id), now)
+                if state.detokenizer is not None:
+                    # EOS / a stop token ended it (the scheduler said "stop"): no stop-string search.
+                    stop_str = state.detokenizer.update(new_ids, finish_reason == "stop")
+                    if stop_str is not None:
+                        if finish_reason is None:       # still running in the scheduler: finish it there
+                            reqs_to_stop.append(core_output.request_id)
+                        finish_reason, stop_reason = "stop", stop_str
+            if finish_reason is not None:
+                state.metrics.finished_time = now
+            output = self._make_request_output(state, finish_reason, stop_reason)
+            if output is not None:
+                request_outputs.append(output)
+            if finish_reason is not None:
+                del self.request_states[core_output.request_id]
+        for request_id, message in step.errors.items():
+            state = self.request_states.pop(request_id, None)
+            if state is not None:
+                state.metrics.finished_time = now
+                request_outputs.append(self._make_request_output(state, "error", message))
+        return request_outputs, reqs_to_stop
+
+    def _append_tokens(self, state: RequestState, new_ids: list[int], logprobs, now: float) -> None:
+        metrics = state.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        metrics.token_times.extend([now] * len(new_ids))
+        state.output_token_ids.extend(new_ids)
+        if state.logprobs is not None and logprobs is not None:
+            ids, values, sampled_rank = logprobs
+            # Column 0 is the sampled token, then the top-k most likely (rank 1..k).
+            entry = {ids[0]: Logprob(values[0], sampled_rank, self._decode_one(state, ids[0]))}
+            for rank, (token_id, value) in enumerate(zip(ids[1:], values[1:]), 1):
+                entry.setdefault(token_id, Logprob(value, rank, self._decode_one(state, token_id)))
+            state.logprobs.append(entry)
+            state.cumulative_logprob += values[0]
+
+    def _decode_one(self, state: RequestState, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if state.params.detokenize else None
+
+    def _make_request_output(self, state: RequestState, finish_reason: str | None,
+                             stop_reason) -> RequestOutput | None:
+        finished = finish_reason is not None
+        kind = state.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        text = state.detokenizer.get_next_output_text(finished, delta) if state.detokenizer is not None else ""
+        if delta:
+            token_ids = state.output_token_ids[state.sent_tokens:]
+            logprobs = state.logprobs[state.sent_tokens:] if state.logprobs is not None else None
+            state.sent_tokens = len(state.output_token_ids)
+            if not token_ids and not text and not finished:
+                return None               # nothing new to say this step
+        else:
+            token_ids, logprobs = list(state.output_token_ids), state.logprobs
+        completion = CompletionOutput(0, text, token_ids, state.cumulative_logprob,
+                                      list(logprobs) if logprobs is not None else None,
+                                      finish_reason, stop_reason)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
+                             state.metrics, state.num_cached_tokens)

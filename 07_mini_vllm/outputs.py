@@ -1,0 +1,95 @@
+"""What the engine hands back: RequestOutput, CompletionOutput, Logprob, RequestMetrics.
+
+Mirrors vLLM's `vllm/outputs.py` (`RequestOutput`, `CompletionOutput`), `vllm/logprobs.py`
+(`Logprob`) and the per-request timestamps of `vllm/v1/metrics/stats.py: RequestStateStats`
+(arrival, first scheduled, first token, last token), plus every token's own timestamp so that
+inter-token latencies (ITL) can be measured, not only their mean.
+
+`finish_reason` is vLLM's string: "stop" (EOS, a stop token or a stop string), "length"
+(max_tokens or max_model_len), "abort" (the caller aborted it), or "error" (this request
+failed — its logits were not finite, or it can never fit in the KV cache — while the engine
+kept serving the others; `stop_reason` then holds the message). For "stop", `stop_reason` is
+the stop token id or stop string that ended it (None for EOS).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One candidate token's log-probability under the model's raw distribution."""
+    logprob: float
+    rank: int                          # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id -> Logprob (the sampled token and the top-k).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str                          # CUMULATIVE/FINAL_ONLY: all text so far; DELTA: this step's new text
+    token_ids: list[int]               # likewise for tokens
+    cumulative_logprob: float | None   # sum of the sampled tokens' logprobs (when logprobs were asked for)
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None   # "stop" | "length" | "abort" | "error" | None while running
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (time.monotonic seconds) of one request's life."""
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    token_times: list[float] = field(default_factory=list)   # when each output token reached the engine
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """TTFT: arrival -> first output token (queueing + prefill)."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        """ITL: the gap before each output token after the first."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean ITL (vLLM's TPOT): decode time / (tokens - 1)."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]    # one (no parallel sampling here), vLLM keeps the list for n > 1
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
+
+    def __repr__(self) -> str:
+        o = self.outputs[0]
+        return (f"RequestOutput(request_id={self.request_id!r}, text={o.text!r}, tokens={len(o.token_ids)}, "
+                f"finished={self.finished}, finish_reason={o.finish_reason!r})")

@@ -1,0 +1,142 @@
+"""The model runner's persistent batch: per-request state that survives from step to step.
+
+Mirrors vLLM v1's `vllm/v1/worker/gpu_input_batch.py` (`CachedRequestState`, `InputBatch`:
+`add_request`, `remove_request`, `condense`) and the persistent block table of
+`vllm/v1/worker/block_table.py` (thesis §4.6.2, "incremental state updates").
+
+Why persistent: from one step to the next almost nothing changes — each running request gains
+one token and, every block_size tokens, one block id. Rebuilding the batch from Python lists
+every step costs O(total tokens and blocks); keeping it in preallocated arrays and applying the
+scheduler's *deltas* costs O(changes). So the runner keeps, per request:
+
+  * `CachedRequestState` (in a dict by request id): prompt, sampled outputs, block ids, sampling
+    params and the request's own random generator — kept even while the request is preempted or
+    not scheduled, so a seeded request resumes its random stream where it stopped;
+  * one ROW of `InputBatch` while it is in the batch: its tokens in `token_ids` [max_reqs,
+    max_model_len], its counters, its block table row. Rows are dense (0..num_reqs-1): a removed
+    request leaves a hole that `condense()` fills by moving the last rows down, so a step reads
+    `[:num_reqs]` slices without gathers.
+
+The arrays are numpy on the CPU (cheap single-element writes, no torch dispatch per write);
+one step's input tensors are gathered from them with a few vectorized ops
+(`model_runner.ModelRunner._prepare_inputs`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from mini_vllm.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None          # a seeded request's own stream (sampler.request_generator)
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    """Dense rows 0..num_reqs-1, one per request currently in the batch."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int):
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.max_num_blocks_per_req = max_num_blocks_per_req
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)       # prompt + output
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)                       # valid entries of token_ids
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)                       # valid entries of block_table
+        self.req_ids: list[str | None] = []            # row -> request id (None: a hole until condense())
+        self.req_id_to_index: dict[str, int] = {}
+        self.states: list[CachedRequestState | None] = []   # row -> its state (sampling params, generator)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_index)
+
+    # ------------------------------------------------------------------ membership
+    def add_request(self, state: CachedRequestState) -> int:
+        """Give the request a row (the first hole, else a new one) filled from its state."""
+        if state.req_id in self.req_id_to_index:
+            raise ValueError(f"request {state.req_id!r} is already in the batch")
+        if state.num_tokens > self.max_model_len:
+            raise ValueError(f"request {state.req_id!r} has {state.num_tokens} tokens > max_model_len {self.max_model_len}")
+        if len(state.block_ids) > self.max_num_blocks_per_req:
+            raise ValueError(f"request {state.req_id!r} holds {len(state.block_ids)} blocks > {self.max_num_blocks_per_req}")
+        try:
+            row = self.req_ids.index(None)
+        except ValueError:
+            if len(self.req_ids) == self.max_num_reqs:
+                raise ValueError(f"the batch is full ({self.max_num_reqs} requests)") from None
+            row = len(self.req_ids)
+            self.req_ids.append(None)
+            self.states.append(None)
+        self.req_ids[row], self.states[row] = state.req_id, state
+        self.req_id_to_index[state.req_id] = row
+        n_prompt, n = len(state.prompt_token_ids), state.num_tokens
+        self.token_ids[row, :n_prompt] = state.prompt_token_ids
+        self.token_ids[row, n_prompt:n] = state.output_token_ids
+        self.num_tokens[row] = n
+        self.num_computed_tokens[row] = state.num_computed_tokens
+        self.num_blocks[row] = len(state.block_ids)
+        self.block_table[row, :len(state.block_ids)] = state.block_ids
+        return row
+
+    def remove_request(self, req_id: str) -> int | None:
+        """Leave a hole at the request's row (filled by condense()). Returns the row, or None."""
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is not None:
+            self.req_ids[row], self.states[row] = None, None
+        return row
+
+    def condense(self) -> None:
+        """Fill holes with the last rows so that rows 0..num_reqs-1 are the batch (vLLM: condense)."""
+        ### BEGIN SOLUTION
+        # Every hole below num_reqs is matched by an occupied row at or above it: move the last one down.
+        last = len(self.req_ids) - 1
+        for hole in range(self.num_reqs):
+            if self.req_ids[hole] is not None:
+                continue
+            while self.req_ids[last] is None:
+                last -= 1
+            self._move_row(last, hole)
+            last -= 1
+        ### END SOLUTION
+        del self.req_ids[self.num_reqs:]
+        del self.states[self.num_reqs:]
+
+    def _move_row(self, src: int, dst: int) -> None:
+        req_id = self.req_ids[src]
+        n, nb = self.num_tokens[src], self.num_blocks[src]
+        self.token_ids[dst, :n] = self.token_ids[src, :n]
+        self.block_table[dst, :nb] = self.block_table[src, :nb]
+        for array in (self.num_tokens, self.num_computed_tokens, self.num_blocks):
+            array[dst] = array[src]
+        self.req_ids[dst], self.states[dst] = req_id, self.states[src]
+        self.req_ids[src], self.states[src] = None, None
+        self.req_id_to_index[req_id] = dst
+
+    # ------------------------------------------------------------------ per-step deltas
+    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+        nb = self.num_blocks[row]
+        if nb + len(block_ids) > self.max_num_blocks_per_req:
+            raise ValueError(f"row {row}: {nb + len(block_ids)} blocks > {self.max_num_blocks_per_req}")
+        self.block_table[row, nb:nb + len(block_ids)] = block_ids
+        self.num_blocks[row] = nb + len(block_ids)
+
+    def append_token(self, row: int, token_id: int) -> None:
+        n = self.num_tokens[row]
+        self.token_ids[row, n] = token_id
+        self.num_tokens[row] = n + 1

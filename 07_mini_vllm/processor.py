@@ -1,0 +1,77 @@
+"""Processor: user input -> validated prompt token ids, before anything touches the engine.
+
+Mirrors vLLM v1's `vllm/v1/engine/processor.py: Processor.process_inputs` (`_validate_params`,
+`_validate_model_inputs`) and the chat path of `vllm/entrypoints/llm.py: LLM.chat`
+(`apply_chat_template`, then tokenize without adding special tokens again).
+
+Every check raises here, in `add_request`, so a bad request never reaches the scheduler: an
+empty prompt, a prompt that leaves no room to generate within max_model_len, token ids outside
+the vocabulary, a stop token outside the vocabulary, parameters that are not SamplingParams.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from mini_vllm.config import ModelConfig
+from mini_vllm.sampling_params import SamplingParams
+
+# A prompt: text, token ids, {"prompt": text} or {"prompt_token_ids": ids} (vLLM's TextPrompt / TokensPrompt).
+PromptType = str | Sequence[int] | Mapping
+
+
+def _is_token_ids(x) -> bool:
+    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+class Processor:
+    def __init__(self, model_config: ModelConfig, tokenizer):
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = model_config.max_model_len
+        self.vocab_size = model_config.vocab_size
+
+    def process_inputs(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids), validated."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a mini_vllm.SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(f"a dict prompt needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        if isinstance(prompt, str):
+            text = prompt
+            token_ids = self.tokenizer(text).input_ids
+        elif _is_token_ids(prompt):
+            text, token_ids = None, list(prompt)
+        else:
+            raise TypeError(f"a prompt is a str, a list of token ids, or a dict; got {type(prompt).__name__}")
+        self._validate(token_ids, params)
+        return text, token_ids
+
+    def chat_to_token_ids(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
+                          chat_template_kwargs: Mapping | None = None) -> tuple[str, list[int]]:
+        """Render a conversation with the model's chat template; returns (text, token ids)."""
+        if not messages or not all(isinstance(m, Mapping) and "role" in m and "content" in m for m in messages):
+            raise ValueError("a conversation is a non-empty list of {'role': ..., 'content': ...} messages")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"the tokenizer of {self.model_config.model} has no chat template; use generate()")
+        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **(chat_template_kwargs or {}))
+        # The template already wrote the special tokens (BOS, role markers): don't add them twice.
+        return text, self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: a request needs at least one prompt token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, but max_model_len is {self.max_model_len}: "
+                             "it must be shorter, to leave room for at least one generated token")
+        lo, hi = min(token_ids), max(token_ids)
+        if lo < 0 or hi >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}) (the vocabulary); got {lo}..{hi}")
+        if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
+            raise ValueError(f"stop_token_ids must be < vocab_size {self.vocab_size}, got {params.stop_token_ids}")
