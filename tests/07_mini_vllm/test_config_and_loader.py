@@ -149,3 +149,21 @@ def test_qwen2_loads_qkv_bias_and_no_o_bias(tmp_path, tiny_checkpoint):
     hf_attn = hf.model.layers[1].self_attn
     assert attn.o_proj.bias is None and attn.q_norm is None
     assert torch.equal(attn.qkv_proj.bias, torch.cat([hf_attn.q_proj.bias, hf_attn.k_proj.bias, hf_attn.v_proj.bias]))
+
+
+def test_forward_rejects_bad_inputs(llama_dir):
+    from mini_vllm.input_batch import prepare_inputs
+    from mini_vllm.kv_cache import allocate_kv_caches
+
+    config = ModelConfig.from_pretrained(llama_dir)
+    model = get_model(config)
+    caches = allocate_kv_caches(config, 4, 4)
+    inputs = prepare_inputs([[1, 2, 3]], [0], [[2]], block_size=4)
+    with pytest.raises(ValueError, match=r"must both be 1-D \[num_tokens\] \(a flat ragged batch\), got \(1, 3\)"):
+        model(inputs.input_ids[None], inputs.positions[None], caches, inputs.attn_metadata)
+    with pytest.raises(ValueError, match="2 input tokens but attn_metadata.slot_mapping has 3"):
+        model(inputs.input_ids[:2], inputs.positions[:2], caches, inputs.attn_metadata)
+    with pytest.raises(ValueError, match=r"one \(key_cache, value_cache\) per layer \(2\), got 1"):
+        model(inputs.input_ids, inputs.positions, caches[:1], inputs.attn_metadata)
+    with pytest.raises(ValueError, match="attention backend 'flash' is not supported; supported: torch, reference, triton, cuda"):
+        get_model(config, attn_backend="flash")
