@@ -114,6 +114,21 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pieces disagree (tests call it after steps and at the end):
+        the scheduler's and the KV manager's own invariants, the runner knowing no request the
+        scheduler has forgotten, and — with nothing left to run — every KV block free again."""
+        self.scheduler.check_invariants()
+        self.kv_cache_manager.check_invariants()
+        known = set(self.scheduler.requests) | self.scheduler.finished_req_ids
+        stale = set(self.model_runner.requests) - known
+        assert not stale, f"the model runner still holds requests the scheduler does not know: {sorted(stale)}"
+        if not self.scheduler.has_unfinished_requests():
+            kv = self.kv_cache_manager
+            assert kv.num_free_blocks == kv.num_blocks, f"{kv.num_blocks - kv.num_free_blocks} KV blocks leaked"
+            cpu = kv.cpu_block_pool
+            assert cpu is None or kv.num_free_cpu_blocks == cpu.num_blocks, "CPU swap blocks leaked"
+
     # ------------------------------------------------------------------ the step
     def step(self) -> EngineCoreStep:
         start = time.monotonic()

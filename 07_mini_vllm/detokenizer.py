@@ -17,6 +17,10 @@ second minus the first, emitted only if it does not end in U+FFFD (an unfinished
 wait for the next token). Then slide the window forward. The window starts 5 tokens back into
 the prompt, so the first output token is decoded in context too.
 
+When the request finishes, `flush()` emits what the window still holds, even text ending in
+U+FFFD: no later token will complete that character, and the final text must equal decoding
+all output tokens at once.
+
 Stop strings are matched on the text, which can end a request in the middle of a token: the
 text is cut at the stop string (kept only with include_stop_str_in_output), and while a stream
 is running the last len(longest stop) - 1 characters are held back, so a stream never shows
@@ -74,6 +78,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
         self.prefix_offset = max(self.read_offset - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET, 0)
         self.output_text = ""
+        self._excluded_tail = 0                              # 1: the last token ended the request unseen
         self._last_output_text_offset = 0                    # for DELTA outputs: what was already sent
 
     def _decode(self, token_ids: Sequence[int]) -> str:
@@ -101,6 +106,7 @@ class IncrementalDetokenizer:
         """
         stop_check_offset = len(self.output_text)
         skip_last = stop_terminated and not self.include_stop_str_in_output
+        self._excluded_tail = int(skip_last)
         for n, token_id in enumerate(new_token_ids, 1):
             self.token_ids.append(token_id)
             if not (skip_last and n == len(new_token_ids)):
@@ -114,6 +120,17 @@ class IncrementalDetokenizer:
         stop_str, truncate_to = match
         self.output_text = self.output_text[:truncate_to]
         return stop_str
+
+    def flush(self) -> None:
+        """The request finished (not by a stop string): emit the text of the tokens still held
+        back — an incomplete character will never be completed now."""
+        end = len(self.token_ids) - self._excluded_tail
+        if end <= self.read_offset:
+            return
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset:end])
+        self.output_text += new_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset = end
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text a RequestOutput carries now: everything (delta=False) or only what is new.

@@ -36,8 +36,6 @@ import numpy as np
 import torch
 
 from kvcache.cache_engine import CacheEngine, KVCacheSpec
-from paged_attention.block_table import compute_slot_mapping
-from paged_attention.metadata import AttentionMetadata
 from scheduler import ModelRunnerOutput as SchedulerModelRunnerOutput
 from scheduler import SchedulerOutput
 
@@ -200,46 +198,10 @@ class ModelRunner:
             raise RuntimeError(f"the persistent batch holds {batch.num_reqs} requests but {len(scheduled)} are scheduled")
 
     def _prepare_inputs(self, so: SchedulerOutput) -> tuple[ModelInputs, np.ndarray]:
-        """The flat ragged batch from the persistent arrays, in a handful of numpy ops.
-
-        Returns (inputs, sample_rows): the rows whose tokens reach the request's end this step.
-        """
-        batch, B = self.input_batch, self.block_size
-        n = batch.num_reqs
-        num_scheduled = np.fromiter((so.num_scheduled_tokens[r] for r in batch.req_ids), dtype=np.int64, count=n)
-        ### BEGIN SOLUTION
-        cu_num_tokens = np.cumsum(num_scheduled)                                   # [n]
-        total = int(cu_num_tokens[-1])
-        req_indices = np.repeat(np.arange(n), num_scheduled)                       # [T] row of each token
-        offsets = np.arange(total) - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
-        computed = batch.num_computed_tokens[:n]
-        positions = computed[req_indices] + offsets                                # [T]
-        input_ids = batch.token_ids.reshape(-1)[req_indices * batch.max_model_len + positions]
-        seq_lens = computed + num_scheduled                                        # [n] KV length after the step
-        sample_rows = np.flatnonzero(seq_lens >= batch.num_tokens[:n])             # reach the end: sample
-        logits_indices = cu_num_tokens[sample_rows] - 1
-        ### END SOLUTION
-        if (seq_lens > batch.num_tokens[:n]).any():
-            bad = [batch.req_ids[i] for i in np.flatnonzero(seq_lens > batch.num_tokens[:n])]
-            raise RuntimeError(f"scheduled past the tokens the runner has for {bad}: scheduler and runner disagree")
-        width = max(1, int(batch.num_blocks[:n].max()))
-        device = self.device
-        block_tables = torch.from_numpy(np.ascontiguousarray(batch.block_table[:n, :width])).to(device)
-        positions_t = torch.from_numpy(positions).to(device)
-        # Chapter 01's vectorized slot mapping over the block tables we just built.
-        slot_mapping = compute_slot_mapping(block_tables, torch.from_numpy(req_indices).to(device), positions_t,
-                                            B, check_values=False)
-        query_start_loc = np.zeros(n + 1, dtype=np.int32)
-        query_start_loc[1:] = cu_num_tokens
-        md = AttentionMetadata(
-            slot_mapping=slot_mapping, block_tables=block_tables,
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-            query_start_loc=torch.from_numpy(query_start_loc).to(device),
-            max_query_len=int(num_scheduled.max()), max_seq_len=int(seq_lens.max()))
-        inputs = ModelInputs(input_ids=torch.from_numpy(input_ids.astype(np.int64)).to(device),
-                             positions=positions_t, attn_metadata=md,
-                             logits_indices=torch.from_numpy(logits_indices).to(device))
-        return inputs, sample_rows
+        batch = self.input_batch
+        num_scheduled = np.fromiter((so.num_scheduled_tokens[r] for r in batch.req_ids), dtype=np.int64,
+                                    count=batch.num_reqs)
+        return batch.prepare_inputs(num_scheduled, self.block_size, self.device)
 
     def _sampling_metadata_for(self, rows: np.ndarray) -> SamplingMetadata:
         """The sampler's per-row tensors, rebuilt only when the sampling rows change (in a run of

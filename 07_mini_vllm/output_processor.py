@@ -83,6 +83,7 @@ class OutputProcessor:
             state.num_cached_tokens = core_output.num_cached_tokens
             finish_reason = str(core_output.finish_reason) if core_output.finish_reason is not None else None
             stop_reason = core_output.stop_reason
+            stop_str = None
             if new_ids:
                 self._append_tokens(state, new_ids, step.logprobs.get(core_output.request_id), now)
                 if state.detokenizer is not None:
@@ -94,6 +95,8 @@ class OutputProcessor:
                         finish_reason, stop_reason = "stop", stop_str
             if finish_reason is not None:
                 state.metrics.finished_time = now
+                if state.detokenizer is not None and stop_str is None:
+                    state.detokenizer.flush()         # not cut at a stop string: emit what is held back
             output = self._make_request_output(state, finish_reason, stop_reason)
             if output is not None:
                 request_outputs.append(output)

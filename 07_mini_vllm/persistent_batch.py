@@ -19,7 +19,8 @@ scheduler's *deltas* costs O(changes). So the runner keeps, per request:
 
 The arrays are numpy on the CPU (cheap single-element writes, no torch dispatch per write);
 one step's input tensors are gathered from them with a few vectorized ops
-(`model_runner.ModelRunner._prepare_inputs`).
+(`InputBatch.prepare_inputs`; `input_batch.prepare_inputs` is the same result rebuilt from
+Python lists, the readable version the tests compare it with).
 """
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from paged_attention.block_table import compute_slot_mapping
+from paged_attention.metadata import AttentionMetadata
+
+from mini_vllm.input_batch import ModelInputs
 from mini_vllm.sampling_params import SamplingParams
 
 
@@ -140,3 +145,49 @@ class InputBatch:
         n = self.num_tokens[row]
         self.token_ids[row, n] = token_id
         self.num_tokens[row] = n + 1
+
+    # ------------------------------------------------------------------ one step's tensors
+    def prepare_inputs(self, num_scheduled: np.ndarray, block_size: int,
+                       device: str | torch.device = "cpu") -> tuple[ModelInputs, np.ndarray]:
+        """The flat ragged batch for rows 0..num_reqs-1, row r running num_scheduled[r] >= 1 tokens
+        from its num_computed_tokens on (vLLM: GPUModelRunner._prepare_inputs).
+
+        Returns (inputs, sample_rows): the rows whose tokens reach the end of what the request
+        has this step — only they sample, so logits_indices holds their last token's row only.
+        """
+        n = self.num_reqs
+        if num_scheduled.shape != (n,) or n == 0 or num_scheduled.min() < 1:
+            raise ValueError(f"need one count >= 1 per row ({n} rows), got {num_scheduled.tolist()}")
+        ### BEGIN SOLUTION
+        cu_num_tokens = np.cumsum(num_scheduled)                                   # [n]
+        total = int(cu_num_tokens[-1])
+        req_indices = np.repeat(np.arange(n), num_scheduled)                       # [T] row of each token
+        offsets = np.arange(total) - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
+        computed = self.num_computed_tokens[:n]
+        positions = computed[req_indices] + offsets                                # [T]
+        input_ids = self.token_ids.reshape(-1)[req_indices * self.max_model_len + positions]   # [T]
+        seq_lens = computed + num_scheduled                                        # [n] KV length after the step
+        sample_rows = np.flatnonzero(seq_lens >= self.num_tokens[:n])              # reach the end: sample
+        logits_indices = cu_num_tokens[sample_rows] - 1
+        ### END SOLUTION
+        overrun = np.flatnonzero(seq_lens > self.num_tokens[:n])
+        if overrun.size:
+            raise RuntimeError(f"scheduled past the tokens the runner has for {[self.req_ids[i] for i in overrun]}: "
+                               "scheduler and runner disagree")
+        width = max(1, int(self.num_blocks[:n].max()))
+        block_tables = torch.from_numpy(np.ascontiguousarray(self.block_table[:n, :width])).to(device)
+        positions_t = torch.from_numpy(positions).to(device)
+        # Chapter 01's vectorized slot mapping, over the block tables just built.
+        slot_mapping = compute_slot_mapping(block_tables, torch.from_numpy(req_indices).to(device), positions_t,
+                                            block_size, check_values=False)
+        query_start_loc = np.zeros(n + 1, dtype=np.int32)
+        query_start_loc[1:] = cu_num_tokens
+        md = AttentionMetadata(
+            slot_mapping=slot_mapping, block_tables=block_tables,
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+            query_start_loc=torch.from_numpy(query_start_loc).to(device),
+            max_query_len=int(num_scheduled.max()), max_seq_len=int(seq_lens.max()))
+        inputs = ModelInputs(input_ids=torch.from_numpy(input_ids.astype(np.int64)).to(device),
+                             positions=positions_t, attn_metadata=md,
+                             logits_indices=torch.from_numpy(logits_indices).to(device))
+        return inputs, sample_rows

@@ -167,3 +167,86 @@ def make_tiny_checkpoint(path, model_type: str, seed: int = 0, max_shard_size: s
 @pytest.fixture(scope="session")
 def tiny_checkpoint():
     return make_tiny_checkpoint
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine (part 2): engines made by tests are registered, and after EVERY test each one must
+# be idle with all its KV blocks free (device and CPU tier) and consistent bookkeeping.
+# ---------------------------------------------------------------------------------------------
+
+ENGINE_VOCAB = 49152          # tiny engine checkpoints use SmolLM2's tokenizer, so text prompts work
+
+
+@pytest.fixture(scope="session")
+def engine_registry():
+    return []
+
+
+@pytest.fixture(autouse=True)
+def all_kv_blocks_free_after_test(engine_registry):
+    yield
+    for llm in engine_registry:
+        engine = getattr(llm, "llm_engine", llm)
+        assert not engine.has_unfinished_requests(), "a test left requests running"
+        engine.engine_core.check_invariants()        # includes: every device and CPU block free
+
+
+@pytest.fixture(scope="session")
+def make_llm(engine_registry):
+    """make_llm(model_dir, **EngineConfig fields) -> LLM (registered for the end-of-test check)."""
+    from mini_vllm import LLM
+
+    def make(model_dir, **kwargs):
+        if "kv_cache_memory" not in kwargs:
+            # A small pool: tests stay fast (KV invariant checks are O(blocks)) and reach preemption.
+            kwargs.setdefault("num_gpu_blocks_override", 256)
+        kwargs.setdefault("max_model_len", 512)
+        llm = LLM(str(model_dir), **kwargs)
+        engine_registry.append(llm)
+        return llm
+    return make
+
+
+def make_tiny_engine_checkpoint(path, model_type: str, seed: int = 0, **overrides):
+    """A tiny random checkpoint with SmolLM2's vocabulary and tokenizer; returns the HF model."""
+    from transformers import AutoTokenizer
+
+    from mini_vllm.default_model import default_model_path
+
+    hf = make_tiny_checkpoint(path, model_type, seed=seed, vocab_size=ENGINE_VOCAB, max_position_embeddings=1024,
+                              **overrides)
+    AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(path)
+    return hf
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_models(tmp_path_factory):
+    """{arch: (checkpoint dir, HF model)} for Llama (GQA), Qwen2 (qkv bias), Qwen3 (q/k norm)."""
+    root = tmp_path_factory.mktemp("tiny-engine")
+    specs = {"llama": {}, "qwen2": {}, "qwen3": dict(head_dim=16)}
+    return {arch: (root / arch, make_tiny_engine_checkpoint(root / arch, arch, seed=i, **kw))
+            for i, (arch, kw) in enumerate(specs.items())}
+
+
+def run_traced(llm, prompts, params, check_every_step: bool = True):
+    """Drive llm's LLMEngine by hand: add every prompt, step until done, checking the engine's
+    invariants after every step. Returns ({request_id: final RequestOutput}, [EngineCoreStep])."""
+    engine = llm.llm_engine
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [f"t{i}" for i in range(len(prompts))]
+    for request_id, prompt, p in zip(ids, prompts, params):
+        engine.add_request(request_id, prompt, p)
+    finals, steps = {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        steps.append(engine.last_step)
+        if check_every_step:
+            engine.engine_core.check_invariants()
+    return [finals[i] for i in ids], steps
+
+
+@pytest.fixture(scope="session")
+def traced():
+    return run_traced

@@ -1,0 +1,50 @@
+"""Fixtures for the full-stack tests: tiny random checkpoints with SmolLM2's tokenizer, and
+engines that must be idle with every KV block free after each test (as in tests/07_mini_vllm)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A 2-layer Llama (GQA 4/2, head_dim 16) with SmolLM2's vocabulary and tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from mini_vllm import default_model_path
+
+    path = tmp_path_factory.mktemp("integration") / "tiny-llama"
+    config = AutoConfig.for_model("llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                  initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def engines():
+    return []
+
+
+@pytest.fixture(autouse=True)
+def all_kv_blocks_free_after_test(engines):
+    yield
+    for engine in engines:
+        assert not engine.has_unfinished_requests(), "a test left requests running"
+        engine.engine_core.check_invariants()
+
+
+@pytest.fixture(scope="session")
+def make_engine(tiny_model_dir, engines):
+    """make_engine(**EngineConfig fields) -> LLMEngine on the tiny model (registered)."""
+    from mini_vllm import LLMEngine
+
+    def make(**kwargs):
+        kwargs = {"model": str(tiny_model_dir), "block_size": 4, "max_model_len": 256,
+                  "num_gpu_blocks_override": 512, **kwargs}
+        engine = LLMEngine(**kwargs)
+        engines.append(engine)
+        return engine
+    return make
