@@ -55,6 +55,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     g.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU memory for swapped-out KV")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--cpu-gemm-backend", default="auto", choices=["auto", "onednn", "torch"],
+                   help="CPU linears: oneDNN on prepacked weights (auto, where available) or F.linear (torch)")
     g.add_argument("--seed", type=int, default=0)
 
 
@@ -77,7 +79,8 @@ def engine_config(args) -> EngineConfig:
         kv_cache_memory=int(args.kv_cache_memory * GiB) if args.kv_cache_memory else None,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, preemption_mode=args.preemption_mode,
-        swap_space=args.swap_space, enforce_eager=args.enforce_eager, seed=args.seed)
+        swap_space=args.swap_space, enforce_eager=args.enforce_eager, cpu_gemm_backend=args.cpu_gemm_backend,
+        seed=args.seed)
 
 
 def sampling_params(args, **overrides) -> SamplingParams:

@@ -22,6 +22,8 @@ import torch
 
 from scheduler import POLICIES, SchedulerConfig
 
+from mini_vllm.models.cpu_gemm import CPU_GEMMS
+
 GiB = 1 << 30
 
 # attention_backend -> what runs (see models/attention.py: ATTENTION_BACKENDS). "auto" picks
@@ -99,6 +101,10 @@ class EngineConfig:
     cuda_graph_sizes: list[int] | None = None
     """Decode batch sizes to capture; None: 1, 2, 4, 8, ... up to max_num_seqs (and max_num_seqs itself)."""
 
+    cpu_gemm_backend: str = "auto"
+    """CPU linear layers: auto (oneDNN on weights packed at load time, where available) | onednn |
+    torch (plain F.linear). See models/cpu_gemm.py."""
+
     seed: int = 0
     """Seeds the random stream shared by sampled requests that bring no seed of their own."""
 
@@ -109,6 +115,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but CUDA is not available (use device='cpu')")
+        if self.cpu_gemm_backend not in CPU_GEMMS:
+            raise ValueError(f"cpu_gemm_backend must be one of {CPU_GEMMS}, got {self.cpu_gemm_backend!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _positive_int("block_size", self.block_size)

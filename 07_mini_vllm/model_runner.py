@@ -76,7 +76,8 @@ class ModelRunner:
         self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.max_model_len)
         self.max_num_blocks_per_req = cdiv(self.max_model_len, self.block_size)
 
-        self.model = get_model(model_config, device=self.device, attn_backend=self.attn_backend)
+        self.model = get_model(model_config, device=self.device, attn_backend=self.attn_backend,
+                               cpu_gemm_backend=config.cpu_gemm_backend)
         # The stream of unseeded random rows, seeded by the engine's seed: runs are reproducible.
         self.sampler = Sampler(generator=torch.Generator(device=self.device).manual_seed(config.seed))
 

@@ -14,7 +14,9 @@ Peers, all on the same weights and the same tokens:
     release a finished row), and only each request's own tokens count.
   * HF continuous batching: `model.continuous_batching_context_manager` (what `generate_batch`
     uses), `attn_implementation="sdpa"`, one `add_request(..., max_new_tokens=L_i)` per request.
-  * ours: `LLM.generate` with token prompts and per-request SamplingParams.
+  * ours: `LLM.generate` with token prompts and per-request SamplingParams; and the same engine
+    with `cpu_gemm_backend="torch"` (plain F.linear, as HF) to show what the oneDNN weight
+    packing contributes apart from batching and paging.
 
 Every side is warmed up (a small batch) before it is timed. Token agreement with HF static is
 reported too (greedy, fp32: it should be ~all requests; padding can flip a near-tie).
@@ -113,6 +115,8 @@ def run_hf_cb(model, workload, max_batch_tokens: int, max_requests: int) -> tupl
 
 
 # ---------------------------------------------------------------------------------- main
+PLAIN = "ours, plain F.linear (no oneDNN packing)"
+
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in zip(a, b)) / len(a)
 
@@ -186,9 +190,11 @@ def main(argv: list[str] | None = None) -> dict:
     total_out = sum(n for _, n in workload)
     max_model_len = max(args.prompt_len[1] + args.output_len[1], 128)
 
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=max_model_len, max_num_seqs=args.num_requests,
-              max_num_batched_tokens=max(args.max_num_batched_tokens, max_model_len),
-              kv_cache_memory=(64 << 20) if args.smoke else None)      # None: the CPU default, 2 GiB
+    engine_args = dict(dtype="float32", max_model_len=max_model_len, max_num_seqs=args.num_requests,
+                       max_num_batched_tokens=max(args.max_num_batched_tokens, max_model_len),
+                       kv_cache_memory=(64 << 20) if args.smoke else None)      # None: the CPU default, 2 GiB
+    llm = LLM(str(model_dir), **engine_args)
+    llm_plain = LLM(str(model_dir), cpu_gemm_backend="torch", **engine_args)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
@@ -199,14 +205,16 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(dict(name=name, seconds=round(seconds, 3), output_tokens=total_out,
                          output_tokens_per_s=round(total_out / seconds, 2), **extra))
         outputs.setdefault(name, tokens)
-        print(f"{name:<32} {seconds:8.1f} s  {total_out / seconds:8.1f} output tok/s", flush=True)
+        print(f"{name:<42} {seconds:8.1f} s  {total_out / seconds:8.1f} output tok/s", flush=True)
 
     run_ours(llm, warmup)
+    run_ours(llm_plain, warmup)
     run_hf_static(hf, warmup, 4, pad_id)
     # Interleaved rounds: this machine is shared and its speed drifts by tens of percent over
     # minutes, so each round times every side once, back to back, and ratios are per round.
     for r in range(args.rounds):
         record("ours (mini_vllm)", *run_ours(llm, workload), round=r)
+        record(PLAIN, *run_ours(llm_plain, workload), round=r)
         for b in args.static_batch_sizes:
             record(f"HF generate, static batch {b}", *run_hf_static(hf, workload, b, pad_id), batch_size=b, round=r)
     if not args.no_cb:                 # once, after the rounds: it is by far the slowest on a CPU
@@ -231,6 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
                    best_static_tokens_per_s_median=statistics.median(speed(best_static, r) for r in range(args.rounds)),
                    ratio_vs_best_static_per_round=[x["ratio"] for x in per_round],
                    ratio_vs_best_static=round(statistics.median(x["ratio"] for x in per_round), 2),
+                   ratio_plain_gemm_vs_best_static=round(statistics.median(
+                       speed(PLAIN, r) / speed(best_static, r) for r in range(args.rounds)), 2),
                    agreement_with_best_static=agreement(outputs["ours (mini_vllm)"], outputs[best_static]))
     if not args.no_cb:
         cb = next(x for x in rows if x["name"] == "HF continuous batching")
@@ -254,7 +264,10 @@ def main(argv: list[str] | None = None) -> dict:
                          greedy=True, prompt_source="pydoc_data.topics (Python language reference)",
                          total_output_tokens=total_out, total_prompt_tokens=sum(len(p) for p, _ in workload),
                          engine=dict(max_num_seqs=args.num_requests, max_num_batched_tokens=args.max_num_batched_tokens,
-                                     enable_chunked_prefill=True, enable_prefix_caching=True),
+                                     enable_chunked_prefill=True, enable_prefix_caching=True,
+                                     cpu_gemm_backend=llm.llm_engine.config.cpu_gemm_backend,
+                                     onednn_packed=llm.llm_engine.engine_core.model_runner.model.packed_lm_head
+                                     is not None),
                          summary=summary)
     path = write_result(name, workload_info, rows, args.out_dir)
     plot(rows, path.with_suffix(".png"),

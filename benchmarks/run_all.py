@@ -31,6 +31,7 @@ BENCHMARKS: list[tuple[str, list[str] | None, list[str] | None]] = [
     ("benchmarks.sim_policies", [], []),
     ("benchmarks.sim_preemption", [], []),
     ("benchmarks.sim_chunked_prefill", [], []),
+    ("benchmarks.bench_cpu_gemm", [], None),
     ("benchmarks.bench_engine", [], None),
     ("benchmarks.bench_engine_gpu", None, []),
 ]

@@ -23,18 +23,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mini_vllm.models import cpu_gemm
+
 
 class Linear(nn.Module):
-    """y = x @ W^T (+ b), parameters uninitialised (the loader fills them)."""
+    """y = x @ W^T (+ b), parameters uninitialised (the loader fills them).
+
+    `packed_weight`: W reordered once for oneDNN's CPU matmul (`cpu_gemm.py`), set after loading
+    by `loader.process_weights_after_loading`; None = plain `F.linear`."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        self.packed_weight: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out]
-        return F.linear(x, self.weight, self.bias)
+        return cpu_gemm.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnLinear(Linear):

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from mini_vllm.config import ModelConfig, check_model_dir
+from mini_vllm.models import cpu_gemm
 from mini_vllm.models.registry import get_model_class
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -118,12 +119,50 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def get_model(model_config: ModelConfig, device: str | torch.device = "cpu", attn_backend: str = "torch") -> nn.Module:
-    """Construct the architecture's class directly on `device` in `model_config.dtype` and load its weights."""
+def process_weights_after_loading(model: nn.Module, cpu_gemm_backend: str = "auto") -> int:
+    """Pack every CPU linear weight (and the lm_head) for oneDNN's matmul; returns how many.
+
+    vLLM: `model_loader/utils.py: process_weights_after_loading`, which on a CPU reaches
+    `layers/utils.py: dispatch_cpu_unquantized_gemm`. "auto" packs where oneDNN is available,
+    "onednn" insists, "torch" keeps plain F.linear (the readable path; what HF runs).
+    """
+    if cpu_gemm_backend not in cpu_gemm.CPU_GEMMS:
+        raise ValueError(f"cpu_gemm_backend must be one of {cpu_gemm.CPU_GEMMS}, got {cpu_gemm_backend!r}")
+    if cpu_gemm_backend == "torch":
+        return 0
+    from mini_vllm.models.layers import Linear
+
+    weights = [m.weight for m in model.modules() if isinstance(m, Linear)]
+    lm_head = getattr(model, "lm_head", None)
+    if not weights or not all(cpu_gemm.can_pack(w) for w in weights):
+        if cpu_gemm_backend == "onednn":
+            raise ValueError("cpu_gemm_backend='onednn' needs CPU weights in fp32/bf16 and a torch built with "
+                             f"oneDNN (mkldnn available: {torch.backends.mkldnn.is_available()})")
+        return 0
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.packed_weight = cpu_gemm.pack_weight(module.weight)
+            packed += 1
+    if lm_head is not None and hasattr(model, "packed_lm_head"):
+        if isinstance(lm_head, Linear):
+            model.packed_lm_head = lm_head.packed_weight
+        else:                                            # tied: the embedding matrix, packed once more
+            model.packed_lm_head = cpu_gemm.pack_weight(lm_head.weight)
+            packed += 1
+    return packed
+
+
+def get_model(model_config: ModelConfig, device: str | torch.device = "cpu", attn_backend: str = "torch",
+              cpu_gemm_backend: str = "torch") -> nn.Module:
+    """Construct the architecture's class directly on `device` in `model_config.dtype`, load its
+    weights, then prepare them for the device's matmuls (`process_weights_after_loading`)."""
     cls = get_model_class(model_config.architecture)
     with torch.device(device), _default_dtype(model_config.dtype):
         model = cls(model_config, attn_backend=attn_backend)
     load_weights(model, iterate_weights(model_config.model))
+    if torch.device(device).type == "cpu":
+        process_weights_after_loading(model, cpu_gemm_backend)
     return model.eval()
 
 

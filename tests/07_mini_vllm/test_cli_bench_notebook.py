@@ -68,6 +68,20 @@ def test_cpu_benchmark_smoke(tmp_path):
     assert result["summary"]["agreement_with_best_static"] == 1.0          # greedy fp32: same tokens as HF
 
 
+def test_step_breakdown_and_gemm_benchmarks_smoke(tmp_path):
+    from benchmarks import bench_cpu_gemm, engine_step_breakdown
+
+    rows = engine_step_breakdown.main(["--smoke", "--out-dir", str(tmp_path)])
+    assert [r["cpu_gemm_backend"] for r in rows] == ["auto", "torch"]
+    for r in rows:                                   # 6 requests: one prefill step, then decodes
+        assert r["prefill_steps"] >= 1 and r["decode_steps"] >= 1
+        assert r["prefill_tokens"] + r["decode_tokens"] >= r["decode_steps"]
+        assert 0 < r["decode_attention_seconds"] < r["decode_seconds"]
+    assert (tmp_path / "engine_step_breakdown_smoke.json").exists()
+    gemm = bench_cpu_gemm.main(["--smoke", "--out-dir", str(tmp_path)])
+    assert [r["rows"] for r in gemm["rows"]] == [1, 64] and all(r["layer_speedup"] > 0 for r in gemm["rows"])
+
+
 def test_gpu_benchmark_smoke(tmp_path):
     from benchmarks import bench_engine_gpu
 

@@ -1,0 +1,103 @@
+"""Where the engine's time goes on the CPU workload of `bench_engine`: prefill vs decode steps,
+and inside them the attention op (chapter 05's unified attention), for each CPU GEMM backend.
+
+    python -m benchmarks.engine_step_breakdown            # ~4 min on 2 cores
+    python -m benchmarks.engine_step_breakdown --smoke    # tiny random model, seconds
+
+Same workload and engine settings as `python -m benchmarks.bench_engine` (SmolLM2 fp32, 64
+requests, prompts 32-512 tokens of real text, outputs 16-256, ignore_eos, greedy). The engine
+is stepped by hand; a step is "decode" when every scheduled request computes one token. The
+attention time is measured by wrapping the attention function the model layers call.
+Writes benchmarks/results/engine_step_breakdown.json.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from benchmarks.bench_engine import make_workload, tiny_model_dir
+from benchmarks.common import RESULTS_DIR, write_result
+
+
+def breakdown(model_dir, workload, cpu_gemm_backend: str, max_num_batched_tokens: int, max_model_len: int) -> dict:
+    import mini_vllm.models.attention as attention_module
+    from mini_vllm import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=max_model_len, max_num_seqs=len(workload),
+              max_num_batched_tokens=max_num_batched_tokens, cpu_gemm_backend=cpu_gemm_backend)
+    engine = llm.llm_engine
+    attention_seconds = [0.0]
+    original = attention_module.unified_attention
+
+    def timed_attention(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = original(*args, **kwargs)
+        attention_seconds[0] += time.perf_counter() - t0
+        return out
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for _, n in workload]
+    llm.generate([p for p, _ in workload[:4]], params[:4], use_tqdm=False)          # warm-up
+    llm.reset_prefix_cache()
+    attention_module.unified_attention = timed_attention
+    try:
+        for i, ((prompt, _), p) in enumerate(zip(workload, params)):
+            engine.add_request(f"b{i}", prompt, p)
+        phases = defaultdict(lambda: dict(steps=0, seconds=0.0, attention_seconds=0.0, tokens=0))
+        t_all = time.perf_counter()
+        while engine.has_unfinished_requests():
+            attention_seconds[0] = 0.0
+            t0 = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - t0
+            so = engine.last_step.scheduler_output
+            phase = phases["decode" if max(so.num_scheduled_tokens.values(), default=0) == 1 else "prefill"]
+            phase["steps"] += 1
+            phase["seconds"] += seconds
+            phase["attention_seconds"] += attention_seconds[0]
+            phase["tokens"] += so.total_num_scheduled_tokens
+        total = time.perf_counter() - t_all
+    finally:
+        attention_module.unified_attention = original
+    output_tokens = sum(n for _, n in workload)
+    return dict(cpu_gemm_backend=cpu_gemm_backend, seconds=round(total, 2),
+                output_tokens_per_s=round(output_tokens / total, 2),
+                **{f"{name}_{key}": round(v, 2) if isinstance(v, float) else v
+                   for name, phase in phases.items() for key, v in phase.items()})
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    args = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from mini_vllm import default_model_path
+
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = tiny_model_dir(Path(tmp.name)) if args.smoke else default_model_path()
+    prompt_range, output_range = ((8, 40), (2, 12)) if args.smoke else ((32, 512), (16, 256))
+    num_requests = 6 if args.smoke else args.num_requests
+    workload = make_workload(AutoTokenizer.from_pretrained(model_dir), num_requests, prompt_range, output_range)
+    max_model_len = prompt_range[1] + output_range[1]
+    rows = []
+    for backend in ("auto", "torch"):
+        row = breakdown(model_dir, workload, backend, max(args.max_num_batched_tokens, max_model_len), max_model_len)
+        print(row, flush=True)
+        rows.append(row)
+    write_result("engine_step_breakdown_smoke" if args.smoke else "engine_step_breakdown",
+                 dict(model=Path(model_dir).name, dtype="float32", device="cpu", num_requests=num_requests,
+                      prompt_len=list(prompt_range), output_len=list(output_range), ignore_eos=True, greedy=True,
+                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      note="cpu_gemm_backend auto = oneDNN prepacked linears; torch = F.linear"), rows, args.out_dir)
+    tmp.cleanup()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

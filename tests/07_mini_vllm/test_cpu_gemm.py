@@ -1,0 +1,83 @@
+"""oneDNN matmuls on prepacked weights (models/cpu_gemm.py): same results as F.linear within the
+dtype's tolerance, every linear of a model packed (the tied lm_head too), the engine's switch."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tolerances import assert_close
+
+from mini_vllm.config import ModelConfig
+from mini_vllm.engine_config import EngineConfig
+from mini_vllm.models import cpu_gemm
+from mini_vllm.models.layers import Linear
+from mini_vllm.models.loader import get_model, process_weights_after_loading
+
+needs_onednn = pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="this torch build has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 64, 513])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear(rows, bias, dtype):
+    torch.manual_seed(rows)
+    w = torch.randn(96, 80, dtype=dtype)
+    b = torch.randn(96, dtype=dtype) if bias else None
+    x = torch.randn(rows, 80, dtype=dtype)
+    packed = cpu_gemm.pack_weight(w)
+    out = cpu_gemm.packed_linear(x, packed, b)
+    assert out.shape == (rows, 96) and out.dtype == dtype
+    assert_close(out, F.linear(x, w, b), dtype=dtype)
+    # The same packed weight serves any number of rows (decode steps of every batch size).
+    assert_close(cpu_gemm.packed_linear(x[:1], packed, b), F.linear(x[:1], w, b), dtype=dtype)
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def tiny_model(request, tmp_path_factory, tiny_checkpoint):
+    path = tmp_path_factory.mktemp(f"gemm-{request.param}")
+    tiny_checkpoint(path, "llama", tie_word_embeddings=request.param == "tied")
+    return ModelConfig.from_pretrained(path)
+
+
+def forward_logits(model, config):
+    from mini_vllm.input_batch import prepare_inputs
+    from mini_vllm.kv_cache import allocate_kv_caches
+
+    inputs = prepare_inputs([[5, 17, 99, 3, 250], [300, 2]], [0, 0], [[0, 1], [2]], 4)
+    caches = allocate_kv_caches(config, 3, 4)
+    with torch.inference_mode():
+        hidden = model(inputs.input_ids, inputs.positions, caches, inputs.attn_metadata)
+        return model.compute_logits(hidden[inputs.logits_indices])
+
+
+@needs_onednn
+def test_every_linear_and_the_lm_head_packed(tiny_model):
+    config = tiny_model
+    plain = get_model(config, cpu_gemm_backend="torch")
+    packed = get_model(config, cpu_gemm_backend="auto")
+    linears = [m for m in packed.modules() if isinstance(m, Linear)]
+    assert all(m.packed_weight is not None for m in linears)
+    assert packed.packed_lm_head is not None
+    assert all(m.packed_weight is None for m in plain.modules() if isinstance(m, Linear))
+    assert plain.packed_lm_head is None
+    # 2 layers x (qkv, o, gate_up, down) = 8 linears, + the lm_head: its own Linear when untied,
+    # else the embedding matrix packed once more.
+    assert len(linears) == 8 + (not config.tie_word_embeddings)
+    assert process_weights_after_loading(plain, "auto") == 9
+    assert plain.packed_lm_head is not None
+    assert_close(forward_logits(packed, config), forward_logits(get_model(config, cpu_gemm_backend="torch"), config),
+                 dtype=torch.float32)
+
+
+def test_bad_backends_are_refused(tiny_model):
+    config = tiny_model
+    with pytest.raises(ValueError, match="cpu_gemm_backend must be one of"):
+        EngineConfig(cpu_gemm_backend="mkl")
+    model = get_model(config, cpu_gemm_backend="torch")
+    with pytest.raises(ValueError, match="cpu_gemm_backend must be one of"):
+        process_weights_after_loading(model, "blas")
+    model.half()                                           # fp16: oneDNN packs fp32 / bf16 only
+    with pytest.raises(ValueError, match="needs CPU weights in fp32/bf16"):
+        process_weights_after_loading(model, "onednn")
+    assert process_weights_after_loading(model, "auto") == 0   # auto: falls back to F.linear, says nothing
