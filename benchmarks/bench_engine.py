@@ -144,12 +144,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
     names = list(dict.fromkeys(r["name"] for r in rows))            # one bar per side: the median of its runs
     values = [statistics.median(r["output_tokens_per_s"] for r in rows if r["name"] == n) for n in names]
-    fig, ax = plt.subplots(figsize=(7, 0.6 + 0.5 * len(names)))
+    fig, ax = plt.subplots(figsize=(8.5, 0.9 + 0.5 * len(names)))
     bars = ax.barh(names, values, color=["tab:green" if n.startswith("ours") else "tab:gray" for n in names])
     for bar, v in zip(bars, values):
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {v:.1f}", va="center")
     ax.set_xlabel("output tokens / s, median over runs (higher is better)")
-    ax.set_title(title, fontsize=9)
+    fig.suptitle(title, fontsize=9)
     ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
