@@ -64,7 +64,7 @@ def breakdown(model_dir, workload, cpu_gemm_backend: str, max_num_batched_tokens
     output_tokens = sum(n for _, n in workload)
     return dict(cpu_gemm_backend=cpu_gemm_backend, seconds=round(total, 2),
                 output_tokens_per_s=round(output_tokens / total, 2),
-                **{f"{name}_{key}": round(v, 2) if isinstance(v, float) else v
+                **{f"{name}_{key}": round(v, 4) if isinstance(v, float) else v
                    for name, phase in phases.items() for key, v in phase.items()})
 
 
