@@ -84,11 +84,15 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
 
+    def _decode_window(self, end: int) -> tuple[str, str]:
+        """(text of the already-emitted context, text of the context plus tokens up to `end`)."""
+        return (self._decode(self.token_ids[self.prefix_offset:self.read_offset]),
+                self._decode(self.token_ids[self.prefix_offset:end]))
+
     def decode_next(self) -> str:
         """The text the tokens after read_offset add, or "" if it is not ready yet."""
         ### BEGIN SOLUTION
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.token_ids[self.prefix_offset:])
+        prefix_text, new_text = self._decode_window(len(self.token_ids))
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
             # Nothing visible yet (a special token that is skipped), or a character still
             # incomplete: keep the window where it is and try again with the next token.
@@ -127,8 +131,7 @@ class IncrementalDetokenizer:
         end = len(self.token_ids) - self._excluded_tail
         if end <= self.read_offset:
             return
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.token_ids[self.prefix_offset:end])
+        prefix_text, new_text = self._decode_window(end)
         self.output_text += new_text[len(prefix_text):]
         self.prefix_offset = self.read_offset = end
 

@@ -4,6 +4,10 @@ Two jobs that must happen before any kernel module is imported:
   * without CUDA, Triton kernels run under the interpreter (TRITON_INTERPRET=1), so the
     same kernels the GPU runs are checked on a CPU-only CI machine;
   * tests marked `gpu` (CUDA kernels, native Triton) are skipped cleanly without CUDA.
+
+And one rule for every engine a test builds (chapter 07, integration): it registers in
+`engine_registry`, and after EVERY test each registered engine must be idle with all its KV
+blocks free (device and CPU tier) and consistent bookkeeping.
 """
 import os
 
@@ -29,3 +33,18 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """The device kernels run on: CUDA when present, else CPU (Triton interpreter)."""
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture(scope="session")
+def engine_registry():
+    """Engines (LLM or LLMEngine) made by tests; checked after every test."""
+    return []
+
+
+@pytest.fixture(autouse=True)
+def all_kv_blocks_free_after_test(engine_registry):
+    yield
+    for llm in engine_registry:
+        engine = getattr(llm, "llm_engine", llm)
+        assert not engine.has_unfinished_requests(), "a test left requests running"
+        engine.engine_core.check_invariants()        # includes: every device and CPU block free

@@ -170,25 +170,11 @@ def tiny_checkpoint():
 
 
 # ---------------------------------------------------------------------------------------------
-# The engine (part 2): engines made by tests are registered, and after EVERY test each one must
-# be idle with all its KV blocks free (device and CPU tier) and consistent bookkeeping.
+# The engine (part 2): engines made by tests register in tests/conftest.py's engine_registry,
+# whose autouse fixture checks after EVERY test that each is idle with all its KV blocks free.
 # ---------------------------------------------------------------------------------------------
 
 ENGINE_VOCAB = 49152          # tiny engine checkpoints use SmolLM2's tokenizer, so text prompts work
-
-
-@pytest.fixture(scope="session")
-def engine_registry():
-    return []
-
-
-@pytest.fixture(autouse=True)
-def all_kv_blocks_free_after_test(engine_registry):
-    yield
-    for llm in engine_registry:
-        engine = getattr(llm, "llm_engine", llm)
-        assert not engine.has_unfinished_requests(), "a test left requests running"
-        engine.engine_core.check_invariants()        # includes: every device and CPU block free
 
 
 @pytest.fixture(scope="session")

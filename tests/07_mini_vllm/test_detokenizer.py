@@ -1,7 +1,6 @@
 """Incremental detokenization and stop strings, on SmolLM2's real byte-level BPE tokenizer."""
 from __future__ import annotations
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

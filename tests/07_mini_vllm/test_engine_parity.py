@@ -13,7 +13,6 @@ batched with ignore_eos, so ours is compared up to HF's length (`assert_same_gre
 from __future__ import annotations
 
 import pytest
-import torch
 
 from mini_vllm import SamplingParams
 

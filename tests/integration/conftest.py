@@ -1,5 +1,5 @@
 """Fixtures for the full-stack tests: tiny random checkpoints with SmolLM2's tokenizer, and
-engines that must be idle with every KV block free after each test (as in tests/07_mini_vllm)."""
+engines registered in engine_registry (tests/conftest.py): idle with every KV block free after each test."""
 from __future__ import annotations
 
 import pytest
@@ -24,20 +24,7 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def engines():
-    return []
-
-
-@pytest.fixture(autouse=True)
-def all_kv_blocks_free_after_test(engines):
-    yield
-    for engine in engines:
-        assert not engine.has_unfinished_requests(), "a test left requests running"
-        engine.engine_core.check_invariants()
-
-
-@pytest.fixture(scope="session")
-def make_engine(tiny_model_dir, engines):
+def make_engine(tiny_model_dir, engine_registry):
     """make_engine(**EngineConfig fields) -> LLMEngine on the tiny model (registered)."""
     from mini_vllm import LLMEngine
 
@@ -45,6 +32,6 @@ def make_engine(tiny_model_dir, engines):
         kwargs = {"model": str(tiny_model_dir), "block_size": 4, "max_model_len": 256,
                   "num_gpu_blocks_override": 512, **kwargs}
         engine = LLMEngine(**kwargs)
-        engines.append(engine)
+        engine_registry.append(engine)
         return engine
     return make
