@@ -1,0 +1,583 @@
+"""The KV connector: how K/V computed on ANOTHER node enters a request, in vLLM's shape.
+
+Mirrors `KVConnectorBase_V1` (`vllm/distributed/kv_transfer/kv_connector/v1/base.py`) and,
+for the push path, `MooncakeConnector` (`.../v1/mooncake/mooncake_connector.py`).
+
+Scheduler side (called by chapter 03's `Scheduler`; `scheduler.KVConnectorBase` is its half):
+  get_num_new_matched_tokens(request, num_computed_tokens) -> (num_external_tokens, load_async)
+  update_state_after_alloc(request, blocks, num_external_tokens)
+  build_connector_meta(scheduler_output) -> GlobalPrefixCacheConnectorMetadata
+  request_finished(request, block_ids) -> delay_free_blocks  (+ take_kv_transfer_params)
+Worker side (called by the model runner around the forward pass):
+  register_kv_caches(kv_caches)  bind_connector_metadata(meta)  start_load_kv()
+  wait_for_layer_load(layer)  save_kv_layer(layer, ...)  wait_for_save()
+  get_finished(finished_req_ids) -> (finished_sending, finished_recving)
+  get_block_ids_with_load_errors()  /  get_failed_loads()
+
+Two ways K/V arrive, one code path in the scheduler (thesis §4.4: a remote prefix hit):
+  * pool (global prefix cache): a producer publishes the full blocks of every prompt;
+    any consumer whose prompt starts with those blocks loads them instead of computing.
+  * push (prefill/decode disaggregation): the prefill node stages a request's K/V; the
+    decode node, given the prefill node's `kv_transfer_params`, asks for it over a side
+    channel, and the prefill node WRITES it into the decode node's blocks (seed 003 §7.3.1:
+    P pushes, D does not pull), contiguous blocks grouped into one transfer per layer.
+
+Every load is asynchronous (the request waits in WAITING_FOR_REMOTE_KVS) and has a deadline;
+a failed or late load is reported by `get_failed_loads()` so the engine can recompute
+(`recover_failed_loads`), and its blocks are never written after it was given up.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from global_prefix_cache.config import KVTransferConfig
+from global_prefix_cache.grouping import Region, build_transfer_params
+from global_prefix_cache.kv_layout import BlockSegment, KVLayout, NodeSpec
+from global_prefix_cache.layers import LoadError, PoolHit, ScratchLayer, classify, hit_node_id
+from global_prefix_cache.rpc import RpcClient, RpcError, RpcServer
+from kvcache.hashing import BlockHash, append_block_hashes, sha256_hash
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVConnectorRole(enum.Enum):
+    """vLLM builds the connector twice, once per side; here one object may play both."""
+    SCHEDULER = 0
+    WORKER = 1
+
+
+@dataclass
+class LoadSpec:
+    """One request's load, planned on the scheduler side, executed on the worker side."""
+    request_id: str
+    mode: str                         # "pool" | "push"
+    first_block: int                  # logical index of the first block to fill
+    num_blocks: int
+    hits: list[PoolHit] = field(default_factory=list)          # pool
+    push: dict[str, Any] = field(default_factory=dict)          # push: the prefill node's kv_transfer_params
+    block_ids: list[int] = field(default_factory=list)         # local destination blocks (set after alloc)
+
+
+@dataclass
+class SaveSpec:
+    request_id: str
+    block_ids: list[int]              # local blocks to publish to the pool (full prompt blocks)
+    block_hashes: list[int]
+    push_block_ids: list[int] = field(default_factory=list)    # stage for a decode node (prompt complete)
+    push_num_tokens: int = 0
+
+
+@dataclass
+class GlobalPrefixCacheConnectorMetadata:
+    """vLLM's KVConnectorMetadata: what the scheduler tells the worker for one step."""
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass
+class _SaveState:
+    block_ids: list[int]
+    prompt_len: int
+    num_saved_blocks: int = 0
+    staged: bool = False
+
+
+@dataclass
+class _LoadJob:
+    spec: LoadSpec
+    deadline: float
+    future: Future | None = None
+    tag: str = ""
+    cancelled: threading.Event = field(default_factory=threading.Event)   # given up: write nothing
+    started: float = 0.0
+    finished: float = 0.0
+
+    def cancel(self, engine) -> None:
+        self.cancelled.set()
+        engine.revoke_tag(self.tag)
+        if self.future is not None:
+            self.future.cancel()
+
+
+@dataclass
+class _Staged:
+    slots: list[int]
+    num_tokens: int
+    expires: float
+    sent: bool = False
+
+
+class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
+    """The surface the engine drives (vLLM's KVConnectorBase_V1). Subclasses pick a layer."""
+
+    layer_name = ""
+
+    def __init__(self, config: KVTransferConfig | dict, block_size: int, node_id: str | None = None) -> None:
+        self.config = KVTransferConfig.from_dict(config)
+        if type(self).layer_name and self.config.kv_connector != type(self).__name__:
+            raise ValueError(f"{type(self).__name__} built with kv_connector={self.config.kv_connector!r}")
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        self.block_size = block_size
+        self.node_id = node_id or self.config.engine_id or f"node-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.layer = self._make_layer()
+        self.layout: KVLayout | None = None
+        self.spec: NodeSpec | None = None
+        # scheduler side
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._requests: dict[str, Any] = {}
+        self._matched: dict[str, LoadSpec] = {}      # matched, waiting for update_state_after_alloc
+        self._loads_to_send: list[LoadSpec] = []
+        self._save_state: dict[str, _SaveState] = {}
+        self._no_remote: set[str] = set()            # failed once: compute locally from now on
+        self.last_error = ""
+        self.finished_request_ids: set[str] = set()  # request_finished seen (the engine calls it once)
+        self._params_out: dict[str, dict] = {}
+        self.external_tokens: dict[str, int] = {}    # request -> tokens planned to load (stats)
+        self.load_seconds: list[float] = []          # wall time of each successful load (benchmarks)
+        # worker side
+        self._meta = GlobalPrefixCacheConnectorMetadata()
+        self._save_handles: list[tuple[SaveSpec, Any, list[int]]] | None = None
+        self._saved_regions: set[int] = set()
+        self._jobs: dict[str, _LoadJob] = {}
+        self._failed: dict[str, str] = {}
+        self._failed_block_ids: set[int] = set()
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-load")
+        self._tags = itertools.count()
+        self.send_segment: BlockSegment | None = None
+        self.side_channel: RpcServer | None = None
+        self._staged: dict[str, _Staged] = {}
+        self._staged_cv = threading.Condition()
+        self._finished_sending: set[str] = set()
+        self.stats = {"lookups": 0, "hit_blocks": 0, "loaded_tokens": 0, "loaded_bytes": 0, "saved_blocks": 0,
+                      "pushed_blocks": 0, "failures": {}}
+
+    def _make_layer(self):
+        raise NotImplementedError
+
+    # ================================================================ worker: setup
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """The model runner's K/V tensors ({name: [num_blocks, block_size, heads, head_dim]},
+        K and V of each layer as separate entries): register them for remote writes, and
+        join the pool / open the side channel according to the role."""
+        self.layout = KVLayout(kv_caches)
+        first = self.layout.tensors[0]
+        if first.dim() != 4 or first.shape[1] != self.block_size:
+            raise ValueError(f"K/V tensors must be [num_blocks, block_size={self.block_size}, heads, head_dim], "
+                             f"got {tuple(first.shape)}")
+        self.spec = NodeSpec(self.config.extra["model"], self.block_size, len(kv_caches) // 2, first.shape[2],
+                             first.shape[3], str(first.dtype).removeprefix("torch."))
+        self.layer.start(self.layout, self.spec)
+        if self.config.is_kv_producer:
+            self.send_segment = BlockSegment(self.layout, self.config.extra["send_capacity_blocks"])
+            for r in self.send_segment.regions:
+                self.layer.engine.register_memory(r.base, r.block_len * r.num_blocks)
+            self.side_channel = RpcServer({"pull_kv": self._serve_pull})
+
+    # ================================================================ scheduler side
+    def _block_hashes(self, request) -> list[BlockHash]:
+        # sha256: the chain must be the same number on every node (Python's hash of a str
+        # is salted per process).
+        hashes = self._hashes.setdefault(request.request_id, [])
+        return append_block_hashes(hashes, request, self.block_size, sha256_hash)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens after the local hit (`num_computed_tokens`, block-aligned) whose K/V can be
+        loaded from elsewhere, and whether the load is asynchronous (here: always, when > 0).
+        vLLM may also return None ("ask again next step"); this connector always knows."""
+        if self.layout is None:
+            raise RuntimeError("register_kv_caches() must run before the scheduler asks for matches")
+        if num_computed_tokens % self.block_size:
+            raise ValueError(f"num_computed_tokens={num_computed_tokens} is not block-aligned (block_size {self.block_size})")
+        rid = request.request_id
+        self._requests[rid] = request
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if params.get("do_remote_prefill"):
+            self.config.require("load")
+            return self._match_push(request, num_computed_tokens, params)
+        if not self.config.is_kv_consumer or rid in self._no_remote:
+            return 0, False
+        return self._match_pool(request, num_computed_tokens)
+
+    def _match_pool(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        ### BEGIN SOLUTION
+        hashes = self._block_hashes(request)
+        first = num_computed_tokens // self.block_size
+        # Leave at least one token to compute: the model needs its logits to sample.
+        last = (request.num_tokens - 1) // self.block_size
+        if last <= first:
+            return 0, False
+        self.stats["lookups"] += 1
+        try:
+            hits = self.layer.pool_query([h.hash_value for h in hashes[first:last]])
+        except (RpcError, ConnectionError, OSError) as e:      # metadata/master unreachable: a miss
+            self._count_failure("unreachable")
+            self.last_error = str(e)
+            return 0, False
+        if not hits:
+            return 0, False
+        self.stats["hit_blocks"] += len(hits)
+        self._matched[request.request_id] = LoadSpec(request.request_id, "pool", first, len(hits), hits=hits)
+        return len(hits) * self.block_size, True
+        ### END SOLUTION
+
+    def _match_push(self, request, num_computed_tokens: int, params: dict) -> tuple[int, bool]:
+        """Disaggregation: the prefill node has K/V for params['num_tokens'] tokens."""
+        for key in ("remote_session", "remote_request_id", "num_tokens", "spec"):
+            if key not in params:
+                raise ValueError(f"kv_transfer_params with do_remote_prefill needs {key!r}; got {sorted(params)}")
+        self.spec.check_compatible(NodeSpec(**params["spec"]), "the prefill node")
+        if request.request_id in self._no_remote:
+            return 0, False
+        available = min(int(params["num_tokens"]), request.num_tokens - 1)
+        n = available - num_computed_tokens
+        if n <= 0:
+            return 0, False
+        first = num_computed_tokens // self.block_size
+        num_blocks = cdiv(num_computed_tokens + n, self.block_size) - first
+        self._matched[request.request_id] = LoadSpec(request.request_id, "push", first, num_blocks, push=dict(params))
+        return n, True
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        """The request now owns its blocks: plan the load into the ones the match covers."""
+        spec = self._matched.pop(request.request_id, None)
+        if spec is None or num_external_tokens == 0:
+            return
+        block_ids = list(blocks.get_block_ids() if hasattr(blocks, "get_block_ids") else blocks)
+        spec.block_ids = block_ids[spec.first_block:spec.first_block + spec.num_blocks]
+        if len(spec.block_ids) != spec.num_blocks:
+            raise ValueError(f"request {request.request_id}: {len(block_ids)} blocks allocated, the load needs "
+                             f"blocks {spec.first_block}..{spec.first_block + spec.num_blocks - 1}")
+        self._loads_to_send.append(spec)
+        self.external_tokens[request.request_id] = num_external_tokens
+
+    def build_connector_meta(self, scheduler_output) -> GlobalPrefixCacheConnectorMetadata:
+        """This step's loads (planned by update_state_after_alloc) and saves: for a producer,
+        the prompt blocks that become full this step, and, when a disaggregated request's
+        prompt completes, all its blocks to stage for the decode node."""
+        meta = GlobalPrefixCacheConnectorMetadata(loads=self._loads_to_send)
+        self._loads_to_send = []
+        if not self.config.is_kv_producer:
+            return meta
+        computed_before: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:
+            self._save_state[new.req_id] = _SaveState(list(new.block_ids), len(new.prompt_token_ids))
+            computed_before[new.req_id] = new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            state = self._save_state.get(rid)
+            if state is None:
+                continue
+            if cached.resumed_from_preemption[i]:
+                state.block_ids = list(cached.new_block_ids[i])
+            else:
+                state.block_ids += cached.new_block_ids[i]
+            computed_before[rid] = cached.num_computed_tokens[i]
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            state, request = self._save_state.get(rid), self._requests.get(rid)
+            if state is None or request is None or rid not in computed_before:
+                continue
+            save = self._plan_save(rid, request, state, computed_before[rid] + n)
+            if save is not None:
+                meta.saves.append(save)
+        return meta
+
+    def _plan_save(self, rid: str, request, state: _SaveState, computed_after: int) -> SaveSpec | None:
+        save = SaveSpec(rid, [], [])
+        if self.config.extra["save_to_pool"]:
+            num_full = min(computed_after, state.prompt_len) // self.block_size
+            if num_full > state.num_saved_blocks:
+                hashes = self._block_hashes(request)
+                save.block_ids = state.block_ids[state.num_saved_blocks:num_full]
+                save.block_hashes = [h.hash_value for h in hashes[state.num_saved_blocks:num_full]]
+                state.num_saved_blocks = num_full
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if params.get("do_remote_decode") and not state.staged and computed_after >= state.prompt_len:
+            self.config.require("save")
+            state.staged = True
+            save.push_block_ids = state.block_ids[:cdiv(state.prompt_len, self.block_size)]
+            save.push_num_tokens = state.prompt_len
+        return save if (save.block_ids or save.push_block_ids) else None
+
+    def request_finished(self, request, block_ids: Sequence[int]) -> bool:
+        """The request finished: forget it, and return whether its blocks must stay allocated
+        (vLLM's delay_free_blocks). Always False here: what a decode node will fetch was
+        copied to the send buffer when the prompt completed. (vLLM's MooncakeConnector instead
+        returns True and pushes straight from the KV blocks, freeing them on finished_sending.)
+
+        A prefill node also produces the kv_transfer_params the decode node's request must
+        carry (vLLM returns them as the second element; chapter 03's scheduler takes a bool):
+        read them with `take_kv_transfer_params(request_id)`."""
+        rid = request.request_id
+        self.finished_request_ids.add(rid)
+        for d in (self._hashes, self._requests, self._matched, self._save_state):
+            d.pop(rid, None)
+        job = self._jobs.pop(rid, None)
+        if job is not None:           # finished (aborted) while loading: its blocks are being freed
+            job.cancel(self.layer.engine)
+        self._no_remote.discard(rid)
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if params.get("do_remote_decode"):
+            self.config.require("save")
+            with self._staged_cv:
+                staged = self._staged.get(rid)
+            if staged is not None:    # None: its prompt never completed here, nothing to fetch
+                self._params_out[rid] = {"do_remote_prefill": True, "remote_session": self.side_channel.address,
+                                         "remote_request_id": rid, "num_tokens": staged.num_tokens,
+                                         "spec": self.spec.as_dict()}
+        return False
+
+    def take_kv_transfer_params(self, request_id: str) -> dict | None:
+        """The kv_transfer_params a finished request produced (a prefill node's: where the
+        decode node fetches the K/V), once; None if it produced none."""
+        self.finished_request_ids.discard(request_id)
+        return self._params_out.pop(request_id, None)
+
+    def mark_no_remote(self, request_id: str) -> None:
+        """After a failed load: this request computes its K/V locally from now on."""
+        self._no_remote.add(request_id)
+        self._matched.pop(request_id, None)
+
+    # ================================================================ worker side: loads
+    def bind_connector_metadata(self, meta: GlobalPrefixCacheConnectorMetadata) -> None:
+        self._meta = meta
+        self._save_handles = None
+        self._saved_regions = set()
+
+    def clear_connector_metadata(self) -> None:
+        self._meta = GlobalPrefixCacheConnectorMetadata()
+        self._save_handles = None
+
+    def start_load_kv(self, forward_context: Any = None, **kwargs) -> None:
+        """Start this step's loads in the background (before the forward pass)."""
+        timeout = self.config.extra["load_timeout_s"]
+        for spec in self._meta.loads:
+            job = _LoadJob(spec, time.monotonic() + timeout, tag=f"{self.node_id}/{spec.request_id}/{next(self._tags)}")
+            job.future = self._pool.submit(self._run_load, job)
+            self._jobs[spec.request_id] = job
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: every load here is asynchronous (the request sits in
+        WAITING_FOR_REMOTE_KVS and is not in this forward pass). A synchronous connector
+        would block here until layer `layer_name` has arrived, overlapping the rest."""
+
+    def _run_load(self, job: _LoadJob) -> int:
+        spec = job.spec
+        job.started = time.perf_counter()
+        remaining = max(1e-3, job.deadline - time.monotonic())
+        if spec.mode == "pool":
+            n = self.layer.pool_load(self.layout, spec.hits, spec.block_ids, remaining, job.cancelled)
+        else:
+            n = self._pull(job, remaining)
+        job.finished = time.perf_counter()
+        return n
+
+    def _pull(self, job: _LoadJob, timeout: float) -> int:
+        """Ask the prefill node to push this request's K/V into our blocks."""
+        spec = job.spec
+        header = {"op": "pull_kv", "request_id": spec.push["remote_request_id"], "target": self.layer.engine.session_id,
+                  "regions": [[r.base, r.block_len, r.num_blocks] for r in self.layout.regions],
+                  "first_block": spec.first_block, "block_ids": spec.block_ids, "tag": job.tag,
+                  "spec": self.spec.as_dict(), "wait_s": timeout}
+        client = RpcClient(spec.push["remote_session"], timeout)
+        try:
+            reply, _ = client.call(header)
+        except RpcError as e:
+            self.layer.engine.revoke_tag(job.tag)     # a late write must not land in reused blocks
+            raise LoadError(classify(str(e)), str(e)) from None
+        finally:
+            client.close()
+        if self.layout.block_checksums(spec.block_ids) != reply["checksums"]:
+            raise LoadError("checksum", f"request {spec.request_id}: pushed blocks fail their checksums")
+        return reply["num_bytes"]
+
+    def get_finished(self, finished_req_ids: set[str] = frozenset()) -> tuple[set[str], set[str]]:
+        """(finished_sending, finished_recving) since the last call. A load that failed or
+        passed its deadline is NOT in finished_recving: it is in get_failed_loads()."""
+        now, recving = time.monotonic(), set()
+        for rid, job in list(self._jobs.items()):
+            if job.future.done():
+                del self._jobs[rid]
+                err = job.future.exception()
+                if err is None:
+                    recving.add(rid)
+                    self.stats["loaded_tokens"] += self.external_tokens.get(rid, 0)
+                    self.stats["loaded_bytes"] += job.future.result()
+                    self.load_seconds.append(job.finished - job.started)
+                else:
+                    self._fail(job, err)
+            elif now > job.deadline:
+                del self._jobs[rid]
+                job.cancel(self.layer.engine)
+                self._fail(job, LoadError("timeout", f"not loaded within {self.config.extra['load_timeout_s']} s"))
+        return self._drain_sending(now), recving
+
+    def _fail(self, job: _LoadJob, err: BaseException) -> None:
+        reason = err.reason if isinstance(err, LoadError) else classify(str(err))
+        self._count_failure(reason)
+        self._failed[job.spec.request_id] = f"{reason}: {err}"
+        self._failed_block_ids.update(job.spec.block_ids)
+        if reason == "unreachable" and job.spec.mode == "pool":
+            for node in {hit_node_id(h) for h in job.spec.hits} - {None}:
+                self.layer.forget_node(node)
+
+    def _count_failure(self, reason: str) -> None:
+        self.stats["failures"][reason] = self.stats["failures"].get(reason, 0) + 1
+
+    def get_failed_loads(self) -> dict[str, str]:
+        """{request_id: reason} of loads that failed since the last call (then forgotten)."""
+        failed, self._failed = self._failed, {}
+        return failed
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """vLLM's name: the local blocks whose load failed since the last call."""
+        ids, self._failed_block_ids = self._failed_block_ids, set()
+        return ids
+
+    def has_pending_loads(self) -> bool:
+        return bool(self._jobs)
+
+    # ================================================================ worker side: saves
+    def _begin_saves(self) -> list[tuple[SaveSpec, Any, list[int]]]:
+        if self._save_handles is None:
+            self._save_handles = []
+            for save in self._meta.saves:
+                handle = []
+                if save.block_ids:
+                    try:
+                        handle = self.layer.pool_begin_save(self.layout, save.block_ids, save.block_hashes)
+                    except (RpcError, ConnectionError, OSError):
+                        self._count_failure("unreachable")       # the pool is down: just don't publish
+                slots = []
+                if save.push_block_ids:
+                    slots = self.send_segment.allocate(len(save.push_block_ids)) or []
+                    if not slots:
+                        self._count_failure("send_buffer_full")
+                self._save_handles.append((save, handle, slots))
+        return self._save_handles
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any = None, attn_metadata: Any = None, **kwargs) -> None:
+        """Called after layer `layer_name` wrote its K/V: copy that layer's new blocks out
+        now, overlapping with the next layers' compute."""
+        regions = [r for r in self.layout.region_indices(layer_name) if r not in self._saved_regions]
+        self._copy_saves(regions)
+
+    def _copy_saves(self, regions: list[int]) -> None:
+        if not regions:
+            return
+        for save, handle, slots in self._begin_saves():
+            self.layer.pool_copy(self.layout, handle, regions)
+            if slots:
+                self.layout.copy_blocks_to(self.send_segment, save.push_block_ids, slots, regions)
+        self._saved_regions.update(regions)
+
+    def wait_for_save(self) -> None:
+        """After the forward pass: copy what no save_kv_layer call covered, then publish."""
+        if not self._meta.saves:
+            return
+        self._copy_saves([r for r in range(len(self.layout.regions)) if r not in self._saved_regions])
+        keep = self.config.extra["send_keep_s"]
+        for save, handle, slots in self._save_handles:
+            try:
+                self.stats["saved_blocks"] += self.layer.pool_end_save(self.layout, handle)
+            except (RpcError, ConnectionError, OSError):
+                self._count_failure("unreachable")
+                self.layer.pool_abort_save(handle)
+            if slots:
+                with self._staged_cv:
+                    self._staged[save.request_id] = _Staged(slots, save.push_num_tokens, time.monotonic() + keep)
+                    self._staged_cv.notify_all()
+        self._save_handles = []
+
+    # ================================================================ prefill node: the push
+    def _serve_pull(self, header: dict, _payload) -> dict:
+        """Side channel (vLLM: ZMQ): a decode node asks for request `request_id`'s K/V to be
+        written into its blocks. Wait (bounded) until the prompt's K/V is staged, then push."""
+        NodeSpec(**header["spec"]).check_compatible(self.spec, "this prefill node")
+        rid = header["request_id"]
+        deadline = time.monotonic() + min(float(header["wait_s"]), self.config.extra["send_keep_s"])
+        with self._staged_cv:
+            while (staged := self._staged.get(rid)) is None or staged.sent:
+                left = deadline - time.monotonic()
+                if staged is not None and staged.sent:
+                    raise LookupError(f"request {rid}'s K/V was already sent")
+                if left <= 0:
+                    raise TimeoutError(f"request {rid} has no staged K/V here (not computed, or expired)")
+                self._staged_cv.wait(left)
+            staged.sent = True
+        ### BEGIN SOLUTION
+        first, dst_ids = header["first_block"], header["block_ids"]
+        src_slots = staged.slots[first:first + len(dst_ids)]
+        if len(src_slots) != len(dst_ids):
+            raise ValueError(f"request {rid}: {len(staged.slots)} blocks staged, asked for {first}..{first + len(dst_ids) - 1}")
+        remote = [Region(*r) for r in header["regions"]]
+        buffers, peer_addrs, lengths = build_transfer_params(self.send_segment.regions, remote, src_slots, dst_ids)
+        rc = self.layer.engine.batch_transfer_sync_write(header["target"], buffers, peer_addrs, lengths, tag=header["tag"])
+        ### END SOLUTION
+        checksums = self.send_segment.block_checksums(src_slots)
+        with self._staged_cv:
+            self._staged.pop(rid, None)
+            self.send_segment.free(staged.slots)
+            self._finished_sending.add(rid)
+        if rc != 0:
+            raise IOError(f"push of request {rid} failed: {self.layer.engine.last_error}")
+        self.stats["pushed_blocks"] += len(dst_ids)
+        return {"checksums": checksums, "num_bytes": sum(lengths), "num_transfers": len(lengths)}
+
+    def _drain_sending(self, now: float) -> set[str]:
+        with self._staged_cv:
+            for rid, staged in list(self._staged.items()):
+                if not staged.sent and now > staged.expires:     # nobody came for it
+                    del self._staged[rid]
+                    self.send_segment.free(staged.slots)
+                    self._finished_sending.add(rid)
+            done, self._finished_sending = self._finished_sending, set()
+        return done
+
+    # ================================================================ shutdown
+    def shutdown(self) -> None:
+        for job in self._jobs.values():
+            job.cancel(self.layer.engine)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.side_channel is not None:
+            self.side_channel.close()
+        self.layer.close()
+
+
+class GlobalKVPoolConnector(KVConnectorBase_V1):
+    """From scratch: our metadata server + our transfer engine (seed 003 §7.5)."""
+    layer_name = "scratch"
+
+    def _make_layer(self):
+        return ScratchLayer(self.config, self.node_id)
+
+
+class MooncakeConnector(KVConnectorBase_V1):
+    """The real system: Mooncake's TransferEngine (push) and Store (pool)."""
+    layer_name = "mooncake"
+
+    def _make_layer(self):
+        from global_prefix_cache.mooncake_layer import MooncakeLayer
+        return MooncakeLayer(self.config, self.node_id)
+
+
+CONNECTORS = {"GlobalKVPoolConnector": GlobalKVPoolConnector, "MooncakeConnector": MooncakeConnector}
+
+
+def create_connector(kv_transfer_config: KVTransferConfig | dict, block_size: int,
+                     node_id: str | None = None) -> KVConnectorBase_V1:
+    """vLLM's KVConnectorFactory.create_connector: the config's name picks the class."""
+    config = KVTransferConfig.from_dict(kv_transfer_config)
+    return CONNECTORS[config.kv_connector](config, block_size, node_id)

@@ -1,0 +1,235 @@
+"""The real system: Mooncake's transfer engine and store, from PyPI
+(`mooncake-transfer-engine-non-cuda`, TCP transport on loopback here; RDMA on real clusters).
+
+  * `MooncakeEngine` — `mooncake.engine.TransferEngine` behind the same small API as our
+    `TransferEngine`: initialize(host, "P2PHANDSHAKE", protocol, "") with no metadata
+    service (peers are found by "host:rpc_port"), `register_memory`, and
+    `batch_transfer_sync_write(target, buffers, peer_buffer_addresses, lengths)` — exactly
+    what vLLM's MooncakeConnector calls to push prefill K/V into a decode node.
+  * `MooncakeMaster` — starts and stops `mooncake_master` (the store's metadata and
+    allocation service) on a free loopback port.
+  * `MooncakeLayer` — the global pool on `mooncake.store.MooncakeDistributedStore`
+    (setup / put / get / batch_is_exist / remove): each node contributes
+    `global_segment_size` bytes; the master places objects and evicts when segments fill.
+
+Traps found on this machine (mooncake 0.3.13.post1): `setup` with no master listening
+blocks for ~90 s holding the GIL (so no Python timeout can interrupt it): we check that the
+master's port answers first. A key cannot be removed while its read lease is held
+(`default_kv_lease_ttl`, 10 s by default; remove returns -706), so the master we start uses
+a short lease. After the master dies, calls return errors (-900) instead of hanging.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from typing import Sequence
+
+import torch
+
+from global_prefix_cache.config import KVTransferConfig
+from global_prefix_cache.kv_layout import KVLayout, NodeSpec
+from global_prefix_cache.layers import LoadError, PoolHit
+from global_prefix_cache.rpc import free_port, parse_address
+
+_HEADER = 8      # a stored block = crc32 (8 bytes, little endian) + the block's packed bytes
+
+
+def _quiet_glog() -> None:
+    # Mooncake logs through glog to stderr; keep warnings and errors only, unless asked.
+    os.environ.setdefault("GLOG_minloglevel", "1")
+
+
+def mooncake_master_binary() -> str:
+    """The `mooncake_master` executable the pip package installs next to python."""
+    here = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    path = here if os.path.exists(here) else shutil.which("mooncake_master")
+    if not path:
+        raise FileNotFoundError("mooncake_master not found: pip install mooncake-transfer-engine-non-cuda "
+                                "(and apt-get install libibverbs1 librdmacm1)")
+    return path
+
+
+def port_answers(address: str, timeout: float = 1.0) -> bool:
+    host, port = parse_address(address)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+class MooncakeMaster:
+    """`mooncake_master` on 127.0.0.1:<free port>, stopped on close (or with the `with`)."""
+
+    def __init__(self, rpc_port: int | None = None, lease_ttl_ms: int = 100, start_timeout: float = 20.0) -> None:
+        self.rpc_port = rpc_port or free_port()
+        metrics_port = free_port()
+        self.proc = subprocess.Popen(
+            [mooncake_master_binary(), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
+             f"--metrics_port={metrics_port}", "--metrics_host=127.0.0.1", f"--default_kv_lease_ttl={lease_ttl_ms}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "GLOG_minloglevel": "2"})
+        deadline = time.monotonic() + start_timeout
+        while not port_answers(self.address, 0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mooncake_master did not start on {self.address} "
+                                   f"(exit code {self.proc.returncode})")
+            time.sleep(0.05)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+
+    def __enter__(self) -> "MooncakeMaster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class MooncakeEngine:
+    """mooncake.engine.TransferEngine with our engine's surface (session_id, last_error)."""
+
+    def __init__(self, protocol: str = "tcp", hostname: str = "127.0.0.1") -> None:
+        _quiet_glog()
+        from mooncake.engine import TransferEngine as _TE
+        self._te = _TE()
+        rc = self._te.initialize(hostname, "P2PHANDSHAKE", protocol, "")
+        if rc != 0:
+            raise RuntimeError(f"mooncake TransferEngine.initialize({hostname!r}, 'P2PHANDSHAKE', {protocol!r}) = {rc}")
+        self.session_id = f"{hostname}:{self._te.get_rpc_port()}"
+        self._registered: list[int] = []
+        self.last_error = ""
+
+    def register_memory(self, addr: int, length: int) -> int:
+        rc = self._te.register_memory(addr, length)
+        if rc != 0:
+            raise RuntimeError(f"mooncake register_memory({addr:#x}, {length}) = {rc}")
+        self._registered.append(addr)
+        return rc
+
+    def batch_transfer_sync_write(self, target: str, buffers: Sequence[int], peer_buffer_addresses: Sequence[int],
+                                  lengths: Sequence[int], tag: str | None = None) -> int:
+        """One call, many (src, dst, len) entries. `tag` is ignored: Mooncake has no way to
+        refuse a late write, so a decode node must not reuse blocks while a push may land."""
+        rc = self._te.batch_transfer_sync_write(target, list(buffers), list(peer_buffer_addresses), list(lengths))
+        self.last_error = "" if rc == 0 else f"mooncake batch_transfer_sync_write to {target} returned {rc}"
+        return rc
+
+    def revoke_tag(self, tag: str) -> None:
+        pass
+
+    def close(self) -> None:
+        for addr in self._registered:
+            self._te.unregister_memory(addr)
+        self._registered.clear()
+
+
+class MooncakeLayer:
+    """The pool on Mooncake Store: one object per block, key = namespace + chained hash."""
+
+    name = "mooncake"
+
+    def __init__(self, config: KVTransferConfig, node_id: str) -> None:
+        extra = config.extra
+        if not extra["master_server"]:
+            raise ValueError("MooncakeConnector needs kv_connector_extra_config['master_server'] = 'host:port' "
+                             "of a running mooncake_master (global_prefix_cache.MooncakeMaster starts one)")
+        if not port_answers(extra["master_server"], extra["rpc_timeout_s"]):
+            raise ConnectionError(f"mooncake_master at {extra['master_server']} does not answer")
+        self.config, self.node_id = config, node_id
+        self.engine = MooncakeEngine(extra["protocol"])
+        from mooncake.store import MooncakeDistributedStore
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", extra["global_segment_size"], extra["local_buffer_size"],
+                              extra["protocol"], "", extra["master_server"])
+        if rc != 0:
+            raise RuntimeError(f"MooncakeDistributedStore.setup(master={extra['master_server']}) = {rc}")
+        self.namespace = ""
+
+    def start(self, layout: KVLayout, spec: NodeSpec) -> None:
+        for r in layout.regions:
+            self.engine.register_memory(r.base, r.block_len * r.num_blocks)
+        # Different models / block sizes never share keys; the store itself cannot tell.
+        self.namespace = f"{spec.model}|bs{spec.block_size}|{spec.num_layers}x{spec.num_kv_heads}x{spec.head_dim}|{spec.dtype}"
+
+    def key(self, block_hash: int) -> str:
+        return f"{self.namespace}|{block_hash:064x}"
+
+    def pool_query(self, block_hashes: Sequence[int]) -> list[PoolHit]:
+        if not block_hashes:
+            return []
+        exists = self.store.batch_is_exist([self.key(h) for h in block_hashes])
+        if any(e < 0 for e in exists):
+            raise ConnectionError(f"mooncake batch_is_exist failed ({exists[:4]}...): master unreachable?")
+        hits = []
+        for h, e in zip(block_hashes, exists):
+            if e != 1:
+                break
+            hits.append(PoolHit(h, -1, self.key(h)))     # checksum travels with the object
+        return hits
+
+    def pool_begin_save(self, layout: KVLayout, block_ids: Sequence[int], block_hashes: Sequence[int]):
+        if not block_hashes:
+            return []
+        exists = self.store.batch_is_exist([self.key(h) for h in block_hashes])
+        return [(b, h, None) for b, h, e in zip(block_ids, block_hashes, exists) if e != 1]
+
+    def pool_copy(self, layout: KVLayout, handle, regions=None) -> None:
+        pass      # a store object holds the whole block: it is built at pool_end_save
+
+    def pool_end_save(self, layout: KVLayout, handle) -> int:
+        n = 0
+        for b, h, _ in handle:
+            packed = layout.pack([b]).numpy().tobytes()
+            value = zlib.crc32(packed).to_bytes(_HEADER, "little") + packed
+            if self.store.put(self.key(h), value) == 0:      # fails when the store is full: just not pooled
+                n += 1
+        return n
+
+    def pool_abort_save(self, handle) -> None:
+        pass
+
+    def pool_load(self, layout: KVLayout, hits: Sequence[PoolHit], dst_block_ids: Sequence[int],
+                  timeout: float, cancelled: threading.Event | None = None) -> int:
+        num_bytes = 0
+        expected = _HEADER + layout.bytes_per_block
+        for hit, dst in zip(hits, dst_block_ids):
+            value = self.store.get(hit.location)
+            if len(value) != expected:
+                raise LoadError("stale", f"{hit.location}: got {len(value)} bytes, expected {expected} "
+                                         "(evicted since the query, or master unreachable)")
+            crc = int.from_bytes(value[:_HEADER], "little")
+            payload = torch.frombuffer(bytearray(value[_HEADER:]), dtype=torch.uint8)
+            if zlib.crc32(payload.numpy()) != crc:
+                raise LoadError("checksum", f"{hit.location}: stored block fails its checksum")
+            if cancelled is not None and cancelled.is_set():
+                raise LoadError("timeout", "the load was given up; nothing more written")
+            layout.unpack(payload.view(1, -1), [dst])
+            num_bytes += len(value)
+        return num_bytes
+
+    def forget_node(self, node_id: str) -> None:
+        pass      # the master tracks its clients' liveness itself (client_ttl)
+
+    def close(self) -> None:
+        try:
+            self.store.close()
+        finally:
+            self.engine.close()
