@@ -22,6 +22,16 @@ def mooncake_config(master: str, role: str = "kv_both", **extra) -> dict:
                                           "global_segment_size": 16 << 20, "local_buffer_size": 16 << 20, **extra}}
 
 
+@pytest.fixture(name="pool_config")
+def _pool_config():
+    return pool_config
+
+
+@pytest.fixture(name="mooncake_config")
+def _mooncake_config():
+    return mooncake_config
+
+
 @pytest.fixture
 def metadata_service():
     service = MetadataService()
