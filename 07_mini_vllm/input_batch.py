@@ -1,57 +1,193 @@
-"""From per-request bookkeeping to the flat tensors one model step reads.
+"""The model runner's persistent batch: per-request state that survives from step to step.
 
-Mirrors the input preparation of vLLM's model runner (vllm/v1/worker/gpu_model_runner.py:
-`_prepare_inputs`): the scheduler says, for each request, how many of its tokens already have
-K/V in the cache (`num_computed_tokens`), which tokens run this step, and which physical blocks
-the request owns. The attention half — block tables, slot mapping, seq_lens, query_start_loc —
-is chapter 01's `build_attention_metadata`; this module adds what the *model* needs around it:
+Mirrors vLLM v1's `vllm/v1/worker/gpu_input_batch.py` (`CachedRequestState`, `InputBatch`:
+`add_request`, `remove_request`, `condense`) and the persistent block table of
+`vllm/v1/worker/block_table.py` (thesis §4.6.2, "incremental state updates").
 
-    input_ids       the new tokens of every request, end to end            [T]
-    positions[t]    = num_computed[r] + (t - query_start_loc[r])           [T]  (RoPE angle of token t)
-    logits_indices  = query_start_loc[1:] - 1                              [R]  (each request's last new token)
+Why persistent: from one step to the next almost nothing changes — each running request gains
+one token and, every block_size tokens, one block id. Rebuilding the batch from Python lists
+every step costs O(total tokens and blocks); keeping it in preallocated arrays and applying the
+scheduler's *deltas* costs O(changes). So the runner keeps, per request:
 
-Prefill, decode, chunked prefill and prefix-cache hits are all the same call with different
-numbers. Everything is whole-batch tensor ops (no loop over tokens): this runs on the CPU
-before every step and must stay cheap next to the model.
+  * `CachedRequestState` (in a dict by request id): prompt, sampled outputs, block ids, sampling
+    params and the request's own random generator — kept even while the request is preempted or
+    not scheduled, so a seeded request resumes its random stream where it stopped;
+  * one ROW of `InputBatch` while it is in the batch: its tokens in `token_ids` [max_reqs,
+    max_model_len], its counters, its block table row. Rows are dense (0..num_reqs-1): a removed
+    request leaves a hole that `condense()` fills by moving the last rows down, so a step reads
+    `[:num_reqs]` slices without gathers.
+
+The arrays are numpy on the CPU (cheap single-element writes, no torch dispatch per write);
+one step's input tensors are gathered from them with a few vectorized ops
+(`InputBatch.prepare_inputs`; `input_batch.prepare_inputs` is the same result rebuilt from
+Python lists, the readable version the tests compare it with).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from paged_attention.block_table import build_attention_metadata
+from paged_attention.block_table import compute_slot_mapping
 from paged_attention.metadata import AttentionMetadata
 
-
-@dataclass(frozen=True)
-class ModelInputs:
-    input_ids: torch.Tensor           # [T] int64: the new tokens of every request, end to end
-    positions: torch.Tensor           # [T] int64: each token's position in its sequence
-    attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor      # [num_reqs] int64: row of each request's last new token in the hidden states
+from mini_vllm.input_batch import ModelInputs
+from mini_vllm.sampling_params import SamplingParams
 
 
-def prepare_inputs(new_token_ids: Sequence[Sequence[int]], num_computed_tokens: Sequence[int],
-                   block_ids: Sequence[Sequence[int]], block_size: int,
-                   device: str | torch.device = "cpu") -> ModelInputs:
-    """Everything one forward needs, for requests whose new tokens this step are `new_token_ids[r]`.
+@dataclass
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None          # a seeded request's own stream (sampler.request_generator)
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
 
-    block_ids[r]: request r's physical blocks in logical order, enough for
-    num_computed_tokens[r] + len(new_token_ids[r]) tokens. Block table rows are padded with 0.
-    """
-    num_new = [len(t) for t in new_token_ids]
-    if not num_new or min(num_new) < 1:
-        raise ValueError(f"need at least one request and num_new_tokens >= 1 for each, got {num_new}")
-    md = build_attention_metadata(block_ids, num_computed_tokens, num_new, block_size, device=device)
-    ### BEGIN SOLUTION
-    query_lens = md.query_lens.long()                                                  # [R]
-    req_of_token = torch.repeat_interleave(torch.arange(len(num_new), device=md.seq_lens.device), query_lens)   # [T]
-    starts = md.query_start_loc.long()
-    positions = md.context_lens.long()[req_of_token] + torch.arange(md.num_tokens, device=starts.device) \
-        - starts[req_of_token]                                                        # [T]
-    logits_indices = starts[1:] - 1                                                    # [R]
-    ### END SOLUTION
-    input_ids = torch.tensor([t for tokens in new_token_ids for t in tokens], dtype=torch.int64, device=device)
-    return ModelInputs(input_ids=input_ids, positions=positions, attn_metadata=md, logits_indices=logits_indices)
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    """Dense rows 0..num_reqs-1, one per request currently in the batch."""
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_num_blocks_per_req: int):
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.max_num_blocks_per_req = max_num_blocks_per_req
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)       # prompt + output
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)                       # valid entries of token_ids
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)                       # valid entries of block_table
+        self.req_ids: list[str | None] = []            # row -> request id (None: a hole until condense())
+        self.req_id_to_index: dict[str, int] = {}
+        self.states: list[CachedRequestState | None] = []   # row -> its state (sampling params, generator)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_index)
+
+    # ------------------------------------------------------------------ membership
+    def add_request(self, state: CachedRequestState) -> int:
+        """Give the request a row (the first hole, else a new one) filled from its state."""
+        if state.req_id in self.req_id_to_index:
+            raise ValueError(f"request {state.req_id!r} is already in the batch")
+        if state.num_tokens > self.max_model_len:
+            raise ValueError(f"request {state.req_id!r} has {state.num_tokens} tokens > max_model_len {self.max_model_len}")
+        if len(state.block_ids) > self.max_num_blocks_per_req:
+            raise ValueError(f"request {state.req_id!r} holds {len(state.block_ids)} blocks > {self.max_num_blocks_per_req}")
+        try:
+            row = self.req_ids.index(None)
+        except ValueError:
+            if len(self.req_ids) == self.max_num_reqs:
+                raise ValueError(f"the batch is full ({self.max_num_reqs} requests)") from None
+            row = len(self.req_ids)
+            self.req_ids.append(None)
+            self.states.append(None)
+        self.req_ids[row], self.states[row] = state.req_id, state
+        self.req_id_to_index[state.req_id] = row
+        n_prompt, n = len(state.prompt_token_ids), state.num_tokens
+        self.token_ids[row, :n_prompt] = state.prompt_token_ids
+        self.token_ids[row, n_prompt:n] = state.output_token_ids
+        self.num_tokens[row] = n
+        self.num_computed_tokens[row] = state.num_computed_tokens
+        self.num_blocks[row] = len(state.block_ids)
+        self.block_table[row, :len(state.block_ids)] = state.block_ids
+        return row
+
+    def remove_request(self, req_id: str) -> int | None:
+        """Leave a hole at the request's row (filled by condense()). Returns the row, or None."""
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is not None:
+            self.req_ids[row], self.states[row] = None, None
+        return row
+
+    def condense(self) -> None:
+        """Fill holes with the last rows so that rows 0..num_reqs-1 are the batch (vLLM: condense)."""
+        ### BEGIN SOLUTION
+        # Every hole below num_reqs is matched by an occupied row at or above it: move the last one down.
+        last = len(self.req_ids) - 1
+        for hole in range(self.num_reqs):
+            if self.req_ids[hole] is not None:
+                continue
+            while self.req_ids[last] is None:
+                last -= 1
+            self._move_row(last, hole)
+            last -= 1
+        ### END SOLUTION
+        del self.req_ids[self.num_reqs:]
+        del self.states[self.num_reqs:]
+
+    def _move_row(self, src: int, dst: int) -> None:
+        req_id = self.req_ids[src]
+        n, nb = self.num_tokens[src], self.num_blocks[src]
+        self.token_ids[dst, :n] = self.token_ids[src, :n]
+        self.block_table[dst, :nb] = self.block_table[src, :nb]
+        for array in (self.num_tokens, self.num_computed_tokens, self.num_blocks):
+            array[dst] = array[src]
+        self.req_ids[dst], self.states[dst] = req_id, self.states[src]
+        self.req_ids[src], self.states[src] = None, None
+        self.req_id_to_index[req_id] = dst
+
+    # ------------------------------------------------------------------ per-step deltas
+    def append_block_ids(self, row: int, block_ids: list[int]) -> None:
+        nb = self.num_blocks[row]
+        if nb + len(block_ids) > self.max_num_blocks_per_req:
+            raise ValueError(f"row {row}: {nb + len(block_ids)} blocks > {self.max_num_blocks_per_req}")
+        self.block_table[row, nb:nb + len(block_ids)] = block_ids
+        self.num_blocks[row] = nb + len(block_ids)
+
+    def append_token(self, row: int, token_id: int) -> None:
+        n = self.num_tokens[row]
+        self.token_ids[row, n] = token_id
+        self.num_tokens[row] = n + 1
+
+    # ------------------------------------------------------------------ one step's tensors
+    def prepare_inputs(self, num_scheduled: np.ndarray, block_size: int,
+                       device: str | torch.device = "cpu") -> tuple[ModelInputs, np.ndarray]:
+        """The flat ragged batch for rows 0..num_reqs-1, row r running num_scheduled[r] >= 1 tokens
+        from its num_computed_tokens on (vLLM: GPUModelRunner._prepare_inputs).
+
+        Returns (inputs, sample_rows): the rows whose tokens reach the end of what the request
+        has this step — only they sample, so logits_indices holds their last token's row only.
+        """
+        n = self.num_reqs
+        if num_scheduled.shape != (n,) or n == 0 or num_scheduled.min() < 1:
+            raise ValueError(f"need one count >= 1 per row ({n} rows), got {num_scheduled.tolist()}")
+        ### BEGIN SOLUTION
+        cu_num_tokens = np.cumsum(num_scheduled)                                   # [n]
+        total = int(cu_num_tokens[-1])
+        req_indices = np.repeat(np.arange(n), num_scheduled)                       # [T] row of each token
+        offsets = np.arange(total) - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
+        computed = self.num_computed_tokens[:n]
+        positions = computed[req_indices] + offsets                                # [T]
+        input_ids = self.token_ids.reshape(-1)[req_indices * self.max_model_len + positions]   # [T]
+        seq_lens = computed + num_scheduled                                        # [n] KV length after the step
+        sample_rows = np.flatnonzero(seq_lens >= self.num_tokens[:n])              # reach the end: sample
+        logits_indices = cu_num_tokens[sample_rows] - 1
+        ### END SOLUTION
+        overrun = np.flatnonzero(seq_lens > self.num_tokens[:n])
+        if overrun.size:
+            raise RuntimeError(f"scheduled past the tokens the runner has for {[self.req_ids[i] for i in overrun]}: "
+                               "scheduler and runner disagree")
+        width = max(1, int(self.num_blocks[:n].max()))
+        block_tables = torch.from_numpy(np.ascontiguousarray(self.block_table[:n, :width])).to(device)
+        positions_t = torch.from_numpy(positions).to(device)
+        # Chapter 01's vectorized slot mapping, over the block tables just built.
+        slot_mapping = compute_slot_mapping(block_tables, torch.from_numpy(req_indices).to(device), positions_t,
+                                            block_size, check_values=False)
+        query_start_loc = np.zeros(n + 1, dtype=np.int32)
+        query_start_loc[1:] = cu_num_tokens
+        md = AttentionMetadata(
+            slot_mapping=slot_mapping, block_tables=block_tables,
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+            query_start_loc=torch.from_numpy(query_start_loc).to(device),
+            max_query_len=int(num_scheduled.max()), max_seq_len=int(seq_lens.max()))
+        inputs = ModelInputs(input_ids=torch.from_numpy(input_ids.astype(np.int64)).to(device),
+                             positions=positions_t, attn_metadata=md,
+                             logits_indices=torch.from_numpy(logits_indices).to(device))
+        return inputs, sample_rows

@@ -1,0 +1,236 @@
+"""EAGLE: a one-layer draft head over the TARGET's hidden states (seed 003 §9.2).
+
+Mirrors vLLM's `vllm/v1/spec_decode/eagle.py: EagleProposer` and the EAGLE-1 Llama head
+(`vllm/model_executor/models/llama_eagle.py`: `fc` over [embedding; hidden], then decoder
+layer(s)).
+
+Why it beats a separate small model: the target's last hidden state f_i already "knows"
+what comes next — the LM head turns it into the next token. A head that predicts the NEXT
+hidden state f_{i+1} from (f_i, the token x_{i+1} actually chosen) only has to model one
+step of feature dynamics, and the target's own LM head turns its guess into a token. One
+decoder layer (a few M parameters) suffices; the features carry the rest.
+
+Row i of the head (position i):      input  [embed(x_{i+1}) ; f_i]  --fc-->  layer  --> g_i ~ f_{i+1}
+                                     draft  argmax lm_head(g_i)      (a guess of x_{i+2})
+Drafting k tokens after the target verified x_0..x_n (features f_0..f_{n-1} known):
+    rows up to n-1 use real features (the last one, (x_n, f_{n-1}), gives d_1);
+    row n uses (d_1, g_{n-1}), row n+1 uses (d_2, g_n), ...: the head feeds on its own guesses.
+The head's layer attends over all earlier rows, so it keeps a paged KV cache like any model;
+rows computed from guessed features are overwritten once the target's real features for
+those positions arrive (the head's num_computed rolls back to the real rows, as the target's).
+
+`EagleHead` is saved / loaded as a small HF-style checkpoint (config.json + model.safetensors,
+without embeddings or LM head: those are the target's). `python -m spec_decode.train_eagle`
+self-distils one from SmolLM2 on the CPU.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from kvcache import KVCacheManager, RequestTooLargeError
+from paged_attention.block_table import build_attention_metadata
+from spec_decode.draft_model import PagedRequestState
+from spec_decode.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from spec_decode.proposer import DraftRequest, check_num_speculative_tokens, validate_draft_token_ids
+
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+
+
+@dataclass
+class EagleConfig:
+    hidden_size: int                     # must equal the target's hidden size
+    vocab_size: int                      # the target's vocabulary (the head uses its LM head)
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    model_type: str = "eagle_head"
+    target_model: str = ""               # what it was distilled from (informational)
+    extra: dict = field(default_factory=dict)   # training provenance (data, steps, measured acceptance)
+
+    @classmethod
+    def for_target(cls, target_config, intermediate_size: int | None = None) -> "EagleConfig":
+        """A head shaped like one layer of the target (HF config or anything with those fields)."""
+        g = lambda name, default=None: getattr(target_config, name, default)   # noqa: E731
+        heads = g("num_attention_heads")
+        rope = g("rope_parameters") or {}
+        return cls(hidden_size=g("hidden_size"), vocab_size=g("vocab_size"), num_attention_heads=heads,
+                   num_key_value_heads=g("num_key_value_heads", heads),
+                   head_dim=g("head_dim") or g("hidden_size") // heads,
+                   intermediate_size=intermediate_size or g("intermediate_size"),
+                   rms_norm_eps=g("rms_norm_eps", 1e-5),
+                   rope_theta=float(rope.get("rope_theta", g("rope_theta", 10000.0)) or 10000.0),
+                   max_position_embeddings=g("max_position_embeddings", 8192))
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: EagleConfig):
+        super().__init__()
+        c = self.config = config
+        self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
+        self.layer = DecoderLayer(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                  c.intermediate_size, c.rms_norm_eps)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta)
+
+    def _check(self, input_embeds, hidden_states):
+        h = self.config.hidden_size
+        if hidden_states.shape[-1] != h or input_embeds.shape[-1] != h:
+            raise ValueError(f"this EAGLE head is for hidden size {h}; got target hidden states of size "
+                             f"{hidden_states.shape[-1]} and embeddings of size {input_embeds.shape[-1]}")
+
+    def forward(self, input_embeds: torch.Tensor, hidden_states: torch.Tensor, positions: torch.Tensor,
+                kv_cache, attn_metadata) -> torch.Tensor:              # [T, H] predicted next features
+        """Serving path: a flat ragged batch of rows over the head's paged KV cache."""
+        self._check(input_embeds, hidden_states)
+        x = self.fc(torch.cat((input_embeds, hidden_states), dim=-1))
+        x, residual = self.layer(x, None, self.rotary_emb.cos_sin(positions), kv_cache, attn_metadata)
+        return self.norm(x, residual)[0]
+
+    def forward_dense(self, input_embeds: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Training path: [B, T, H] rows of whole sequences, causal, no cache."""
+        self._check(input_embeds, hidden_states)
+        cos, sin = self.rotary_emb.cos_sin(torch.arange(input_embeds.shape[1], device=input_embeds.device))
+        x = self.fc(torch.cat((input_embeds, hidden_states), dim=-1))
+        x, residual = self.layer.forward_dense(x, None, cos, sin)
+        return self.norm(x, residual)[0]
+
+    # ---------------------------------------------------------------- checkpoint
+    def save_pretrained(self, directory: str | pathlib.Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        from safetensors.torch import save_file
+        d = pathlib.Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        save_file({k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}, str(d / WEIGHTS_NAME),
+                  metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, directory: str | pathlib.Path, dtype: torch.dtype = torch.float32) -> "EagleHead":
+        from safetensors.torch import load_file
+        d = pathlib.Path(directory)
+        if not (d / CONFIG_NAME).exists() or not (d / WEIGHTS_NAME).exists():
+            raise FileNotFoundError(f"{d} is not an EAGLE head checkpoint (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
+        cfg = json.loads((d / CONFIG_NAME).read_text())
+        if cfg.get("model_type") != "eagle_head":
+            raise ValueError(f"{d / CONFIG_NAME} has model_type={cfg.get('model_type')!r}, not 'eagle_head'")
+        head = cls(EagleConfig(**cfg))
+        head.load_state_dict({k: v.to(dtype) for k, v in load_file(str(d / WEIGHTS_NAME)).items()})
+        return head.to(dtype)
+
+
+class EagleProposer:
+    """Drafts k tokens per request with an EAGLE head (vLLM: EagleProposer, chain drafting).
+
+    embed_tokens(ids [T]) -> [T, H] and compute_logits(hidden [N, H]) -> [N, V] are the
+    TARGET's embedding and LM head. kv_cache: the head's one (key, value) cache pair,
+    [num_blocks, block_size, kv_heads, head_dim], whose blocks `kv_cache_manager` hands out.
+
+    Each DraftRequest carries the verified token ids x_0..x_n and the target's hidden states
+    for positions [hidden_start, n) — the ones the target computed (and kept) since the last
+    call; the head needs exactly the features it has not consumed yet.
+    """
+
+    def __init__(self, head: EagleHead, embed_tokens: Callable[[torch.Tensor], torch.Tensor],
+                 compute_logits: Callable[[torch.Tensor], torch.Tensor], kv_cache: tuple[torch.Tensor, torch.Tensor],
+                 kv_cache_manager: KVCacheManager, num_speculative_tokens: int, target_hidden_size: int,
+                 vocab_size: int, max_model_len: int | None = None):
+        self.num_speculative_tokens = check_num_speculative_tokens(num_speculative_tokens)
+        if head.config.hidden_size != target_hidden_size:
+            raise ValueError(f"this EAGLE head was built for hidden size {head.config.hidden_size}; the target's "
+                             f"is {target_hidden_size}")
+        if head.config.vocab_size != vocab_size:
+            raise ValueError(f"this EAGLE head was built for a {head.config.vocab_size}-token vocabulary; the "
+                             f"target has {vocab_size}")
+        if kv_cache_manager.enable_caching:
+            raise ValueError("the EAGLE head's KVCacheManager must have enable_caching=False")
+        self.head, self.embed_tokens, self.compute_logits = head, embed_tokens, compute_logits
+        self.kv_cache, self.kv = kv_cache, kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.requests: dict[str, PagedRequestState] = {}
+
+    def remove_requests(self, req_ids: Sequence[str]) -> None:
+        for rid in req_ids:
+            state = self.requests.pop(rid, None)
+            if state is not None and rid in self.kv.req_to_blocks:
+                self.kv.free(state)
+
+    def _run(self, states, row_tokens, row_hidden, row_start) -> torch.Tensor:
+        """One batched head pass: request j gets rows row_start[j] .. + len(row_tokens[j]).
+        Returns the predicted features at each request's last row [num_requests, H]."""
+        device = self.kv_cache[0].device
+        num_new = [len(t) for t in row_tokens]
+        md = build_attention_metadata([self.kv.get_block_ids(s.request_id) for s in states], list(row_start), num_new,
+                                      self.block_size, device=device)
+        ids = torch.tensor([t for ts in row_tokens for t in ts], dtype=torch.long, device=device)
+        positions = torch.cat([start + torch.arange(n) for start, n in zip(row_start, num_new)]).to(device)
+        with torch.no_grad():
+            g = self.head(self.embed_tokens(ids), torch.cat(row_hidden).to(device), positions, self.kv_cache, md)
+        return g[md.query_start_loc[1:].long() - 1]
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        k = self.num_speculative_tokens
+        drafts: list[list[int]] = [[] for _ in requests]
+        active, states, rows_tok, rows_hid, rows_start, budget = [], [], [], [], [], []
+        for i, r in enumerate(requests):
+            tokens = [int(t) for t in r.token_ids]
+            n = len(tokens) - 1                               # rows 0 .. n-1 can use real features
+            if n < 1:
+                continue
+            state = self.requests.setdefault(r.req_id, PagedRequestState(r.req_id))
+            start = min(state.num_computed_tokens, n)         # rows already computed with real features
+            hid = r.hidden_states
+            if hid is None or r.hidden_start > start or r.hidden_start + hid.shape[0] < n:
+                have = "none" if hid is None else f"[{r.hidden_start}, {r.hidden_start + hid.shape[0]})"
+                raise ValueError(f"request {r.req_id}: the EAGLE head needs the target's hidden states for positions "
+                                 f"[{start}, {n}), got {have}")
+            if hid.shape[-1] != self.head.config.hidden_size:
+                raise ValueError(f"request {r.req_id}: target hidden states of size {hid.shape[-1]}, the EAGLE head "
+                                 f"is for {self.head.config.hidden_size}")
+            budget_i = k if self.max_model_len is None else min(k, self.max_model_len - len(tokens))
+            if budget_i <= 0:
+                continue
+            state.num_computed_tokens = start
+            state.all_token_ids = tokens
+            try:
+                ok = self.kv.allocate_slots(state, n - start + budget_i - 1) is not None
+            except RequestTooLargeError:
+                ok = False
+            if not ok:
+                continue
+            active.append(i)
+            states.append(state)
+            rows_tok.append(tokens[start + 1:n + 1])          # row i takes x_{i+1} ...
+            rows_hid.append(hid[start - r.hidden_start:n - r.hidden_start])   # ... and f_i
+            rows_start.append(start)
+            budget.append(budget_i)
+        if not active:
+            return drafts
+        ### BEGIN SOLUTION
+        g = self._run(states, rows_tok, rows_hid, rows_start)                  # [A, H] = g_{n-1}
+        for s in states:
+            s.num_computed_tokens = len(s.all_token_ids) - 1                   # real rows: 0 .. n-1
+        positions = [len(s.all_token_ids) - 1 for s in states]                 # next row: n
+        live = list(range(len(active)))
+        for step in range(k):
+            tok = self.compute_logits(g).argmax(-1)                            # [A'] d_{step+1}
+            for j, t in zip(live, tok.tolist()):
+                drafts[active[j]].append(t)
+            keep = [m for m, j in enumerate(live) if step + 1 < budget[j]]
+            if not keep:
+                break
+            live = [live[m] for m in keep]
+            g = self._run([states[j] for j in live], [[drafts[active[j]][-1]] for j in live],
+                          [g[m:m + 1] for m in keep], [positions[j] + step for j in live])
+        ### END SOLUTION
+        return validate_draft_token_ids(drafts, self.vocab_size, k, "EAGLE head")
