@@ -73,12 +73,13 @@ def test_greedy_speculation_equals_greedy_decoding(name, k):
 
 def test_layerskip_drafts_are_accepted_and_save_target_passes():
     """The self-draft (2 of 3 layers) agrees with the target often enough to save passes:
-    20 tokens per request take fewer than the 20 target passes plain decoding needs."""
+    20 tokens per request need 19 decode steps each without speculation, fewer with it."""
     target = target_model()
     result = run_loop(target, draft_proposer(LayerSkipDraftModel(target, 2), 3), max_tokens=20)
     assert all(len(o) == 20 for o in result.outputs)
     assert result.stats.num_accepted_tokens > 0
-    assert result.num_target_passes < 20
+    assert len(result.trace) < len(PROMPTS) * 19                           # verification steps, all requests
+    assert result.num_target_passes <= 20
     assert result.stats.num_accepted_tokens_per_pos[0] >= result.stats.num_accepted_tokens_per_pos[-1]
 
 
