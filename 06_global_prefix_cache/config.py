@@ -22,6 +22,7 @@ _COMMON = {
     "model": "",                    # K/V are only interchangeable between nodes of the same model
     "load_timeout_s": 10.0,         # a load not finished by then fails (-> local recompute)
     "rpc_timeout_s": 2.0,           # one control-plane call (metadata, side channel)
+    "pool_retry_s": 5.0,            # after the pool's server failed to answer, leave it alone this long
     "send_capacity_blocks": 256,    # producer: send-buffer slots for prefill->decode pushes
     "send_keep_s": 30.0,            # producer: how long staged K/V waits for its decode node
     "save_to_pool": True,           # producer: publish full prompt blocks to the pool
@@ -66,7 +67,7 @@ class KVTransferConfig:
             raise ValueError(f"{self.kv_connector} does not understand kv_connector_extra_config keys {unknown}; "
                              f"it knows {sorted(known)}")
         self.extra = {**known, **self.kv_connector_extra_config}
-        for key in ("load_timeout_s", "rpc_timeout_s", "send_keep_s"):
+        for key in ("load_timeout_s", "rpc_timeout_s", "send_keep_s", "pool_retry_s"):
             if not isinstance(self.extra[key], (int, float)) or self.extra[key] <= 0:
                 raise ValueError(f"{key} must be a number > 0, got {self.extra[key]!r}")
         for key in ("send_capacity_blocks", "pool_capacity_blocks", "global_segment_size", "local_buffer_size"):

@@ -143,6 +143,7 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
         self._save_state: dict[str, _SaveState] = {}
         self._no_remote: set[str] = set()            # failed once: compute locally from now on
         self.last_error = ""
+        self._pool_down_until = 0.0
         self.finished_request_ids: set[str] = set()  # request_finished seen (the engine calls it once)
         self._params_out: dict[str, dict] = {}
         self.external_tokens: dict[str, int] = {}    # request -> tokens planned to load (stats)
@@ -219,12 +220,13 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
         last = (request.num_tokens - 1) // self.block_size
         if last <= first:
             return 0, False
+        if self._pool_is_down():
+            return 0, False
         self.stats["lookups"] += 1
         try:
             hits = self.layer.pool_query([h.hash_value for h in hashes[first:last]])
         except (RpcError, ConnectionError, OSError) as e:      # metadata/master unreachable: a miss
-            self._count_failure("unreachable")
-            self.last_error = str(e)
+            self._pool_failed(e)
             return 0, False
         if not hits:
             return 0, False
@@ -433,6 +435,16 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
             for node in {hit_node_id(h) for h in job.spec.hits} - {None}:
                 self.layer.forget_node(node)
 
+    def _pool_failed(self, error: BaseException) -> None:
+        """The pool's server did not answer: count it, and leave the pool alone for
+        `pool_retry_s` (a circuit breaker: every step would otherwise wait for the timeout)."""
+        self._count_failure("unreachable")
+        self.last_error = str(error)
+        self._pool_down_until = time.monotonic() + self.config.extra["pool_retry_s"]
+
+    def _pool_is_down(self) -> bool:
+        return time.monotonic() < self._pool_down_until
+
     def _count_failure(self, reason: str) -> None:
         self.stats["failures"][reason] = self.stats["failures"].get(reason, 0) + 1
 
@@ -455,11 +467,11 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
             self._save_handles = []
             for save in self._meta.saves:
                 handle = []
-                if save.block_ids:
+                if save.block_ids and not self._pool_is_down():
                     try:
                         handle = self.layer.pool_begin_save(self.layout, save.block_ids, save.block_hashes)
-                    except (RpcError, ConnectionError, OSError):
-                        self._count_failure("unreachable")       # the pool is down: just don't publish
+                    except (RpcError, ConnectionError, OSError) as e:
+                        self._pool_failed(e)                     # the pool is down: just don't publish
                 slots = []
                 if save.push_block_ids:
                     slots = self.send_segment.allocate(len(save.push_block_ids)) or []
@@ -492,8 +504,8 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
         for save, handle, slots in self._save_handles:
             try:
                 self.stats["saved_blocks"] += self.layer.pool_end_save(self.layout, handle)
-            except (RpcError, ConnectionError, OSError):
-                self._count_failure("unreachable")
+            except (RpcError, ConnectionError, OSError) as e:
+                self._pool_failed(e)
                 self.layer.pool_abort_save(handle)
             if slots:
                 with self._staged_cv:

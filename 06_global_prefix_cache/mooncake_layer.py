@@ -42,8 +42,10 @@ _HEADER = 8      # a stored block = crc32 (8 bytes, little endian) + the block's
 
 
 def _quiet_glog() -> None:
-    # Mooncake logs through glog to stderr; keep warnings and errors only, unless asked.
-    os.environ.setdefault("GLOG_minloglevel", "1")
+    # Mooncake logs through glog to stderr, benign errors included ("Local segment descriptor
+    # not found" at every setup). Every failure reaches us as a return code; set
+    # GLOG_minloglevel=0 to see its logs.
+    os.environ.setdefault("GLOG_minloglevel", "3")
 
 
 def mooncake_master_binary() -> str:
@@ -189,6 +191,9 @@ class MooncakeLayer:
         if not block_hashes:
             return []
         exists = self.store.batch_is_exist([self.key(h) for h in block_hashes])
+        if any(e < 0 for e in exists):
+            # Master unreachable: don't try the puts (each would wait ~4.5 s for its RPC).
+            raise ConnectionError(f"mooncake batch_is_exist failed ({exists[:4]}...): master unreachable?")
         return [(b, h, None) for b, h, e in zip(block_ids, block_hashes, exists) if e != 1]
 
     def pool_copy(self, layout: KVLayout, handle, regions=None) -> None:
@@ -199,8 +204,12 @@ class MooncakeLayer:
         for b, h, _ in handle:
             packed = layout.pack([b]).numpy().tobytes()
             value = zlib.crc32(packed).to_bytes(_HEADER, "little") + packed
-            if self.store.put(self.key(h), value) == 0:      # fails when the store is full: just not pooled
+            rc = self.store.put(self.key(h), value)
+            if rc == 0:
                 n += 1
+            elif rc <= -900:       # RPC errors: the master is gone, stop trying
+                raise ConnectionError(f"mooncake put failed with {rc}: master unreachable?")
+            # other errors (e.g. -200: no space left) just mean this block is not pooled
         return n
 
     def pool_abort_save(self, handle) -> None:
@@ -230,6 +239,9 @@ class MooncakeLayer:
 
     def close(self) -> None:
         try:
-            self.store.close()
+            # close() unmounts our segment at the master: with the master gone it retries for
+            # ~15 s, so only say goodbye to a master that answers.
+            if port_answers(self.config.extra["master_server"], 0.5):
+                self.store.close()
         finally:
             self.engine.close()

@@ -357,14 +357,19 @@ class NodeProcess:
     def resume(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)
 
-    def close(self) -> None:
+    def request_stop(self) -> None:
+        """Ask the node to shut down (closing its connector) without waiting for it."""
         if self.proc.is_alive():
             try:
                 os.kill(self.proc.pid, signal.SIGCONT)
                 self._conn.send(("stop", ()))
             except (OSError, BrokenPipeError):
                 pass
-            self.proc.join(10)
+
+    def close(self) -> None:
+        """Stop -> terminate -> kill, each bounded: the process is gone when this returns."""
+        self.request_stop()
+        self.proc.join(10)
         if self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(5)
