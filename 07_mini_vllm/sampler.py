@@ -1,20 +1,29 @@
 """The batched sampler: logits [num_reqs, vocab] fp32 -> one token per request (+ logprobs).
 
 Mirrors vLLM v1's `vllm/v1/sample/sampler.py: Sampler` and `ops/topk_topp_sampler.py`
-(`apply_top_k_top_p`, `apply_top_k_only`, `random_sample`), and `SamplingMetadata`
+(`apply_top_k_top_p`, `random_sample`; here in `topk_topp_sampler.py`), and `SamplingMetadata`
 (vllm/v1/sample/metadata.py): every request's parameters become one row of a tensor, so a
 batch whose requests use different temperatures, top-k, top-p and min-p is sampled with a few
 whole-batch tensor ops, not a Python loop over requests.
 
 Per row, in vLLM's order:
-    greedy rows (temperature 0)  -> argmax of the raw logits (exact, deterministic)
-    random rows -> logits / temperature -> min-p -> top-k -> top-p -> softmax -> draw
+    greedy rows (temperature < 1e-5, vLLM's _SAMPLING_EPS) -> argmax of the raw logits
+    random rows -> logits / temperature -> min-p -> top-k -> top-p -> draw
 
-The draw uses the exponential race (equivalent to Gumbel-max): with E_i ~ Exp(1) i.i.d.,
-argmax_i p_i / E_i is distributed exactly as p. Its randomness is one vector of `vocab`
-exponentials per row, which makes seeding clean: a seeded request fills its own row from its
-own `torch.Generator`, exactly `vocab` draws per step, so its tokens depend on its seed and
-step only — never on which other requests share the batch (vLLM does the same, per row).
+A temperature below 1e-5 is greedy rather than a division: logits / 1e-30 overflows to +-inf
+and softmax of that is NaN, i.e. garbage tokens (vLLM draws the same line).
+
+What one step costs, and why (SmolLM2's vocabulary, 49152, at 64 rows; see
+`python -m benchmarks.bench_sampler`):
+* the finiteness check is `isfinite(logits.amax(-1))`: one reduction, exact because amax
+  propagates NaN and +inf and is -inf only for an all -inf row (a full isnan/isinf scan costs ~20x);
+* top-k / top-p never sort the vocabulary: `torch.topk` of k + 1 (or a few hundred) candidates
+  decides the reference's kept set exactly, with a bounded fallback (topk_topp_sampler.py);
+* the draw is ONE uniform per row (inverse CDF over the kept candidates) instead of V
+  exponentials per row: seeding stays exact, a seeded request consumes one number of its
+  own generator per step, and its tokens depend on its seed and step only.
+`Sampler(reference=True)` runs the readable oracle instead (full sort + exponential race);
+both follow the same rules, and the tests hold both to the target distributions.
 """
 from __future__ import annotations
 
@@ -24,12 +33,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mini_vllm.sampling_params import SamplingParams, SamplingType
+from mini_vllm.sampling_params import _SAMPLING_EPS, SamplingParams, SamplingType
+from mini_vllm.topk_topp_sampler import (apply_top_k_top_p, inverse_cdf_sample, random_sample,
+                                         top_k_top_p_candidates)
 
 
 @dataclass(frozen=True)
 class SamplingMetadata:
-    temperature: torch.Tensor                 # [N] fp32; 0 marks a greedy row
+    temperature: torch.Tensor                 # [N] fp32; < _SAMPLING_EPS (1e-5) marks a greedy row
     top_k: torch.Tensor | None                # [N] int64, -1 = off; None when no row uses top-k
     top_p: torch.Tensor | None                # [N] fp32, 1 = off; None when no row uses top-p
     min_p: torch.Tensor | None                # [N] fp32, 0 = off; None when no row uses min-p
@@ -54,7 +65,7 @@ class SamplingMetadata:
             raise ValueError(f"need one generator (or None) and one request id per SamplingParams ({n})")
         seeded = {}
         for i, (p, g) in enumerate(zip(params, generators)):
-            if p.sampling_type == SamplingType.RANDOM_SEED:
+            if p.sampling_type == SamplingType.RANDOM_SEED and p.temperature >= _SAMPLING_EPS:
                 if g is None:
                     raise ValueError(f"row {i} has seed={p.seed} but no generator: create it once per request "
                                      "with request_generator(params, device) and pass it every step")
@@ -71,8 +82,8 @@ class SamplingMetadata:
             min_p=None if all(x == 0.0 for x in min_p) else torch.tensor(min_p, dtype=torch.float32, device=device),
             generators=seeded,
             max_num_logprobs=max(logprobs) if logprobs else None,
-            all_greedy=all(p.temperature == 0 for p in params),
-            all_random=all(p.temperature > 0 for p in params),
+            all_greedy=all(p.temperature < _SAMPLING_EPS for p in params),
+            all_random=all(p.temperature >= _SAMPLING_EPS for p in params),
             req_ids=tuple(req_ids) if req_ids is not None else None,
         )
 
@@ -105,57 +116,6 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_only(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """Top-k without a full sort: one torch.topk with the batch's largest k (vLLM: apply_top_k_only).
-
-    Keeps every token whose logit is >= the row's k-th largest (ties at the boundary survive)."""
-    vocab = logits.shape[-1]
-    off = (k < 1) | (k >= vocab)                                              # [N] rows without top-k
-    k = k.masked_fill(off, 1)
-    kth = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])   # [N, 1] the k-th largest logit
-    kth = kth.masked_fill(off[:, None], float("-inf"))
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
-    """Top-k and/or top-p (nucleus) masking, per row (vLLM: apply_top_k_top_p).
-
-    Top-p keeps the smallest set of most likely tokens whose probability reaches p: sort
-    ascending, and drop a token when the mass at or below it is <= 1 - p (the top token always stays).
-    Top-p is applied to the distribution left by top-k (renormalised), as in vLLM.
-    """
-    if p is None:
-        return logits if k is None else apply_top_k_only(logits, k)
-    ### BEGIN SOLUTION
-    vocab = logits.shape[-1]
-    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)           # [N, V] ascending
-    if k is not None:
-        k = torch.where((k < 1) | (k > vocab), vocab, k)
-        kth = logits_sort.gather(-1, (vocab - k)[:, None])                     # [N, 1] the k-th largest
-        logits_sort = logits_sort.masked_fill(logits_sort < kth, float("-inf"))
-    probs_sum = logits_sort.softmax(dim=-1).cumsum(dim=-1)                     # [N, V] mass at or below each token
-    drop = probs_sum <= (1 - p)[:, None]
-    drop[:, -1] = False                                                        # always keep the most likely token
-    logits_sort = logits_sort.masked_fill(drop, float("-inf"))
-    ### END SOLUTION
-    return torch.empty_like(logits).scatter_(-1, logits_idx, logits_sort)     # back to vocabulary order
-
-
-def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator],
-                  generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row from probs [N, V] via argmax(p / E), E ~ Exp(1) (vLLM: random_sample)."""
-    ### BEGIN SOLUTION
-    q = torch.empty_like(probs)
-    if len(generators) != probs.shape[0]:
-        q.exponential_(generator=generator)                                   # the shared stream, unseeded rows
-    for row, g in generators.items():
-        q[row].exponential_(generator=g)                                      # exactly V draws from the row's own stream
-    # An exact 0 draw would turn p=0 into 0/0 = NaN (and argmax picks NaN): keep E > 0.
-    q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return probs.div(q).argmax(dim=-1)
-    ### END SOLUTION
-
-
 def compute_logprobs(logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
     """Log-probabilities of the model's raw distribution (before temperature and filters), as vLLM's
     default `logprobs_mode="raw_logprobs"`: the sampled token's plus the `num_logprobs` most likely."""
@@ -174,32 +134,84 @@ class Sampler(nn.Module):
     """logits [N, V] fp32 + SamplingMetadata -> SamplerOutput.
 
     generator: the random stream of unseeded random rows (None: torch's default generator, as vLLM).
+    reference: run the readable oracle (full sort, V exponentials per row) instead of the fast path.
+    top_p_candidates: how many candidates a top-p-only row starts with (more only when its kept
+        mass is not reached; tests make it tiny to exercise the fallback).
     """
 
-    def __init__(self, generator: torch.Generator | None = None):
+    def __init__(self, generator: torch.Generator | None = None, reference: bool = False,
+                 top_p_candidates: int = 256):
         super().__init__()
         self.generator = generator
+        self.reference = reference
+        self.top_p_candidates = top_p_candidates
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         check_logits(logits, metadata)
         ### BEGIN SOLUTION
-        greedy = None if metadata.all_random else logits.argmax(dim=-1)                  # [N]
         if metadata.all_greedy:
-            sampled = greedy
+            sampled = logits.argmax(dim=-1)                                              # [N]
         else:
-            temperature = metadata.temperature.masked_fill(metadata.temperature == 0, 1.0)   # greedy rows: avoid /0
-            x = logits / temperature[:, None]                                             # [N, V]
-            if metadata.min_p is not None:
-                x = apply_min_p(x, metadata.min_p)
-            x = apply_top_k_top_p(x, metadata.top_k, metadata.top_p)
-            sampled = random_sample(x.softmax(dim=-1), metadata.generators, self.generator)
-            if greedy is not None:
-                sampled = torch.where(metadata.temperature == 0, greedy, sampled)
+            greedy_rows = metadata.temperature < _SAMPLING_EPS                           # [N]
+            rows = None if metadata.all_random else (~greedy_rows).nonzero()[:, 0]      # [R] the random rows
+            sampled = self._sample_random(logits, metadata, rows)                        # [R]
+            if rows is not None:
+                sampled = logits.argmax(dim=-1).index_put_((rows,), sampled)             # greedy rows: argmax
         ### END SOLUTION
         logprobs = None
         if metadata.max_num_logprobs is not None:
             logprobs = compute_logprobs(logits, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
+
+    def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor | None) -> torch.Tensor:
+        """The random rows (None: all rows): temperature -> min-p -> top-k/top-p -> draw. [R] int64."""
+        pick = (lambda t: t) if rows is None else (lambda t: None if t is None else t[rows])
+        temperature, top_k, top_p, min_p = pick(md.temperature), pick(md.top_k), pick(md.top_p), pick(md.min_p)
+        x = pick(logits) / temperature[:, None]                                          # [R, V]
+        if min_p is not None:
+            x = apply_min_p(x, min_p)
+        generators = md.generators if rows is None else _renumber(md.generators, rows)
+        if self.reference:
+            x = apply_top_k_top_p(x, top_k, top_p)
+            return random_sample(x.softmax(dim=-1), generators, self.generator)
+        u = draw_uniforms(x.shape[0], generators, self.generator, x.device)             # [R] fp64
+        probs = x.softmax(dim=-1)                                                        # [R, V]
+        filtered = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)             # [R] top-k or top-p on
+        if top_k is not None:
+            filtered |= (top_k >= 1) & (top_k < x.shape[-1])
+        if top_p is not None:
+            filtered |= top_p < 1
+        if bool(filtered.all()):                                                         # the common case
+            cand = top_k_top_p_candidates(x, probs, top_k, top_p, self.top_p_candidates)
+            return inverse_cdf_sample(cand.probs, u, cand.token_ids)
+        if not bool(filtered.any()):                                                     # temperature / min-p only
+            return inverse_cdf_sample(probs, u)
+        sampled = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+        whole = (~filtered).nonzero()[:, 0]
+        sampled[whole] = inverse_cdf_sample(probs[whole], u[whole])                      # no filter: the whole row
+        f = filtered.nonzero()[:, 0]
+        cand = top_k_top_p_candidates(x[f], probs[f], None if top_k is None else top_k[f],
+                                      None if top_p is None else top_p[f], self.top_p_candidates)
+        sampled[f] = inverse_cdf_sample(cand.probs, u[f], cand.token_ids)
+        return sampled
+
+
+def _renumber(generators: dict[int, torch.Generator], rows: torch.Tensor) -> dict[int, torch.Generator]:
+    """Batch row -> generator, re-keyed by position among `rows`."""
+    position = {int(r): i for i, r in enumerate(rows.tolist())}
+    return {position[r]: g for r, g in generators.items() if r in position}
+
+
+def draw_uniforms(num_rows: int, generators: dict[int, torch.Generator], generator: torch.Generator | None,
+                  device: torch.device) -> torch.Tensor:
+    """[R] fp64 uniforms in [0, 1), one per row: a seeded row takes exactly one number from its own
+    generator (so what it draws never depends on the batch), the others share `generator`."""
+    u = torch.empty(num_rows, dtype=torch.float64, device=device)
+    if len(generators) != num_rows:
+        u.uniform_(generator=generator)
+    for row, g in generators.items():
+        u[row] = torch.rand((), dtype=torch.float64, generator=g, device=g.device)
+    return u
 
 
 def check_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
@@ -222,5 +234,9 @@ def check_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
 
 def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
     """[N, V] -> [N] bool: rows holding a NaN or +inf, or no finite value at all. The engine uses it
-    to fail only the offending requests and keep sampling the others."""
-    return torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | ~torch.isfinite(logits).any(-1)
+    to fail only the offending requests and keep sampling the others.
+
+    One reduction instead of three scans: a row's max is NaN if the row holds a NaN (amax
+    propagates NaN), +inf if it holds +inf, -inf exactly when every entry is -inf, and finite
+    otherwise (-inf entries alone are fine: that is how a token is masked out)."""
+    return ~torch.isfinite(logits.amax(dim=-1))

@@ -4,7 +4,8 @@ Mirrors vLLM's `vllm/sampling_params.py: SamplingParams` (same names, same meani
 once in `__post_init__` so that the sampler and the stop checks can trust every field and a
 bad value fails at `generate()` time with a message naming it — not as a NaN three layers down.
 
-    temperature  0 -> greedy (argmax, deterministic); > 0 -> sample from softmax(logits / T)
+    temperature  0 -> greedy (argmax, deterministic); > 0 -> sample from softmax(logits / T);
+                 below 1e-5 (vLLM's _SAMPLING_EPS) is greedy too: logits / 1e-30 would overflow
     top_k        keep the k most likely tokens (-1: all)
     top_p        keep the smallest set of most likely tokens whose probability reaches p (1: all)
     min_p        drop tokens less likely than min_p * (probability of the most likely token) (0: none)
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 MAX_LOGPROBS = 20
+_SAMPLING_EPS = 1e-5    # vLLM's: a temperature below it samples greedily
 
 
 class RequestOutputKind(IntEnum):
@@ -108,13 +110,13 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(stop_ids)
 
-        if self.temperature == 0:
+        if self.temperature < _SAMPLING_EPS:
             # Greedy ignores the filters; reset them so that the sampler's "all greedy" fast path
             # and batch-level flags (vLLM: SamplingParams._verify_greedy_sampling) see plain values.
             self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
 
     @property
     def sampling_type(self) -> SamplingType:
-        if self.temperature == 0:
+        if self.temperature < _SAMPLING_EPS:
             return SamplingType.GREEDY
         return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
