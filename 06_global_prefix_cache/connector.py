@@ -429,7 +429,7 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
     def _fail(self, job: _LoadJob, err: BaseException) -> None:
         reason = err.reason if isinstance(err, LoadError) else classify(str(err))
         self._count_failure(reason)
-        self._failed[job.spec.request_id] = f"{reason}: {err}"
+        self._failed[job.spec.request_id] = str(err) if isinstance(err, LoadError) else f"{reason}: {err}"
         self._failed_block_ids.update(job.spec.block_ids)
         if reason == "unreachable" and job.spec.mode == "pool":
             for node in {hit_node_id(h) for h in job.spec.hits} - {None}:

@@ -287,6 +287,7 @@ def _cmd_set_faults(node: KVNode, faults: dict) -> None:
 
 def _cmd_stats(node: KVNode) -> dict:
     return {"connector": node.connector.stats if node.connector else {},
+            "load_seconds": list(node.connector.load_seconds) if node.connector else [],
             "free_blocks": node.kv_cache_manager.num_free_blocks, "num_blocks": node.kv_cache_manager.num_blocks}
 
 
