@@ -127,3 +127,20 @@ def test_master_unreachable(mooncake_config, nodes):
 class _Req:
     def __init__(self, rid, tokens):
         self.request_id, self.all_token_ids, self.cache_salt = rid, tokens, None
+
+
+def test_push_larger_than_one_mooncake_batch(mooncake_master, mooncake_config):
+    """A push with more (src, dst, len) entries than one batch_transfer_sync_write accepts is
+    split into batches (the real limit is a few thousand entries; lowered here to 7)."""
+    p = KVNode(mooncake_config(mooncake_master.address, "kv_producer", save_to_pool=False), shuffle_seed=7)
+    d = KVNode(mooncake_config(mooncake_master.address, "kv_consumer"), shuffle_seed=8)
+    try:
+        p.connector.layer.engine.MAX_BATCH = 7
+        prompt = list(range(50))
+        rp = p.run("r", prompt, kv_transfer_params={"do_remote_decode": True})
+        rd = d.run("r", prompt + rp.output_token_ids, kv_transfer_params=rp.kv_transfer_params)
+        assert rd.external_tokens == 50 and not rd.failed_load
+        assert torch.equal(rd.kv, d.model.reference_kv(prompt + rp.output_token_ids))
+    finally:
+        p.close()
+        d.close()
