@@ -1,6 +1,6 @@
 """Chapter 01: PagedAttention — KV cache in fixed-size blocks, read through block tables.
 
-    from paged_attention import ops                      # backend dispatch: torch | triton | cuda
+    from paged_attention import ops        # backend dispatch: reference | torch | triton | cuda
     from paged_attention import compute_slot_mapping, make_block_tables, AttentionMetadata
 
 Triton and CUDA modules are imported lazily by `ops`, so importing this package never

@@ -64,18 +64,27 @@ def slot_mapping_for_request(block_ids: Sequence[int], start_pos: int, num_token
 
 
 def compute_slot_mapping(
-    block_tables: torch.Tensor,   # [num_seqs, max_num_blocks] int32
+    block_tables: torch.Tensor,   # [num_seqs, max_num_blocks] int32 (rows padded past each request's blocks)
     req_indices: torch.Tensor,    # [num_tokens] int: which request each new token belongs to
     positions: torch.Tensor,      # [num_tokens] int: the token's position in its request
     block_size: int,
     check_values: bool = True,
+    *,
+    num_blocks_per_req: torch.Tensor | None = None,   # [num_seqs] int: blocks each request really holds
 ) -> torch.Tensor:                # [num_tokens] int64
     """Slots of a whole batch of new tokens at once, as the model runner builds them.
 
     Mirrors vLLM v1's `BlockTable.compute_slot_mapping` (vllm/v1/worker/block_table.py):
     index the flattened block table with req * max_num_blocks + pos // B, then add the
-    in-block offset. `check_values` reads the tensors (a device sync): the engine's hot
-    path passes False once its own bookkeeping is trusted.
+    in-block offset.
+
+    Why the range check needs `num_blocks_per_req` (vLLM's `num_blocks_per_row`): a row of
+    block_tables is padded to the widest request, and the padding is a real block id (0).
+    A position past a request's OWN blocks but inside the padded width would silently get
+    a slot in the padding block and overwrite someone else's K/V. So with check_values
+    every position must be < num_blocks_per_req[req] * block_size. The check reads the
+    tensors (a device sync): the engine's hot path passes check_values=False (and then
+    need not pass the counts) once its own bookkeeping is trusted.
     """
     if block_tables.dim() != 2:
         raise ValueError(f"block_tables must be [num_seqs, max_num_blocks], got {tuple(block_tables.shape)}")
@@ -84,12 +93,13 @@ def compute_slot_mapping(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     num_seqs, max_num_blocks = block_tables.shape
-    if check_values and positions.numel():
-        if int(req_indices.min()) < 0 or int(req_indices.max()) >= num_seqs:
-            raise IndexError(f"req_indices in [{int(req_indices.min())}, {int(req_indices.max())}] but there are {num_seqs} requests")
-        if int(positions.min()) < 0 or int(positions.max()) >= max_num_blocks * block_size:
-            raise IndexError(f"positions in [{int(positions.min())}, {int(positions.max())}] but block_tables hold "
-                             f"{max_num_blocks} blocks of {block_size} = {max_num_blocks * block_size} positions per request")
+    if num_blocks_per_req is not None and num_blocks_per_req.shape != (num_seqs,):
+        raise ValueError(f"num_blocks_per_req must be [num_seqs={num_seqs}], got {tuple(num_blocks_per_req.shape)}")
+    if check_values:
+        if num_blocks_per_req is None:
+            raise ValueError("check_values=True needs num_blocks_per_req (the blocks each request holds): the padded "
+                             "table width cannot tell a request's own blocks from padding")
+        _check_slot_mapping_inputs(block_tables, req_indices, positions, block_size, num_blocks_per_req)
     ### BEGIN SOLUTION
     positions = positions.long()
     flat_index = req_indices.long() * max_num_blocks + positions // block_size   # [num_tokens]
@@ -97,6 +107,27 @@ def compute_slot_mapping(
     slot_mapping = physical_blocks * block_size + positions % block_size
     ### END SOLUTION
     return slot_mapping
+
+
+def _check_slot_mapping_inputs(block_tables, req_indices, positions, block_size, num_blocks_per_req) -> None:
+    num_seqs, max_num_blocks = block_tables.shape
+    lo_n, hi_n = (int(num_blocks_per_req.min()), int(num_blocks_per_req.max())) if num_seqs else (0, 0)
+    if lo_n < 0 or hi_n > max_num_blocks:
+        raise ValueError(f"num_blocks_per_req in [{lo_n}, {hi_n}] but block_tables rows hold {max_num_blocks} entries")
+    if not positions.numel():
+        return
+    if int(req_indices.min()) < 0 or int(req_indices.max()) >= num_seqs:
+        raise IndexError(f"req_indices in [{int(req_indices.min())}, {int(req_indices.max())}] but there are {num_seqs} requests")
+    if int(positions.min()) < 0:
+        raise IndexError(f"positions must be >= 0, got min {int(positions.min())}")
+    capacity = num_blocks_per_req.long()[req_indices.long()] * block_size           # [num_tokens] each token's own limit
+    beyond = (positions.long() >= capacity).nonzero()
+    if beyond.numel():
+        t = int(beyond[0, 0])
+        req = int(req_indices[t])
+        raise IndexError(f"token {t}: position {int(positions[t])} of request {req} is past its own "
+                         f"{int(num_blocks_per_req[req])} blocks of {block_size} (= {int(capacity[t])} positions); "
+                         "the rest of its block_tables row is padding")
 
 
 def build_attention_metadata(
@@ -129,7 +160,9 @@ def build_attention_metadata(
     query_start_loc = torch.zeros(n + 1, dtype=torch.int64)
     query_start_loc[1:] = torch.cumsum(new, 0)
     positions = computed[req_indices] + torch.arange(int(new.sum())) - query_start_loc[req_indices]
-    slot_mapping = compute_slot_mapping(block_tables, req_indices, positions, block_size)
+    num_blocks_per_req = torch.tensor([len(ids) for ids in block_ids], dtype=torch.int64)
+    slot_mapping = compute_slot_mapping(block_tables, req_indices, positions, block_size,
+                                        num_blocks_per_req=num_blocks_per_req)
     seq_lens = computed + new
     return AttentionMetadata(
         slot_mapping=slot_mapping.to(device),

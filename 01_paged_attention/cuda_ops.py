@@ -5,13 +5,19 @@ Mirrors vLLM's `vllm/_custom_ops.py` (`reshape_and_cache_flash`, `paged_attentio
 (vllm/attention/ops/paged_attn.py). The extensions are built on first use, on a GPU only
 (`kernels_cuda.load`); every check that can be done without them is done here first, so a
 bad argument fails with the same message on any machine.
+
+Views: the kernels read index tensors through raw pointers and the binding accepts only
+what they can read (contiguous seq_lens / slot_mapping, block_tables rows with stride 1,
+a unit head_dim stride). So the wrappers first bring every input to such a layout — a copy
+only when the view is not one already — and THEN check values: the checks validate
+exactly the memory the kernel reads. Caches are written (or read) in place and cannot be
+copied: a cache whose head_dim is not contiguous is refused with a clear error.
 """
 from __future__ import annotations
 
 import torch
 
-from paged_attention.cache_ops import check_cache_write_args
-from paged_attention.checks import check_decode_args
+from paged_attention.checks import check_cache_write_args, check_decode_args, check_prefill_args, contiguous_index
 
 # Compiled template instances (kernels_cuda/paged_attention.cu). Like vLLM, head size and
 # block size are template parameters: the loops over them unroll and the per-thread
@@ -48,8 +54,29 @@ def _stream() -> int:
     return torch.cuda.current_stream().cuda_stream
 
 
+def _int32_index(name: str, t: torch.Tensor) -> torch.Tensor:
+    """The CUDA kernels take `const int*`: refuse int64 rather than truncate it silently."""
+    if t.dtype != torch.int32:
+        raise TypeError(f"backend='cuda' reads {name} as int32, got {t.dtype} (convert it, or use another backend)")
+    return t
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """An input the kernel only reads: copy it if its head_dim is not contiguous."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _refuse_strided_cache(**caches: torch.Tensor) -> None:
+    for name, c in caches.items():
+        if c.dim() == 4 and c.stride(-1) != 1:
+            raise ValueError(f"backend='cuda': {name}'s head_dim must be contiguous (stride 1), got strides {c.stride()}")
+
+
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values: bool = True) -> None:
+    slot_mapping = contiguous_index(slot_mapping)
     check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, check_values)
+    _refuse_strided_cache(key_cache=key_cache, value_cache=value_cache)
+    key, value = _unit_last_stride(key), _unit_last_stride(value)
     _load("cache_kernels").reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, _stream())
 
 
@@ -62,21 +89,26 @@ def paged_decode_attention(
     scale: float,
     check_values: bool = True,
     *,
-    version: str | None = None,     # "v1" | "v2" | None (vLLM's rule, `use_v1`)
     max_seq_len: int | None = None, # host-side max of seq_lens; read from seq_lens if None
+    version: str | None = None,     # "v1" | "v2" | None (vLLM's rule, `use_v1`)
 ) -> torch.Tensor:                  # [num_seqs, num_heads, head_dim]
-    check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values)
+    seq_lens = contiguous_index(seq_lens)
+    if block_tables.dim() == 2 and block_tables.stride(1) != 1:
+        block_tables = block_tables.contiguous()   # the kernel walks a row with stride 1
+    check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values, max_seq_len)
+    _int32_index("block_tables", block_tables)
+    _int32_index("seq_lens", seq_lens)
+    _refuse_strided_cache(key_cache=key_cache, value_cache=value_cache)
+    query = _unit_last_stride(query)
     num_seqs, num_heads, head_dim = query.shape
     check_cuda_config(head_dim, key_cache.shape[1])
     if version not in (None, "v1", "v2"):
         raise ValueError(f"version must be 'v1', 'v2' or None, got {version!r}")
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)   # the binding wants it contiguous
     if num_seqs == 0:
         return out
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    elif check_values and int(seq_lens.max()) > max_seq_len:
-        raise ValueError(f"max_seq_len={max_seq_len} is smaller than the longest seq_len {int(seq_lens.max())}")
     max_seq_len = max(max_seq_len, 1)
     if version is None:
         version = "v1" if use_v1(max_seq_len, num_seqs, num_heads) else "v2"
@@ -91,3 +123,26 @@ def paged_decode_attention(
     ext.paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables, seq_lens,
                            scale, max_seq_len, _stream())
     return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,            # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,              # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    key_cache: torch.Tensor,        # [num_blocks, block_size, num_kv_heads, head_dim] (written)
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,     # [num_tokens] int, -1 = skip
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int
+    scale: float,
+    check_values: bool = True,
+    *,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """vLLM V0's XFormers pairing: the CUDA cache write, then the Triton prefill kernel for
+    the attention (there is no CUDA prefill kernel here, as vLLM had none of its own)."""
+    from paged_attention import triton_ops
+    slot_mapping, query_start_loc = contiguous_index(slot_mapping), contiguous_index(query_start_loc)
+    check_prefill_args(query, key, value, key_cache, value_cache, slot_mapping, query_start_loc, check_values,
+                       max_query_len)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values=False)   # checked just above
+    return triton_ops.prefill_attention(query, key, value, query_start_loc, scale, max_query_len)

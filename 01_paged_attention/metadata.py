@@ -15,6 +15,14 @@ request after request (ragged, no padding):
 
 Prefill (context 0), chunked prefill (context > 0, query > 1), decode (query 1) and
 prefix-cache hits (context filled by someone else) are all the same shape of data.
+
+`plan` is the one backend-specific field: whatever an attention backend precomputes ONCE
+per step from the index tensors above (chapter 05's torch path: its sub-batches, token
+index tensors and masks), so that the per-layer call only executes it. vLLM splits the
+same way: the per-backend `AttentionMetadataBuilder.build` runs once per step and every
+layer's `forward` reads its result. None means "nothing precomputed": the backend builds
+what it needs itself, on every call. A backend checks that a plan matches the tensors it
+is called with and refuses one built for another step.
 """
 from __future__ import annotations
 
@@ -31,6 +39,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cu_seqlens of the new tokens
     max_query_len: int             # max over i of query_len[i] (1 for a pure decode batch)
     max_seq_len: int               # max over i of seq_lens[i]
+    plan: object | None = None     # a backend's per-step precomputation (see the module doc), or None
 
     def __post_init__(self):
         n = self.seq_lens.shape[0]

@@ -1,28 +1,45 @@
-"""One dispatch point for chapter 01's ops: `backend` = "torch" | "triton" | "cuda".
+"""One dispatch point for chapter 01's ops, one vocabulary for every chapter's backends:
+
+    "reference"  reference.py   the readable per-request loops: the oracle
+    "torch"      torch_ops.py   the same maths vectorized in PyTorch (runs anywhere)
+    "triton"     triton_ops.py  Triton kernels: a GPU, or CPU tensors under TRITON_INTERPRET=1
+    "cuda"       cuda_ops.py    CUDA C++ kernels (kernels_cuda/): a GPU only
+    ("cpu"       cpu_ops.py     a C++/OpenMP kernel, as vLLM's csrc/cpu — not wired here yet:
+                                add it to BACKENDS and _MODULES when paged_attention.cpu_ops lands)
 
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values, backend)
     paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, backend, ...)
     paged_prefill_attention(query, key, value, key_cache, value_cache, slot_mapping,
                             query_start_loc, scale, backend, ...)
 
-Every backend takes the same tensors and gives the same answer (to the dtype's rounding;
-cache writes bit for bit). "torch" is the reference and runs anywhere. "triton" runs on a
-GPU, or on CPU tensors under TRITON_INTERPRET=1. "cuda" needs a GPU; for prefill it writes
-the cache with the CUDA kernel and runs the attention with the Triton kernel, as vLLM's V0
-XFormers backend paired its CUDA paged_attention (decode) with a Triton prefix-prefill kernel.
-Backend-specific knobs (num_splits for Triton, version for CUDA) are keyword-only.
+Every backend module has the same three functions with the same signatures and gives the
+same answer (to the dtype's rounding; cache writes bit for bit). "cuda" prefill writes the
+cache with the CUDA kernel and runs the attention with the Triton kernel, as vLLM's V0
+XFormers backend paired its CUDA paged_attention (decode) with a Triton prefill kernel.
+Backend-specific knobs are keyword-only: num_kv_splits (Triton's split-KV, vLLM's name),
+version (CUDA's v1/v2).
 """
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+
 import torch
 
-from paged_attention import cache_ops, reference
-
-BACKENDS = ("torch", "triton", "cuda")
+BACKENDS = ("reference", "torch", "triton", "cuda")
+_MODULES = {
+    "reference": "paged_attention.reference",
+    "torch": "paged_attention.torch_ops",
+    "triton": "paged_attention.triton_ops",
+    "cuda": "paged_attention.cuda_ops",
+}
+NOT_WIRED = {"cpu": "the C++/OpenMP kernel (paged_attention.cpu_ops) is not wired into this dispatch yet"}
 
 
 def check_backend(backend: str, device: torch.device) -> None:
     """Fail loudly for a backend this machine (or these tensors) cannot run."""
+    if backend in NOT_WIRED:
+        raise NotImplementedError(f"backend={backend!r}: {NOT_WIRED[backend]}; choose one of {BACKENDS}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     if backend == "cuda":
@@ -32,10 +49,17 @@ def check_backend(backend: str, device: torch.device) -> None:
         if device.type != "cuda":
             raise ValueError(f"backend='cuda' needs tensors on the GPU, got {device}")
     if backend == "triton" and device.type != "cuda":
-        from paged_attention.triton_ops import interpreting
+        from paged_attention.triton_common import interpreting
         if not interpreting():
             raise RuntimeError(f"backend='triton' on {device} tensors needs TRITON_INTERPRET=1 set before triton "
                                "is imported (the Triton interpreter); on a GPU pass CUDA tensors")
+
+
+def backend_module(backend: str, device: torch.device) -> ModuleType:
+    """The module implementing `backend`, imported on first use (importing this package
+    never imports triton: TRITON_INTERPRET must be set before that happens)."""
+    check_backend(backend, device)
+    return importlib.import_module(_MODULES[backend])
 
 
 def reshape_and_cache(
@@ -47,15 +71,8 @@ def reshape_and_cache(
     check_values: bool = True,
     backend: str = "torch",
 ) -> None:
-    check_backend(backend, key.device)
-    if backend == "torch":
-        cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values)
-    elif backend == "triton":
-        from paged_attention import triton_ops
-        triton_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values)
-    else:
-        from paged_attention import cuda_ops
-        cuda_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values)
+    backend_module(backend, key.device).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
+                                                          check_values)
 
 
 def paged_decode_attention(
@@ -68,26 +85,23 @@ def paged_decode_attention(
     backend: str = "torch",
     *,
     check_values: bool = True,
-    max_seq_len: int | None = None,   # AttentionMetadata.max_seq_len (saves a device read)
-    num_splits: int | None = None,    # triton: split-KV factor (None = heuristic)
-    version: str | None = None,       # cuda: "v1" | "v2" (None = vLLM's rule)
-) -> torch.Tensor:                    # [num_seqs, num_heads, head_dim]
-    check_backend(backend, query.device)
-    if backend == "torch":
-        if num_splits is not None or version is not None:
-            raise ValueError("num_splits / version select Triton / CUDA kernel variants; the torch backend has none")
-        return reference.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, check_values)
-    if backend == "triton":
-        if version is not None:
-            raise ValueError("version= selects the CUDA kernel (v1/v2); for Triton use num_splits=")
-        from paged_attention import triton_ops
-        return triton_ops.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                                 check_values, num_splits=num_splits, max_seq_len=max_seq_len)
-    if num_splits is not None:
-        raise ValueError("num_splits= selects the Triton split-KV variant; for CUDA use version='v1'|'v2'")
-    from paged_attention import cuda_ops
-    return cuda_ops.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                           check_values, version=version, max_seq_len=max_seq_len)
+    max_seq_len: int | None = None,     # AttentionMetadata.max_seq_len (saves a device read)
+    num_kv_splits: int | None = None,   # triton: split-KV factor (None = heuristic)
+    version: str | None = None,         # cuda: "v1" | "v2" (None = vLLM's rule)
+) -> torch.Tensor:                      # [num_seqs, num_heads, head_dim]
+    variant = {}
+    if num_kv_splits is not None:
+        if backend != "triton":
+            raise ValueError(f"num_kv_splits= selects the Triton split-KV variant; backend {backend!r} has none"
+                             + (" (for CUDA use version='v1'|'v2')" if backend == "cuda" else ""))
+        variant["num_kv_splits"] = num_kv_splits
+    if version is not None:
+        if backend != "cuda":
+            raise ValueError(f"version= selects the CUDA kernel (v1/v2); backend {backend!r} has none"
+                             + (" (for Triton use num_kv_splits=)" if backend == "triton" else ""))
+        variant["version"] = version
+    return backend_module(backend, query.device).paged_decode_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, check_values, max_seq_len=max_seq_len, **variant)
 
 
 def paged_prefill_attention(
@@ -104,16 +118,6 @@ def paged_prefill_attention(
     check_values: bool = True,
     max_query_len: int | None = None,
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
-    check_backend(backend, query.device)
-    if backend == "torch":
-        return reference.paged_prefill_attention(query, key, value, key_cache, value_cache, slot_mapping,
-                                                 query_start_loc, scale, check_values)
-    from paged_attention import triton_ops
-    if backend == "triton":
-        return triton_ops.paged_prefill_attention(query, key, value, key_cache, value_cache, slot_mapping,
-                                                  query_start_loc, scale, check_values, max_query_len=max_query_len)
-    from paged_attention import cuda_ops
-    from paged_attention.checks import check_prefill_args
-    check_prefill_args(query, key, value, key_cache, value_cache, slot_mapping, query_start_loc, check_values)
-    cuda_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values=False)
-    return triton_ops.prefill_attention(query, key, value, query_start_loc, scale, max_query_len)
+    return backend_module(backend, query.device).paged_prefill_attention(
+        query, key, value, key_cache, value_cache, slot_mapping, query_start_loc, scale, check_values,
+        max_query_len=max_query_len)

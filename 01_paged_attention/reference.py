@@ -1,29 +1,31 @@
-"""PagedAttention in plain PyTorch — the oracle every kernel is checked against.
+"""PagedAttention in plain PyTorch, one request at a time — the oracle every backend is
+checked against (backend "reference").
 
 The ladder, each rung checked against the one before:
 
 1. `dense_attention`: attention over K/V stored contiguously. No paging at all; this is
    what "correct" means.
-2. `paged_decode_attention_loop`: the clear per-request loop. For each request, turn its
-   block table into the slot of every history token, gather those rows, run (1).
-3. `paged_decode_attention`: the same maths for the whole batch in a few tensor ops:
-   gather all blocks of all requests at once, mask the positions past each seq_len.
+2. `paged_decode_attention`: the clear per-request loop. For each request, turn its
+   block table into the slot of every history token (`gather_request_kv`), gather those
+   rows, run (1).
+3. `torch_ops.paged_decode_attention` (backend "torch"): the same maths for the whole
+   batch in a few tensor ops; then the Triton, CUDA (and CPU) kernels.
 4. `paged_prefill_attention`: causal attention over a ragged batch of prompts that also
    writes their K/V into the cache (so that later decode steps find it).
 
-Conventions (shared with the Triton and CUDA kernels):
+Conventions (shared with every other backend):
 * caches are `[num_blocks, block_size, num_kv_heads, head_dim]` (vLLM's flash layout);
 * GQA/MQA: query head `h` reads KV head `h // (num_heads // num_kv_heads)`;
 * softmax runs in fp32 whatever the input dtype; the output has the query's dtype;
-* a request with seq_len 0 (a padding row) gets an all-zero output and reads nothing.
+* a request with seq_len 0 (a padding row) gets an all-zero output and reads nothing;
+* any view of any input is fine (these loops index tensors, never raw storage).
 """
 from __future__ import annotations
 
 import torch
 
 from paged_attention.block_table import slot_mapping_for_request
-from paged_attention.cache_ops import reshape_and_cache
-from paged_attention.checks import check_decode_args, check_prefill_args
+from paged_attention.checks import check_cache_write_args, check_decode_args, check_prefill_args
 
 
 def dense_attention(
@@ -71,7 +73,38 @@ def dense_decode_attention(
     return out
 
 
-def paged_decode_attention_loop(
+def gather_request_kv(
+    cache: torch.Tensor,            # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table_row: torch.Tensor,  # [max_num_blocks] int: one request's physical blocks, padded
+    seq_len: int,
+) -> torch.Tensor:                  # [seq_len, num_kv_heads, head_dim], contiguous
+    """One request's first seq_len K (or V) rows, in logical order: slot by slot through
+    its block table (the read side of `slot_mapping_for_request`)."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    slots = slot_mapping_for_request(block_table_row[:num_blocks].tolist(), 0, seq_len, block_size)
+    flat = cache.reshape(-1, *cache.shape[2:])              # [num_slots, kvh, d]: a slot is a row
+    return flat[torch.tensor(slots, dtype=torch.long, device=cache.device)]
+
+
+def reshape_and_cache(
+    key: torch.Tensor,           # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,         # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,     # [num_blocks, block_size, num_kv_heads, head_dim] (written in place)
+    value_cache: torch.Tensor,   # (written in place)
+    slot_mapping: torch.Tensor,  # [num_tokens] int, -1 = skip
+    check_values: bool = True,
+) -> None:
+    """The cache write, one token at a time: slot -> (block slot // B, row slot % B)."""
+    check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, check_values)
+    block_size = key_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:                                          # -1: a padding token, write nothing
+            key_cache[slot // block_size, slot % block_size] = key[t]
+            value_cache[slot // block_size, slot % block_size] = value[t]
+
+
+def paged_decode_attention(
     query: torch.Tensor,         # [num_seqs, num_heads, head_dim]: one new token per request
     key_cache: torch.Tensor,     # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,   # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -79,62 +112,19 @@ def paged_decode_attention_loop(
     seq_lens: torch.Tensor,      # [num_seqs] int32: tokens of KV (history + the new token)
     scale: float,
     check_values: bool = True,
+    *,
+    max_seq_len: int | None = None,   # accepted for one signature across backends; only validated
 ) -> torch.Tensor:               # [num_seqs, num_heads, head_dim]
     """Rung 2: one request at a time, one history token at a time — nothing clever."""
-    check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values)
-    block_size = key_cache.shape[1]
-    flat_k = key_cache.reshape(-1, *key_cache.shape[2:])     # [num_slots, kvh, d]: a slot is a row
-    flat_v = value_cache.reshape(-1, *value_cache.shape[2:])
+    check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values, max_seq_len)
     out = torch.empty_like(query)
     ### BEGIN SOLUTION
     for i, seq_len in enumerate(seq_lens.tolist()):
-        num_blocks = -(-seq_len // block_size)
-        slots = slot_mapping_for_request(block_tables[i, :num_blocks].tolist(), 0, seq_len, block_size)
-        slots = torch.tensor(slots, dtype=torch.long, device=query.device)      # [seq_len]
-        out[i] = dense_attention(query[i:i + 1], flat_k[slots], flat_v[slots], scale, causal=False)[0]
+        k = gather_request_kv(key_cache, block_tables[i], seq_len)            # [seq_len, kvh, d]
+        v = gather_request_kv(value_cache, block_tables[i], seq_len)
+        out[i] = dense_attention(query[i:i + 1], k, v, scale, causal=False)[0]
     ### END SOLUTION
     return out
-
-
-def paged_decode_attention(
-    query: torch.Tensor,         # [num_seqs, num_heads, head_dim]
-    key_cache: torch.Tensor,     # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,   # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks] int32
-    seq_lens: torch.Tensor,      # [num_seqs] int32
-    scale: float,
-    check_values: bool = True,
-) -> torch.Tensor:               # [num_seqs, num_heads, head_dim]
-    """Rung 3: the whole ragged batch at once — gather every block, mask what is past seq_len.
-
-    Positions past a request's seq_len (the unused tail of its last block, or whole
-    padding entries of its block-table row) may hold anything, NaN included: their scores
-    are masked to -inf and their values to 0 before they touch the result.
-    """
-    check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values)
-    num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    group = num_heads // num_kv_heads
-    if num_seqs == 0:
-        return torch.empty_like(query)
-    max_seq_len = int(seq_lens.max())
-    max_blocks = -(-max_seq_len // block_size)
-    ### BEGIN SOLUTION
-    seq_lens = seq_lens.long()
-    used = torch.arange(max_blocks, device=query.device)[None, :] < (seq_lens[:, None] + block_size - 1) // block_size
-    # Entries past a request's blocks are padding: point them at block 0 (never used as data).
-    ids = torch.where(used, block_tables[:, :max_blocks].long(), 0)                 # [b, n_blk]
-    k = key_cache[ids].reshape(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)   # [b, L, kvh, d]
-    v = value_cache[ids].reshape(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
-    valid = torch.arange(max_blocks * block_size, device=query.device)[None, :] < seq_lens[:, None]  # [b, L]
-    v = torch.where(valid[:, :, None, None], v.float(), 0.0)                        # junk * 0 would be NaN
-    q = query.float().reshape(num_seqs, num_kv_heads, group, head_dim)              # [b, kvh, g, d]
-    scores = torch.einsum("bkgd,blkd->bkgl", q, k.float()) * scale                  # [b, kvh, g, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).masked_fill(~valid[:, None, None, :], 0.0)  # seq_len 0 -> 0
-    out = torch.einsum("bkgl,blkd->bkgd", probs, v)                                 # [b, kvh, g, d]
-    ### END SOLUTION
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def paged_prefill_attention(
@@ -147,6 +137,8 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32: cu_seqlens of the prompts
     scale: float,
     check_values: bool = True,
+    *,
+    max_query_len: int | None = None,   # accepted for one signature across backends; only validated
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     """Prompt phase: cache each prompt's K/V (for the decode steps to come) and run causal
     attention over the prompt itself, one request at a time.
@@ -155,7 +147,8 @@ def paged_prefill_attention(
     right here, and vLLM's prefill path does the same (flash_attn_varlen_func on k, v).
     Prompts that continue an already-cached context are chapter 05's unified attention.
     """
-    check_prefill_args(query, key, value, key_cache, value_cache, slot_mapping, query_start_loc, check_values)
+    check_prefill_args(query, key, value, key_cache, value_cache, slot_mapping, query_start_loc, check_values,
+                       max_query_len)
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values=False)   # checked just above
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()

@@ -10,30 +10,34 @@
   with a tensor-core friendly tile. (vLLM: `kernel_unified_attention_2d`,
   vllm/attention/ops/triton_unified_attention.py.)
 * split-KV ("flash-decoding"): with few requests and long contexts, (request, KV head)
-  programs are too few to fill the GPU, so each request's KV is also cut into NUM_SPLITS
-  ranges processed in parallel; each writes an unnormalised partial result plus its
-  running max m and sum l, and `_split_kv_reduce_kernel` merges them:
-      out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s,   M = max_s m_s.
+  programs are too few to fill the GPU, so each request's KV is also cut into
+  NUM_KV_SPLITS ranges processed in parallel; each writes an unnormalised partial result
+  plus its running max m and sum l, and `_split_kv_reduce_kernel` merges them:
+      out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,   M = max_s m_s.
   (vLLM: `kernel_unified_attention_3d` + `reduce_segments`; CUDA paged_attention_v2.)
 * `paged_prefill_attention`: causal FlashAttention over a ragged batch of prompts
   (cu_seqlens), after writing their K/V to the cache.
 
-Numerics: scores, the softmax and the accumulator are fp32. The probabilities p are rounded
-to the K/V dtype before the p @ V product (as FlashAttention does, so it runs on tensor
-cores), and the normaliser l sums those same rounded p: the weights then sum to exactly what
-the output is divided by, so V == 1 gives exactly 1. Under the interpreter (CPU) the dots
-are done in fp32 (`UPCAST`), because the interpreter's bf16 `tl.dot` is wrong.
+Numerics: the project's one convention, in `triton_common.py` (log2-unit scores, fp32
+state, p rounded to V's dtype and summed as rounded, so V == 1 gives exactly 1); every
+kernel here calls its `online_softmax_update`.
+
+Views: every strided input (query, key, value, caches, block_tables) is read through all
+its strides, so any view works; 1-D index tensors (slot_mapping, seq_lens,
+query_start_loc) are made contiguous BEFORE they are checked (`checks.contiguous_index`),
+so the checks validate exactly what the kernel reads.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from paged_attention.cache_ops import check_cache_write_args
-from paged_attention.checks import check_decode_args, check_prefill_args
+from paged_attention.checks import check_cache_write_args, check_decode_args, check_prefill_args, contiguous_index
+from paged_attention.triton_common import LOG2E, dot_precision, interpreting, online_softmax_update, round_to, upcast
+
+__all__ = ["choose_num_kv_splits", "interpreting", "paged_decode_attention", "paged_prefill_attention",
+           "prefill_attention", "reshape_and_cache"]
 
 # Launch shapes, chosen so that every kernel compiles for sm_90 without register spills
 # (tests/01_paged_attention/test_triton_compile.py checks with ptxas). Not tuned on a GPU.
@@ -43,18 +47,14 @@ SPLIT_TARGET_PROGRAMS = 256  # split-KV aims for about this many programs (2 per
 MIN_TOKENS_PER_SPLIT = 256   # below this a split costs more in the reduce than it saves
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 # ----------------------------------------------------------------------------- cache write
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-    stride_kc_blk, stride_kc_tok, stride_kc_head,
-    stride_vc_blk, stride_vc_tok, stride_vc_head,
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,   # slot_mapping: contiguous
+    stride_k_tok, stride_k_head, stride_k_d, stride_v_tok, stride_v_head, stride_v_d,
+    stride_kc_blk, stride_kc_tok, stride_kc_head, stride_kc_d,
+    stride_vc_blk, stride_vc_tok, stride_vc_head, stride_vc_d,
     block_size,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_HD: tl.constexpr,
 ):
@@ -67,31 +67,31 @@ def _reshape_and_cache_kernel(
     head = offs // HEAD_DIM
     d = offs % HEAD_DIM
     mask = (offs < NUM_KV_HEADS * HEAD_DIM) & (slot >= 0)   # slot -1: padding token, write nothing
-    k = tl.load(key_ptr + token * stride_k_tok + head * stride_k_head + d, mask=mask)
-    v = tl.load(value_ptr + token * stride_v_tok + head * stride_v_head + d, mask=mask)
-    tl.store(key_cache_ptr + blk * stride_kc_blk + off * stride_kc_tok + head * stride_kc_head + d, k, mask=mask)
-    tl.store(value_cache_ptr + blk * stride_vc_blk + off * stride_vc_tok + head * stride_vc_head + d, v, mask=mask)
+    k = tl.load(key_ptr + token * stride_k_tok + head * stride_k_head + d * stride_k_d, mask=mask)
+    v = tl.load(value_ptr + token * stride_v_tok + head * stride_v_head + d * stride_v_d, mask=mask)
+    tl.store(key_cache_ptr + blk * stride_kc_blk + off * stride_kc_tok + head * stride_kc_head + d * stride_kc_d,
+             k, mask=mask)
+    tl.store(value_cache_ptr + blk * stride_vc_blk + off * stride_vc_tok + head * stride_vc_head + d * stride_vc_d,
+             v, mask=mask)
     ### END SOLUTION
 
 
 def reshape_and_cache(
-    key: torch.Tensor,           # [num_tokens, num_kv_heads, head_dim] (last dim contiguous)
+    key: torch.Tensor,           # [num_tokens, num_kv_heads, head_dim] (any strides)
     value: torch.Tensor,         # [num_tokens, num_kv_heads, head_dim]
-    key_cache: torch.Tensor,     # [num_blocks, block_size, num_kv_heads, head_dim] (written)
+    key_cache: torch.Tensor,     # [num_blocks, block_size, num_kv_heads, head_dim] (written, any strides)
     value_cache: torch.Tensor,   # [num_blocks, block_size, num_kv_heads, head_dim] (written)
     slot_mapping: torch.Tensor,  # [num_tokens] int32/int64, -1 = skip
     check_values: bool = True,
 ) -> None:
+    slot_mapping = contiguous_index(slot_mapping)      # the kernel reads storage: check what it reads
     check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, check_values)
-    _require_unit_last_stride(key=key, value=value, key_cache=key_cache, value_cache=value_cache)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
         key_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HD=triton.next_power_of_2(num_kv_heads * head_dim),
     )
@@ -101,20 +101,20 @@ def reshape_and_cache(
 
 @triton.jit
 def _paged_decode_kernel(
-    out_ptr,              # NUM_SPLITS == 1: [num_seqs, num_heads, head_dim]; else fp32 partial acc [num_seqs, num_heads, NUM_SPLITS, head_dim]
-    m_ptr, l_ptr,         # NUM_SPLITS > 1: fp32 [num_seqs, num_heads, NUM_SPLITS] running max / sum
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    scale,
-    stride_q_seq, stride_q_head,
-    stride_k_blk, stride_k_tok, stride_k_head,
-    stride_v_blk, stride_v_tok, stride_v_head,
-    stride_bt_seq,
+    out_ptr,              # NUM_KV_SPLITS == 1: [num_seqs, num_heads, head_dim]; else fp32 partial acc [num_seqs, num_heads, NUM_KV_SPLITS, head_dim]
+    m_ptr, l_ptr,         # NUM_KV_SPLITS > 1: fp32 [num_seqs, num_heads, NUM_KV_SPLITS] running max (log2 units) / sum
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,   # seq_lens: contiguous
+    qk_scale,             # softmax scale * log2(e)
+    stride_q_seq, stride_q_head, stride_q_d,
+    stride_k_blk, stride_k_tok, stride_k_head, stride_k_d,
+    stride_v_blk, stride_v_tok, stride_v_head, stride_v_d,
+    stride_bt_seq, stride_bt_blk,
     stride_o_seq, stride_o_head, stride_o_split,
     num_heads, max_num_blocks, tokens_per_split,
     QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -126,7 +126,7 @@ def _paged_decode_kernel(
     heads = kv_head * QUERIES_PER_KV + offs_g
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :],
+    q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :] * stride_q_d,
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)            # [BLOCK_G, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
@@ -137,51 +137,44 @@ def _paged_decode_kernel(
     start = split * tokens_per_split
     # The last split runs to seq_len whatever tokens_per_split says: a stale max_seq_len
     # hint can then only unbalance the splits, never drop tokens.
-    end = tl.where(split == NUM_SPLITS - 1, seq_len, tl.minimum(seq_len, start + tokens_per_split))
+    end = tl.where(split == NUM_KV_SPLITS - 1, seq_len, tl.minimum(seq_len, start + tokens_per_split))
     end = tl.where(too_long, start, end)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)   # running max of the scores
-    l_i = tl.zeros([BLOCK_G], tl.float32)                 # running sum of exp(score - m_i)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)        # running sum of exp(score - m_i) * v
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)   # running max of the scores (log2 units)
+    l_i = tl.zeros([BLOCK_G], tl.float32)                 # running sum of 2^(score - m_i)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)        # running sum of 2^(score - m_i) * v
     ### BEGIN SOLUTION
     for tile_start in range(start, end, TILE):
         offs_t = tile_start + tl.arange(0, TILE)          # logical token positions
         t_mask = offs_t < end
         # The paging: logical block t // B -> physical block, then row t % B inside it.
-        blk = tl.load(block_tables_ptr + seq * stride_bt_seq + offs_t // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        blk = tl.load(bt_row + (offs_t // BLOCK_SIZE) * stride_bt_blk, mask=t_mask, other=0).to(tl.int64)
         row = offs_t % BLOCK_SIZE
         kv_mask = t_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + blk[:, None] * stride_k_blk + row[:, None] * stride_k_tok
-                    + kv_head * stride_k_head + offs_d[None, :], mask=kv_mask, other=0.0)   # [TILE, BLOCK_D]
+                    + kv_head * stride_k_head + offs_d[None, :] * stride_k_d, mask=kv_mask, other=0.0)  # [TILE, BLOCK_D]
         v = tl.load(v_cache_ptr + blk[:, None] * stride_v_blk + row[:, None] * stride_v_tok
-                    + kv_head * stride_v_head + offs_d[None, :], mask=kv_mask, other=0.0)   # [TILE, BLOCK_D]
+                    + kv_head * stride_v_head + offs_d[None, :] * stride_v_d, mask=kv_mask, other=0.0)  # [TILE, BLOCK_D]
         if UPCAST:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale                        # [BLOCK_G, TILE]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale                   # [BLOCK_G, TILE]
         s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)                       # rescales what was summed under the old max
-        p = tl.exp(s - m_new[:, None]).to(v_cache_ptr.dtype.element_ty)
-        if UPCAST:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
-        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_update(acc, m_i, l_i, s, v, UPCAST, PRECISION)
     ### END SOLUTION
 
     o_mask = g_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if NUM_KV_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0 (a padding row): l = 0, acc = 0 -> 0
         out = tl.where(too_long, float("nan"), out)
         tl.store(out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=o_mask)
+                 round_to(out, out_ptr.dtype.element_ty, UPCAST), mask=o_mask)
     else:
         # An empty split (past seq_len) leaves m = -inf, l = 0: the reduce gives it weight 0.
         # A too-long row gets m = 0, l = 1, acc = NaN, so the NaN survives the reduce.
         tl.store(out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + split * stride_o_split + offs_d[None, :],
                  tl.where(too_long, float("nan"), acc), mask=o_mask)
-        ml_offs = (seq * num_heads + heads) * NUM_SPLITS + split
+        ml_offs = (seq * num_heads + heads) * NUM_KV_SPLITS + split
         tl.store(m_ptr + ml_offs, tl.where(too_long, 0.0, m_i), mask=g_mask)
         tl.store(l_ptr + ml_offs, tl.where(too_long, 1.0, l_i), mask=g_mask)
 
@@ -191,32 +184,33 @@ def _split_kv_reduce_kernel(
     out_ptr, acc_ptr, m_ptr, l_ptr,     # out [num_seqs, num_heads, head_dim]; partials as written above
     stride_o_seq, stride_o_head,
     num_heads,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < NUM_KV_SPLITS
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    base = (seq * num_heads + head) * NUM_SPLITS
+    base = (seq * num_heads + head) * NUM_KV_SPLITS
     ### BEGIN SOLUTION
-    m = tl.load(m_ptr + base + offs_s, mask=s_mask, other=float("-inf"))     # [BLOCK_S]
+    m = tl.load(m_ptr + base + offs_s, mask=s_mask, other=float("-inf"))     # [BLOCK_S] log2 units
     l = tl.load(l_ptr + base + offs_s, mask=s_mask, other=0.0)
     acc = tl.load(acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                   mask=s_mask[:, None] & d_mask[None, :], other=0.0)          # [BLOCK_S, BLOCK_D]
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max > float("-inf"), m_max, 0.0)   # all splits empty (seq_len 0)
-    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)                 # rescale each split to the global max
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)                # rescale each split to the global max
     num = tl.sum(w[:, None] * acc, 0)                     # [BLOCK_D]
     den = tl.sum(w * l, 0)
     out = num / tl.where(den > 0, den, 1.0)
     ### END SOLUTION
-    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d,
+             round_to(out, out_ptr.dtype.element_ty, UPCAST), mask=d_mask)
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile: int = DEFAULT_TILE) -> int:
+def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile: int = DEFAULT_TILE) -> int:
     """Split-KV only when (request, KV head) programs alone cannot fill the GPU and the
     contexts are long enough that each split still has real work (flash-decoding's rule)."""
     programs = num_seqs * num_kv_heads
@@ -228,61 +222,57 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile: 
 
 
 def paged_decode_attention(
-    query: torch.Tensor,         # [num_seqs, num_heads, head_dim]
-    key_cache: torch.Tensor,     # [num_blocks, block_size, num_kv_heads, head_dim]
+    query: torch.Tensor,         # [num_seqs, num_heads, head_dim] (any strides)
+    key_cache: torch.Tensor,     # [num_blocks, block_size, num_kv_heads, head_dim] (any strides)
     value_cache: torch.Tensor,   # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks] int32
-    seq_lens: torch.Tensor,      # [num_seqs] int32
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks] int32/int64 (any strides)
+    seq_lens: torch.Tensor,      # [num_seqs] int32/int64
     scale: float,
     check_values: bool = True,
     *,
-    num_splits: int | None = None,  # None: choose_num_splits; 1: one program per (request, KV head)
-    max_seq_len: int | None = None, # host-side max of seq_lens (from AttentionMetadata); read from seq_lens if None
+    max_seq_len: int | None = None,    # host-side max of seq_lens (from AttentionMetadata); read from seq_lens if None
+    num_kv_splits: int | None = None,  # None: choose_num_kv_splits; 1: one program per (request, KV head)
     tile: int = DEFAULT_TILE,
 ) -> torch.Tensor:               # [num_seqs, num_heads, head_dim]
-    check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values)
-    _require_unit_last_stride(query=query, key_cache=key_cache, value_cache=value_cache)
-    if block_tables.stride(1) != 1:
-        raise ValueError("block_tables rows must be contiguous")
+    seq_lens = contiguous_index(seq_lens)
+    check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values, max_seq_len)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
     if tile < 16 or tile & (tile - 1):
         raise ValueError(f"tile must be a power of two >= 16 (tl.dot), got {tile}")
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, tile)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    if num_kv_splits is None:
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, tile)
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
     # Every split gets a whole number of tiles; splits past a request's seq_len are empty.
-    tokens_per_split = max(tile, -(-max(max_seq_len, 1) // (num_splits * tile)) * tile)
+    tokens_per_split = max(tile, -(-max(max_seq_len, 1) // (num_kv_splits * tile)) * tile)
     group = num_heads // num_kv_heads
+    up = upcast(query.dtype)
     constexprs = dict(QUERIES_PER_KV=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
                       HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-                      BLOCK_SIZE=block_size, TILE=tile, NUM_SPLITS=num_splits,
-                      UPCAST=interpreting() and query.dtype != torch.float32)
-    common = (query, key_cache, value_cache, block_tables, seq_lens, scale,
-              query.stride(0), query.stride(1),
-              key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-              value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-              block_tables.stride(0))
-    grid = (num_seqs, num_kv_heads, num_splits)
-    if num_splits == 1:
+                      BLOCK_SIZE=block_size, TILE=tile, NUM_KV_SPLITS=num_kv_splits,
+                      UPCAST=up, PRECISION=dot_precision(query.dtype))
+    common = (query, key_cache, value_cache, block_tables, seq_lens, scale * LOG2E,
+              *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride())
+    grid = (num_seqs, num_kv_heads, num_kv_splits)
+    if num_kv_splits == 1:
         _paged_decode_kernel[grid](out, out, out, *common, out.stride(0), out.stride(1), 0,
                                    num_heads, block_tables.shape[1], tokens_per_split, **constexprs)
         return out
-    acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
-    m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    acc = torch.empty(num_seqs, num_heads, num_kv_splits, head_dim, dtype=torch.float32, device=query.device)
+    m = torch.empty(num_seqs, num_heads, num_kv_splits, dtype=torch.float32, device=query.device)
     l = torch.empty_like(m)
     _paged_decode_kernel[grid](acc, m, l, *common, acc.stride(0), acc.stride(1), acc.stride(2),
                                num_heads, block_tables.shape[1], tokens_per_split, **constexprs)
     _split_kv_reduce_kernel[(num_seqs, num_heads)](
         out, acc, m, l, out.stride(0), out.stride(1), num_heads,
-        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim))
+        NUM_KV_SPLITS=num_kv_splits, BLOCK_S=triton.next_power_of_2(num_kv_splits),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), UPCAST=up)
     return out
 
 
@@ -290,12 +280,12 @@ def paged_decode_attention(
 
 @triton.jit
 def _prefill_kernel(
-    out_ptr, q_ptr, k_ptr, v_ptr, query_start_loc_ptr,
-    scale,
-    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-    stride_v_tok, stride_v_head, stride_o_tok, stride_o_head,
+    out_ptr, q_ptr, k_ptr, v_ptr, query_start_loc_ptr,   # query_start_loc: contiguous
+    qk_scale,             # softmax scale * log2(e)
+    stride_q_tok, stride_q_head, stride_q_d, stride_k_tok, stride_k_head, stride_k_d,
+    stride_v_tok, stride_v_head, stride_v_d, stride_o_tok, stride_o_head,
     QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     head = tl.program_id(1)
@@ -314,7 +304,7 @@ def _prefill_kernel(
     k_ptr += start * stride_k_tok + kv_head * stride_k_head
     v_ptr += start * stride_v_tok + kv_head * stride_v_head
     out_ptr += start * stride_o_tok + head * stride_o_head
-    q = tl.load(q_ptr + offs_m[:, None] * stride_q_tok + offs_d[None, :],
+    q = tl.load(q_ptr + offs_m[:, None] * stride_q_tok + offs_d[None, :] * stride_q_d,
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)             # [BLOCK_M, BLOCK_D]
     if UPCAST:
         q = q.to(tl.float32)
@@ -328,53 +318,46 @@ def _prefill_kernel(
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + offs_n[:, None] * stride_k_tok + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + offs_n[:, None] * stride_v_tok + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(k_ptr + offs_n[:, None] * stride_k_tok + offs_d[None, :] * stride_k_d,
+                    mask=kv_mask, other=0.0)                                   # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptr + offs_n[:, None] * stride_v_tok + offs_d[None, :] * stride_v_d, mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale             # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale       # [BLOCK_M, BLOCK_N]
         s = tl.where(n_mask[None, :] & (offs_n[None, :] <= offs_m[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))             # key 0 is in the first tile: finite from then on
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None]).to(v_ptr.dtype.element_ty)
-        if UPCAST:
-            p = p.to(tl.float32)
-            v = v.to(tl.float32)
-        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_update(acc, m_i, l_i, s, v, UPCAST, PRECISION)
     ### END SOLUTION
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + offs_m[:, None] * stride_o_tok + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+             round_to(out, out_ptr.dtype.element_ty, UPCAST), mask=m_mask[:, None] & d_mask[None, :])
 
 
 def prefill_attention(
-    query: torch.Tensor,            # [num_tokens, num_heads, head_dim]
+    query: torch.Tensor,            # [num_tokens, num_heads, head_dim] (any strides)
     key: torch.Tensor,              # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,            # [num_tokens, num_kv_heads, head_dim]
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int, CONTIGUOUS (the callers checked it)
     scale: float,
     max_query_len: int | None = None,
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     """Causal varlen attention of each prompt over itself (no cache involved)."""
-    _require_unit_last_stride(query=query, key=key, value=value)
+    if not query_start_loc.is_contiguous():
+        raise ValueError("prefill_attention reads query_start_loc by its storage: pass a contiguous tensor")
     block_m, block_n = PREFILL_BLOCKS[query.dtype]
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = query_start_loc.shape[0] - 1
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     grid = (triton.cdiv(max_query_len, block_m), num_heads, num_seqs)
     _prefill_kernel[grid](
-        out, query, key, value, query_start_loc, scale,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1), out.stride(0), out.stride(1),
+        out, query, key, value, query_start_loc, scale * LOG2E,
+        *query.stride(), *key.stride(), *value.stride(), out.stride(0), out.stride(1),
         QUERIES_PER_KV=num_heads // key.shape[1], HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
-        UPCAST=interpreting() and query.dtype != torch.float32)
+        UPCAST=upcast(query.dtype), PRECISION=dot_precision(query.dtype))
     return out
 
 
@@ -391,12 +374,8 @@ def paged_prefill_attention(
     *,
     max_query_len: int | None = None,
 ) -> torch.Tensor:
-    check_prefill_args(query, key, value, key_cache, value_cache, slot_mapping, query_start_loc, check_values)
+    slot_mapping, query_start_loc = contiguous_index(slot_mapping), contiguous_index(query_start_loc)
+    check_prefill_args(query, key, value, key_cache, value_cache, slot_mapping, query_start_loc, check_values,
+                       max_query_len)
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values=False)  # checked just above
     return prefill_attention(query, key, value, query_start_loc, scale, max_query_len)
-
-
-def _require_unit_last_stride(**tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}: the head_dim dimension must be contiguous (stride 1), got strides {t.stride()}")

@@ -23,25 +23,28 @@ Why keys are addressed one by one through the block table (not block by block): 
 tile of TILE_N keys may span many small blocks or a fraction of a big one, so any block
 size 1..N works with the same tile shape, and tl.dot always sees >= 16-wide tiles.
 
-Numerics: scores and the online softmax are fp32 (exp2 with log2(e) folded into the
-scale); P is cast to V's dtype for the second matmul, as FlashAttention does. fp32
-inputs use `input_precision="ieee"` (on the GPU fp32 tl.dot would otherwise use TF32 and
-miss the fp32 tolerance). Under the Triton interpreter bf16 tl.dot is wrong, so bf16 is
-upcast to fp32 there, and its fp32 -> bf16 cast truncates, so the output is rounded
-explicitly (the UPCAST constexpr); the GPU runs bf16 natively.
+Numerics: chapter 01's one convention (`paged_attention/triton_common.py`): log2-unit
+scores (log2(e) folded into the scale), fp32 online-softmax state, P rounded to V's dtype
+for the second matmul and summed as rounded into l — this kernel calls chapter 01's
+`online_softmax_update` and `round_to`, it has no softmax of its own. fp32 inputs use
+`input_precision="ieee"` (on the GPU fp32 tl.dot would otherwise use TF32 and miss the
+fp32 tolerance). Under the Triton interpreter 16-bit dots are upcast to fp32 (UPCAST).
+
+Views: query, caches and block_tables are read through all their strides; seq_lens and
+query_start_loc are made contiguous before they are checked (`contiguous_index`), so the
+checks validate exactly what the kernel reads.
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from chunked_prefill.attention_reference import check_unified_attention_args
+from paged_attention.checks import SUPPORTED_DTYPES, check_paged_attention_args, contiguous_index
+from paged_attention.triton_common import LOG2E, dot_precision, interpreting, online_softmax_update, round_to, upcast
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 TILE_N = 32                 # keys per inner-loop step (tl.dot needs >= 16 on the GPU)
 DEFAULT_NUM_SEGMENTS = 16   # split-KV segments for the 3-D kernel (vLLM's default)
@@ -71,21 +74,6 @@ def _find_seq_idx(query_start_loc_ptr, q_tile_idx, num_seqs, BLOCK_Q: tl.constex
 
 
 @triton.jit
-def _to_output(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
-    """fp32 -> the output dtype, rounding to nearest even like the GPU's cvt.rn.
-
-    The Triton interpreter casts fp32 -> bf16 by truncation (0.99999994 -> 0.99609375,
-    a full bf16 ulp low), so when interpreting bf16 we round the fp32 bits ourselves
-    first; the cast then only drops zeros.
-    """
-    if UPCAST:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536      # keep the top 16 bits, rounded
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
-
-
-@triton.jit
 def _attend_kv_range(
     acc, m_i, l_i,                  # running state: [BLOCK_M, HEAD_DIM_PADDED], [BLOCK_M], [BLOCK_M] fp32
     q,                              # [BLOCK_M, HEAD_DIM_PADDED]
@@ -93,6 +81,7 @@ def _attend_kv_range(
     row_valid,                      # [BLOCK_M] rows that are real (query position, head) pairs
     key_cache_ptr, value_cache_ptr,
     block_table_row_ptr,            # this request's row of block_tables
+    stride_bt_blk,                  # block_tables.stride(1)
     kv_head, kv_start, kv_end,      # attend to keys kv_start <= pos < kv_end of this request
     stride_kc_blk, stride_kc_slot, stride_kc_head, stride_kc_dim,
     stride_vc_blk, stride_vc_slot, stride_vc_head, stride_vc_dim,
@@ -111,7 +100,7 @@ def _attend_kv_range(
         k_in = k_pos < kv_end
         # Logical position -> (physical block, slot): masked so neither the block table
         # nor the cache is read past this request's keys (junk there never enters).
-        block = tl.load(block_table_row_ptr + k_pos // BLOCK_SIZE, mask=k_in, other=0).to(tl.int64)
+        block = tl.load(block_table_row_ptr + (k_pos // BLOCK_SIZE) * stride_bt_blk, mask=k_in, other=0).to(tl.int64)
         slot = k_pos % BLOCK_SIZE
         k_off = block * stride_kc_blk + slot * stride_kc_slot + kv_head * stride_kc_head     # [TILE_N]
         v_off = block * stride_vc_blk + slot * stride_vc_slot + kv_head * stride_vc_head
@@ -121,20 +110,11 @@ def _attend_kv_range(
                     mask=k_in[:, None] & d_mask[None, :], other=0.0)        # [TILE_N, HEAD_DIM_PADDED]
         if UPCAST:
             k = k.to(tl.float32)
-            v = v.to(tl.float32)
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale             # [BLOCK_M, TILE_N] (log2 units)
         # Causal mask offset by the context: row token at q_abs_pos sees keys <= q_abs_pos.
         visible = row_valid[:, None] & k_in[None, :] & (k_pos[None, :] <= q_abs_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))                         # [BLOCK_M]
-        # A row that has seen no visible key yet (padding rows; empty split-KV segments)
-        # keeps max -inf: subtract 0 instead, so exp2 gives 0 rather than NaN.
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_sub[:, None])                                    # [BLOCK_M, TILE_N]
-        alpha = tl.exp2(m_i - m_sub)                                       # rescales the old state
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = online_softmax_update(acc, m_i, l_i, s, v, UPCAST, PRECISION)   # chapter 01's step
     ### END SOLUTION
     return acc, m_i, l_i
 
@@ -152,6 +132,7 @@ def _load_query_tile(
     position and validity; the request's index; kv_end, the causal key bound of the
     tile's last row; and whether the tile holds any query at all.
     """
+    ### BEGIN SOLUTION
     seq_idx = _find_seq_idx(query_start_loc_ptr, q_tile_idx, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq_idx)
     query_len = tl.load(query_start_loc_ptr + seq_idx + 1) - q_start
@@ -176,6 +157,7 @@ def _load_query_tile(
     last_pos = tl.minimum((q_tile_local + 1) * BLOCK_Q, query_len) - 1
     kv_end = tl.minimum(context_len + last_pos + 1, seq_len)
     has_rows = q_tile_local * BLOCK_Q < query_len
+    ### END SOLUTION
     return q, token, head, context_len + q_pos, row_valid, seq_idx, kv_end, has_rows
 
 
@@ -184,15 +166,15 @@ def kernel_unified_attention_2d(
     out_ptr,                        # [num_tokens, num_heads, head_dim]
     query_ptr,                      # [num_tokens, num_heads, head_dim]
     key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    query_start_loc_ptr,            # [num_seqs + 1]
-    seq_lens_ptr,                   # [num_seqs]
-    block_tables_ptr,               # [num_seqs, max_blocks]
+    block_tables_ptr,               # [num_seqs, max_blocks] (any strides)
+    seq_lens_ptr,                   # [num_seqs] contiguous
+    query_start_loc_ptr,            # [num_seqs + 1] contiguous
     num_seqs, qk_scale,
     stride_q_tok, stride_q_head, stride_q_dim,
     stride_o_tok, stride_o_head, stride_o_dim,
     stride_kc_blk, stride_kc_slot, stride_kc_head, stride_kc_dim,
     stride_vc_blk, stride_vc_slot, stride_vc_head, stride_vc_dim,
-    stride_bt_seq,
+    stride_bt_seq, stride_bt_blk,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
@@ -210,7 +192,7 @@ def kernel_unified_attention_2d(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, m_i, l_i = _attend_kv_range(
             acc, m_i, l_i, q, q_abs_pos, row_valid, key_cache_ptr, value_cache_ptr,
-            block_tables_ptr + seq_idx.to(tl.int64) * stride_bt_seq, kv_head, 0, kv_end,
+            block_tables_ptr + seq_idx.to(tl.int64) * stride_bt_seq, stride_bt_blk, kv_head, 0, kv_end,
             stride_kc_blk, stride_kc_slot, stride_kc_head, stride_kc_dim,
             stride_vc_blk, stride_vc_slot, stride_vc_head, stride_vc_dim,
             qk_scale, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, UPCAST, PRECISION)
@@ -219,7 +201,7 @@ def kernel_unified_attention_2d(
         offs_d = tl.arange(0, HEAD_DIM_PADDED)
         tl.store(out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head
                  + offs_d[None, :] * stride_o_dim,
-                 _to_output(out, out_ptr.dtype.element_ty, UPCAST),
+                 round_to(out, out_ptr.dtype.element_ty, UPCAST),
                  mask=row_valid[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
@@ -229,12 +211,12 @@ def kernel_unified_attention_3d(
     segm_max_ptr,                   # [num_tokens, num_heads, NUM_SEGMENTS] fp32 (log2 units)
     segm_expsum_ptr,                # [num_tokens, num_heads, NUM_SEGMENTS] fp32
     query_ptr, key_cache_ptr, value_cache_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     num_seqs, qk_scale,
     stride_q_tok, stride_q_head, stride_q_dim,
     stride_kc_blk, stride_kc_slot, stride_kc_head, stride_kc_dim,
     stride_vc_blk, stride_vc_slot, stride_vc_head, stride_vc_dim,
-    stride_bt_seq,
+    stride_bt_seq, stride_bt_blk,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
@@ -267,7 +249,7 @@ def kernel_unified_attention_3d(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc, m_i, l_i = _attend_kv_range(
             acc, m_i, l_i, q, q_abs_pos, row_valid, key_cache_ptr, value_cache_ptr,
-            block_tables_ptr + seq_idx.to(tl.int64) * stride_bt_seq, kv_head, kv_start, kv_stop,
+            block_tables_ptr + seq_idx.to(tl.int64) * stride_bt_seq, stride_bt_blk, kv_head, kv_start, kv_stop,
             stride_kc_blk, stride_kc_slot, stride_kc_head, stride_kc_dim,
             stride_vc_blk, stride_vc_slot, stride_vc_head, stride_vc_dim,
             qk_scale, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, UPCAST, PRECISION)
@@ -306,11 +288,7 @@ def reduce_segments(
     out = tl.sum(o_s * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
     ### END SOLUTION
     tl.store(out_ptr + token * stride_o_tok + head * stride_o_head + offs_d * stride_o_dim,
-             _to_output(out, out_ptr.dtype.element_ty, UPCAST), mask=offs_d < HEAD_DIM)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+             round_to(out, out_ptr.dtype.element_ty, UPCAST), mask=offs_d < HEAD_DIM)
 
 
 def choose_tiles(group: int, max_query_len: int | None, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -358,7 +336,7 @@ class Launch(NamedTuple):
 
 
 def plan_launches(
-    query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale: float, out: torch.Tensor,
+    query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale: float, out: torch.Tensor,
     *, max_query_len: int | None = None, max_seq_len: int | None = None,
     num_kv_splits: int | None = None, block_m: int | None = None, tile_n: int | None = None,
 ) -> list[Launch]:
@@ -389,12 +367,11 @@ def plan_launches(
     common = dict(
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
         HEAD_DIM=head_dim, HEAD_DIM_PADDED=d_pad,
-        UPCAST=_interpreting() and query.dtype == torch.bfloat16,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",   # tf32 is moot for 16-bit inputs
+        UPCAST=upcast(query.dtype), PRECISION=dot_precision(query.dtype),
     )
-    qk_scale = scale * 1.4426950408889634                 # log2(e): the kernels use exp2
-    metadata = (query_start_loc, seq_lens, block_tables, num_seqs, qk_scale)
-    strides = (*key_cache.stride(), *value_cache.stride(), block_tables.stride(0))
+    qk_scale = scale * LOG2E                              # the kernels use exp2
+    metadata = (block_tables, seq_lens, query_start_loc, num_seqs, qk_scale)
+    strides = (*key_cache.stride(), *value_cache.stride(), *block_tables.stride())
     ### BEGIN SOLUTION
     if num_kv_splits == 1:
         return [Launch(kernel_unified_attention_2d, (num_q_tiles, num_kv_heads),
@@ -416,12 +393,12 @@ def plan_launches(
 
 
 def unified_attention(
-    query: torch.Tensor,            # [num_tokens, num_heads, head_dim]
-    key_cache: torch.Tensor,        # [num_blocks, block_size, num_kv_heads, head_dim]
+    query: torch.Tensor,            # [num_tokens, num_heads, head_dim] (any strides)
+    key_cache: torch.Tensor,        # [num_blocks, block_size, num_kv_heads, head_dim] (any strides)
     value_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    block_tables: torch.Tensor,     # [num_seqs, max_blocks] int32 (any strides)
     seq_lens: torch.Tensor,         # [num_seqs] int32
-    block_tables: torch.Tensor,     # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
     check_values: bool = True,
     *,
@@ -431,15 +408,17 @@ def unified_attention(
     block_m: int | None = None,         # None: choose_tiles; else rows per tile (a power of two >= GROUP)
     tile_n: int | None = None,          # None: choose_tiles; else keys per inner step (a power of two)
 ) -> torch.Tensor:                      # [num_tokens, num_heads, head_dim]
-    check_unified_attention_args(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables,
-                                 max_query_len=max_query_len, max_seq_len=max_seq_len, check_values=check_values)
-    if query.device.type != "cuda" and not _interpreting():
+    # The kernels read these two by raw pointer: make them what the checks below read.
+    seq_lens, query_start_loc = contiguous_index(seq_lens), contiguous_index(query_start_loc)
+    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                               check_values=check_values, max_query_len=max_query_len, max_seq_len=max_seq_len)
+    if query.device.type != "cuda" and not interpreting():
         raise RuntimeError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
                            f"imported to run the kernel on the CPU; got tensors on {query.device}")
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if query.shape[0] == 0:
         return out
-    for launch in plan_launches(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables, scale, out,
+    for launch in plan_launches(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
                                 max_query_len=max_query_len, max_seq_len=max_seq_len,
                                 num_kv_splits=num_kv_splits, block_m=block_m, tile_n=tile_n):
         launch.kernel[launch.grid](*launch.args, **launch.constexprs)

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     from chunked_prefill.ops import unified_attention
     from paged_attention.ops import reshape_and_cache
     from mini_vllm.default_model import default_model_path
-    from mini_vllm.input_batch import prepare_inputs
+    from mini_vllm.model_inputs import prepare_inputs
     from mini_vllm.kv_cache import allocate_kv_caches
     from mini_vllm.models.loader import load_model
 
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
                 kv, kv, k_cache, v_cache, md.slot_mapping, check_values=False, backend=attn.cache_backend)
                 for k_cache, v_cache in caches], warmup, iters),
             "unified attention (ch05), all layers": time_fn(lambda: [unified_attention(
-                q, k_cache, v_cache, md.query_start_loc, md.seq_lens, md.block_tables, attn.scale,
+                q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, attn.scale,
                 backend=attn.attention_backend, max_query_len=md.max_query_len, max_seq_len=md.max_seq_len,
                 check_values=False) for k_cache, v_cache in caches], warmup, iters),
             "lm_head (compute_logits)": time_fn(lambda: model.compute_logits(hidden), warmup, iters),

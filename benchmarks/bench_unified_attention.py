@@ -18,10 +18,16 @@ Peers, timed in the same run on the same tensors:
                 non-paged engine with a static per-request cache does; the K/V are built
                 before timing, so it pays no gather
   sdpa_loop     one SDPA call per request on its contiguous K/V (offset-causal mask)
-  torch         ours, attention_vectorized.py (backend="torch")
+  torch         ours, attention_vectorized.py (backend="torch"), planning its sub-batches in the call
+  torch+plan    the same with the step's plan prebuilt (plan=build_plan(...)): what each layer
+                pays once the engine builds the plan once per step
+  build_plan    the plan alone (paid once per step, not per layer)
   triton        ours, triton_ops.py (backend="triton"; GPU only, the interpreter is no timing)
 "Useful GB/s" = K/V bytes a request really owns (sum of seq_lens) / time. Each time is
-the best of --rounds medians of --iters calls, implementations interleaved.
+the best of --rounds medians of --iters calls, implementations interleaved. Per workload
+the table ends with the attention cost of one engine step of --layers layers (SmolLM2: 30),
+without the plan (every layer plans) and with it (one plan + the per-layer execution).
+The paged batches come from chapter 01's synthetic paged K/V (`make_paged_batch`).
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ import torch.nn.functional as F
 from benchmarks.common import RESULTS_DIR, time_fn, write_result
 from chunked_prefill import attention_reference, attention_vectorized
 from chunked_prefill.ops import unified_attention
+from paged_attention.synthetic import make_paged_batch
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
@@ -52,31 +59,12 @@ def workloads(seed: int = 0) -> dict[str, tuple[list[int], list[int]]]:
 
 
 def build(query_lens, context_lens, dtype, device, seed=0):
-    """A paged batch (shuffled blocks) and its dense twin (contiguous per-request K/V)."""
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
-    blocks = [-(-s // BLOCK_SIZE) for s in seq_lens]
-    num_blocks = sum(blocks)
-    order = torch.randperm(num_blocks, generator=gen)
-    keys = [torch.randn(s, NUM_KV_HEADS, HEAD_DIM, generator=gen) for s in seq_lens]
-    values = [torch.randn(s, NUM_KV_HEADS, HEAD_DIM, generator=gen) for s in seq_lens]
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    key_cache, value_cache = torch.zeros(shape), torch.zeros(shape)
-    block_tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
-    first = 0
-    for i, (s, nb) in enumerate(zip(seq_lens, blocks)):
-        ids = order[first:first + nb]
-        first += nb
-        block_tables[i, :nb] = ids.int()
-        pad = nb * BLOCK_SIZE - s
-        key_cache[ids] = F.pad(keys[i], (0, 0, 0, 0, 0, pad)).view(nb, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-        value_cache[ids] = F.pad(values[i], (0, 0, 0, 0, 0, pad)).view(nb, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    query = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, generator=gen)
-    qsl = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    to = dict(dtype=dtype, device=device)
-    paged = (query.to(**to), key_cache.to(**to), value_cache.to(**to), qsl.to(device),
-             torch.tensor(seq_lens, dtype=torch.int32, device=device), block_tables.to(device))
-    return paged, [k.to(**to) for k in keys], [v.to(**to) for v in values]
+    """A paged batch (shuffled blocks) and its dense twin (contiguous per-request K/V):
+    chapter 01's synthetic paged K/V, zeros in unused slots."""
+    b = make_paged_batch(query_lens, context_lens, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dtype, device,
+                         seed=seed, junk=0.0, num_spare_blocks=0)
+    paged = (b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc)
+    return paged, b.keys, b.values
 
 
 def offset_causal_mask(q_len: int, seq_len: int, device) -> torch.Tensor:   # [q_len, seq_len] bool
@@ -135,7 +123,7 @@ def interleaved_times(fns: dict, rounds: int, iters: int) -> dict[str, float]:
     return {k: min(v) for k, v in samples.items()}
 
 
-def bench_workload(name, query_lens, context_lens, dtype, device, backends, rounds, iters):
+def bench_workload(name, query_lens, context_lens, dtype, device, backends, rounds, iters, layers):
     paged, keys, values = build(query_lens, context_lens, dtype, device)
     scale = HEAD_DIM ** -0.5
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
@@ -154,13 +142,30 @@ def bench_workload(name, query_lens, context_lens, dtype, device, backends, roun
     for backend in backends:
         check(unified_attention(*paged, scale, backend=backend, **meta))
         fns[backend] = lambda b=backend: unified_attention(*paged, scale, backend=b, **meta)
+    if "torch" in backends:
+        block_tables, seq_lens_t, query_start_loc = paged[3:]
+        plan_fn = lambda: attention_vectorized.build_plan(block_tables, seq_lens_t, query_start_loc, BLOCK_SIZE)  # noqa: E731
+        plan = plan_fn()
+        check(unified_attention(*paged, scale, backend="torch", plan=plan, **meta))
+        fns["torch+plan"] = lambda: unified_attention(*paged, scale, backend="torch", plan=plan, **meta)
+        fns["build_plan"] = plan_fn
     kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * paged[1].element_size()
     times = interleaved_times(fns, rounds, iters)
     rows = []
     for impl, t in times.items():
-        rows.append(dict(workload=name, impl=impl, ms=round(t * 1e3, 3), useful_gb_s=round(kv_bytes / t / 1e9, 2),
-                         speedup_vs_reference=round(times["reference"] / t, 2),
-                         ratio_vs_sdpa_dense=round(t / times["sdpa_dense"], 2)))
+        row = dict(workload=name, impl=impl, ms=round(t * 1e3, 3))
+        if impl != "build_plan":
+            row.update(useful_gb_s=round(kv_bytes / t / 1e9, 2), speedup_vs_reference=round(times["reference"] / t, 2),
+                       ratio_vs_sdpa_dense=round(t / times["sdpa_dense"], 2))
+        rows.append(row)
+    if "torch" in backends:
+        # One engine step: every layer planning for itself vs one plan + per-layer execution.
+        rows.append(dict(workload=name, impl=f"torch, {layers} layers, plan per layer",
+                         ms=round(layers * times["torch"] * 1e3, 3)))
+        rows.append(dict(workload=name, impl=f"torch, {layers} layers, one plan per step",
+                         ms=round((times["build_plan"] + layers * times["torch+plan"]) * 1e3, 3),
+                         speedup_vs_plan_per_layer=round(layers * times["torch"]
+                                                         / (times["build_plan"] + layers * times["torch+plan"]), 2)))
     return rows
 
 
@@ -200,6 +205,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--sweep-rows", action="store_true", help="also time kv_rows_per_batch choices (decode)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--layers", type=int, default=30, help="layers per engine step for the per-step rows (SmolLM2: 30)")
+    ap.add_argument("--workloads", default="decode,mixed,prefill", help="comma-separated subset of the workloads")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -209,14 +216,18 @@ def main(argv=None):
     dtype = torch.bfloat16 if cuda else torch.float32
     backends = ["torch", "triton"] if cuda else ["torch"]
     rows = []
+    chosen = args.workloads.split(",")
     for name, (query_lens, context_lens) in workloads().items():
-        rows += bench_workload(name, query_lens, context_lens, dtype, device, backends, args.rounds, args.iters)
+        if name in chosen:
+            rows += bench_workload(name, query_lens, context_lens, dtype, device, backends, args.rounds, args.iters,
+                                   args.layers)
     if args.sweep_rows:
         rows += sweep_rows(dtype, device, args.rounds, args.iters)
-    print(f"{'workload':8} {'impl':34} {'ms':>9} {'useful GB/s':>11} {'x ref':>7} {'/ sdpa_dense':>12}")
+    print(f"{'workload':8} {'impl':38} {'ms':>9} {'useful GB/s':>11} {'x ref':>7} {'/ sdpa_dense':>12} {'x plan/layer':>12}")
     for r in rows:
-        print(f"{r['workload']:8} {r['impl']:34} {r['ms']:9.3f} {r.get('useful_gb_s', ''):>11} "
-              f"{r.get('speedup_vs_reference', ''):>7} {r.get('ratio_vs_sdpa_dense', ''):>12}")
+        print(f"{r['workload']:8} {r['impl']:38} {r['ms']:9.3f} {r.get('useful_gb_s', ''):>11} "
+              f"{r.get('speedup_vs_reference', ''):>7} {r.get('ratio_vs_sdpa_dense', ''):>12} "
+              f"{r.get('speedup_vs_plan_per_layer', ''):>12}")
     name = "unified_attention_gpu" if cuda else "unified_attention_cpu"
     workload = dict(model="SmolLM2-135M attention shapes", num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
                     head_dim=HEAD_DIM, block_size=BLOCK_SIZE, dtype=str(dtype), device=device,

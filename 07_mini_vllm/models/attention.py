@@ -27,7 +27,7 @@ from mini_vllm.models.layers import Linear, QKVLinear, RMSNorm, apply_rotary_emb
 # attn_backend -> (chapter 01 cache-write backend, chapter 05 unified-attention backend)
 ATTENTION_BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("torch", "torch"),            # the CPU default: vectorized SDPA over the gathered blocks
-    "reference": ("torch", "reference"),    # the per-request loop, the oracle (slow, clear)
+    "reference": ("reference", "reference"),  # the per-token / per-request loops, the oracles (slow, clear)
     "triton": ("triton", "triton"),         # GPU, or CPU under TRITON_INTERPRET=1
     # vLLM's TritonAttentionBackend pairing: CUDA reshape_and_cache_flash + Triton unified_attention.
     "cuda": ("cuda", "triton"),
@@ -55,9 +55,10 @@ class PagedAttention(nn.Module):
         md = attn_metadata
         reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping, check_values=False,
                           backend=self.cache_backend)
-        return unified_attention(query, key_cache, value_cache, md.query_start_loc, md.seq_lens, md.block_tables,
+        # md.plan: the backend's per-step precomputation (chunked_prefill.build_attention_plan), or None.
+        return unified_attention(query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                                  self.scale, backend=self.attention_backend, max_query_len=md.max_query_len,
-                                 max_seq_len=md.max_seq_len, check_values=False)
+                                 max_seq_len=md.max_seq_len, check_values=False, plan=md.plan)
         ### END SOLUTION
 
 

@@ -64,12 +64,50 @@ def test_build_attention_metadata_rejects_too_few_blocks():
 
 def test_compute_slot_mapping_checks_ranges():
     table = make_block_tables([[7, 23], [4]])
-    with pytest.raises(IndexError, match="positions in \\[0, 32\\]"):
-        compute_slot_mapping(table, torch.tensor([0, 0]), torch.tensor([0, 32]), 16)
+    own = torch.tensor([2, 1])
+    with pytest.raises(IndexError, match="position 32 of request 0 is past its own 2 blocks of 16"):
+        compute_slot_mapping(table, torch.tensor([0, 0]), torch.tensor([0, 32]), 16, num_blocks_per_req=own)
+    with pytest.raises(IndexError, match="positions must be >= 0"):
+        compute_slot_mapping(table, torch.tensor([0]), torch.tensor([-1]), 16, num_blocks_per_req=own)
     with pytest.raises(IndexError, match="req_indices"):
-        compute_slot_mapping(table, torch.tensor([2]), torch.tensor([0]), 16)
+        compute_slot_mapping(table, torch.tensor([2]), torch.tensor([0]), 16, num_blocks_per_req=own)
     with pytest.raises(ValueError, match="both be \\[num_tokens\\]"):
-        compute_slot_mapping(table, torch.tensor([0, 1]), torch.tensor([0]), 16)
+        compute_slot_mapping(table, torch.tensor([0, 1]), torch.tensor([0]), 16, num_blocks_per_req=own)
+    with pytest.raises(ValueError, match="num_blocks_per_req must be \\[num_seqs=2\\]"):
+        compute_slot_mapping(table, torch.tensor([0]), torch.tensor([0]), 16, num_blocks_per_req=own[:1])
+    with pytest.raises(ValueError, match="rows hold 2 entries"):
+        compute_slot_mapping(table, torch.tensor([0]), torch.tensor([0]), 16, num_blocks_per_req=torch.tensor([3, 1]))
+
+
+def test_position_in_a_requests_padding_column_raises():
+    """Request 1 holds ONE block (4); its row is padded with block 0 to the table's width 2.
+    Position 16 is inside the padded width (2 x 16) but past its own block: with the old
+    width check it got slot 0 * 16 + 0 — a write into block 0, which belongs to nobody here
+    and to somebody in an engine. Checked against the request's own blocks, it raises."""
+    table = make_block_tables([[7, 23], [4]])                 # [[7, 23], [4, 0]]
+    own = torch.tensor([2, 1])
+    with pytest.raises(IndexError, match="position 16 of request 1 is past its own 1 blocks of 16"):
+        compute_slot_mapping(table, torch.tensor([0, 1]), torch.tensor([20, 16]), 16, num_blocks_per_req=own)
+    # Without the counts the check cannot be made: refused rather than done against the padded width.
+    with pytest.raises(ValueError, match="needs num_blocks_per_req"):
+        compute_slot_mapping(table, torch.tensor([1]), torch.tensor([16]), 16)
+    # In range: exact slots; the hot path (check_values=False) needs no counts.
+    expected = [23 * 16 + 4, 4 * 16 + 15]
+    assert compute_slot_mapping(table, torch.tensor([0, 1]), torch.tensor([20, 15]), 16,
+                                num_blocks_per_req=own).tolist() == expected
+    assert compute_slot_mapping(table, torch.tensor([0, 1]), torch.tensor([20, 15]), 16,
+                                check_values=False).tolist() == expected
+
+
+def test_slot_mapping_accepts_views_of_its_inputs():
+    """Transposed block tables, strided and offset index tensors: same slots (torch indexing reads views)."""
+    table = make_block_tables([[7, 23, 4], [2, 9]])
+    req = torch.tensor([9, 0, 9, 1, 9, 1])[1::2]              # [0, 1, 1], storage offset 1, stride 2
+    pos = torch.tensor([[40, 0], [3, 0], [17, 0]])[:, 0]       # stride 2
+    own = torch.tensor([[3, 2]]).t()[:, 0]                    # a column view
+    t_table = table.t().contiguous().t()                       # column-major
+    got = compute_slot_mapping(t_table, req, pos, 16, num_blocks_per_req=own)
+    assert got.tolist() == [4 * 16 + 8, 2 * 16 + 3, 9 * 16 + 1]
 
 
 @settings(max_examples=40, deadline=None)

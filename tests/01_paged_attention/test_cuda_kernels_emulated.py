@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from paged_attention import cuda_ops, reference as ref
-from paged_attention.synthetic import make_paged_kv, random_query
+from paged_attention.synthetic import index_views, make_paged_kv, random_query
 from tolerances import assert_close
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -151,3 +151,92 @@ def test_reshape_and_cache(emu, dtype):
                                        strides)
         assert rc == 0
         assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+
+
+# ----------------------------------------------------------------------------- the Python wrapper, end to end
+
+class EmulatedExtensions:
+    """Stands in for the built torch extensions (kernels_cuda/*_binding.cpp) on the CPU:
+    enforces what the bindings TORCH_CHECK about layouts, then runs the real device code in
+    the emulator through raw pointers — exactly how the GPU would read the tensors. So
+    `cuda_ops` (the wrapper) is tested as it runs on a GPU, minus the stream."""
+
+    def __init__(self, emu):
+        self.emu = emu
+
+    @staticmethod
+    def _binding_checks(out, query, key_cache, value_cache, block_tables, seq_lens):
+        assert out.is_contiguous() and out.shape == query.shape, "binding: out must be contiguous, shaped like query"
+        assert query.stride(2) == 1, "binding: query's head_size dim must be contiguous"
+        assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1, "binding: block_tables int32 rows"
+        assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(), "binding: seq_lens contiguous int32"
+        assert key_cache.stride(3) == 1 and value_cache.stride(3) == 1, "binding: cache rows contiguous"
+
+    def paged_attention_v1(self, out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, stream):
+        self._binding_checks(out, query, key_cache, value_cache, block_tables, seq_lens)
+        out.copy_(emulate_decode(self.emu, "v1", query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                 max_seq_len))
+
+    def paged_attention_v2(self, out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables,
+                           seq_lens, scale, max_seq_len, stream):
+        self._binding_checks(out, query, key_cache, value_cache, block_tables, seq_lens)
+        out.copy_(emulate_decode(self.emu, "v2", query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                 max_seq_len))
+
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping, stream):
+        assert slot_mapping.is_contiguous(), "binding: slot_mapping must be contiguous"
+        assert all(t.stride(-1) == 1 for t in (key, value, key_cache, value_cache)), "binding: head_size contiguous"
+        strides = (ctypes.c_int64 * 10)(key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+                                        *key_cache.stride()[:3], *value_cache.stride()[:3])
+        rc = self.emu.emu_reshape_and_cache(CODES[key.dtype], ctypes.c_bool(slot_mapping.dtype == torch.int64),
+                                            ptr(key), ptr(value), ptr(key_cache), ptr(value_cache), ptr(slot_mapping),
+                                            ctypes.c_int64(key.shape[0]), key_cache.shape[1], key_cache.shape[2],
+                                            key_cache.shape[3], strides)
+        assert rc == 0
+
+
+@pytest.fixture
+def emulated_cuda_ops(emu, monkeypatch):
+    ext = EmulatedExtensions(emu)
+    monkeypatch.setattr(cuda_ops, "_load", lambda name: ext)
+    monkeypatch.setattr(cuda_ops, "_stream", lambda: 0)
+    return cuda_ops
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_wrapper_accepts_any_view_of_the_index_tensors(emulated_cuda_ops, version):
+    """The wrapper makes every index tensor readable by pointer (contiguous seq_lens, rows of
+    block_tables with stride 1) BEFORE it checks values: same output for every view; the
+    junk the views hide in their storage (huge seq_lens / block ids) is never read."""
+    kv = make_paged_kv([37, 0, 600], 2, 64, 16, torch.float16, pad_id=-5, extra_table_width=1)
+    q = random_query(3, 4, 64, torch.float16)
+    want = ref.dense_decode_attention(q, kv.keys, kv.values, 0.125)
+    run = lambda bt, sl, query=q: emulated_cuda_ops.paged_decode_attention(   # noqa: E731
+        query, kv.key_cache, kv.value_cache, bt, sl, 0.125, version=version)
+    base = run(kv.block_tables, kv.seq_lens)
+    assert_close(base, want, torch.float16)
+    for name, sl in index_views(kv.seq_lens, junk=10**6).items():
+        assert torch.equal(run(kv.block_tables, sl), base), f"seq_lens {name}"
+    for name, bt in index_views(kv.block_tables, junk=10**6).items():
+        assert torch.equal(run(bt, kv.seq_lens), base), f"block_tables {name}"
+    strided_q = q.transpose(1, 2).contiguous().transpose(1, 2)                   # head_dim not contiguous
+    assert torch.equal(run(kv.block_tables, kv.seq_lens, strided_q), base)
+
+
+def test_wrapper_cache_write_accepts_any_view_of_slot_mapping(emulated_cuda_ops):
+    g = torch.Generator().manual_seed(0)
+    key, value = torch.randn(5, 2, 64, generator=g).half(), torch.randn(5, 2, 64, generator=g).half()
+    slots = torch.tensor([9, 31, -1, 0, 14])
+    want_k, want_v = torch.zeros(4, 8, 2, 64, dtype=torch.half), torch.zeros(4, 8, 2, 64, dtype=torch.half)
+    ref.reshape_and_cache(key, value, want_k, want_v, slots)
+    for slot_dtype in (torch.int64, torch.int32):
+        for name, view in index_views(slots.to(slot_dtype), junk=4 * 8 + 50).items():
+            kc, vc = torch.zeros_like(want_k), torch.zeros_like(want_v)
+            emulated_cuda_ops.reshape_and_cache(key, value, kc, vc, view)
+            assert torch.equal(kc, want_k) and torch.equal(vc, want_v), name
+    kc, vc = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    strided = key.transpose(1, 2).contiguous().transpose(1, 2)
+    emulated_cuda_ops.reshape_and_cache(strided, value, kc, vc, slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    with pytest.raises(IndexError, match=r"slots in \[-1, 32\]"):       # the view is what is checked
+        emulated_cuda_ops.reshape_and_cache(key, value, kc, vc, torch.tensor([[1, 0], [32, 0], [2, 0], [3, 0], [-1, 0]])[:, 0])

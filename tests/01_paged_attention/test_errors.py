@@ -8,7 +8,7 @@ from paged_attention import cuda_ops, ops
 from paged_attention.synthetic import make_paged_kv, random_query
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-BACKENDS = ["torch", "triton"] + (["cuda"] if torch.cuda.is_available() else [])
+BACKENDS = ["reference", "torch", "triton"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.fixture
@@ -32,12 +32,14 @@ def decode(q, kv, backend, **overrides):
     (lambda q, kv: dict(query=q[..., :8]), ValueError, "head_dim mismatch"),
     (lambda q, kv: dict(query=torch.cat([q, q[:, :1]], 1)), ValueError, "multiple of num_kv_heads"),
     (lambda q, kv: dict(query=q.half()), TypeError, "dtype mismatch"),
-    (lambda q, kv: dict(block_tables=kv.block_tables.long()), TypeError, "must be int32"),
+    (lambda q, kv: dict(block_tables=kv.block_tables.float()), TypeError, "block_tables must be int32 (or int64)"),
+    (lambda q, kv: dict(seq_lens=kv.seq_lens.float()), TypeError, "seq_lens must be int32 (or int64)"),
     (lambda q, kv: dict(seq_lens=kv.seq_lens[:1]), ValueError, "seq_lens must be [num_seqs=2]"),
     (lambda q, kv: dict(block_tables=kv.block_tables[:1]), ValueError, "block_tables must be [num_seqs=2"),
     (lambda q, kv: dict(seq_lens=kv.seq_lens + 4), ValueError, "longer than the blocks given"),
     (lambda q, kv: dict(seq_lens=kv.seq_lens - 6), ValueError, "seq_lens must be >= 0"),
     (lambda q, kv: dict(block_tables=kv.block_tables + 100), IndexError, "but the cache has blocks [0, 7)"),
+    (lambda q, kv: dict(max_seq_len=8), ValueError, "max_seq_len=8 is smaller than the longest seq_len 9"),
 ])
 def test_decode_rejects_bad_input(case, backend, change, error, message):
     q, kv = case
@@ -49,15 +51,38 @@ def test_backend_errors(case):
     q, kv = case
     with pytest.raises(ValueError, match="unknown backend 'cudnn'"):
         decode(q, kv, "cudnn")
+    with pytest.raises(NotImplementedError, match="backend='cpu': the C\\+\\+/OpenMP kernel"):
+        decode(q, kv, "cpu")
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="backend='cuda' needs an NVIDIA GPU"):
             decode(q, kv, "cuda")
         with pytest.raises(RuntimeError, match="backend='cuda' needs an NVIDIA GPU"):
             ops.reshape_and_cache(kv.keys[0], kv.values[0], kv.key_cache, kv.value_cache, torch.arange(5), backend="cuda")
-    with pytest.raises(ValueError, match="the torch backend has none"):
-        decode(q, kv, "torch", num_splits=2)
-    with pytest.raises(ValueError, match="for Triton use num_splits"):
+    for backend in ("reference", "torch"):
+        with pytest.raises(ValueError, match=f"backend '{backend}' has none"):
+            decode(q, kv, backend, num_kv_splits=2)
+    with pytest.raises(ValueError, match="for Triton use num_kv_splits"):
         decode(q, kv, "triton", version="v2")
+    with pytest.raises(ValueError, match="for CUDA use version"):
+        decode(q, kv, "cuda", num_kv_splits=2)
+
+
+def test_cuda_wrapper_refuses_int64_indices_and_strided_caches(case, monkeypatch):
+    """The CUDA kernels read int32 index tensors and contiguous cache rows through raw
+    pointers; the wrapper refuses anything else with a clear message before any build
+    (these checks run on the CPU: _load is never reached)."""
+    q, kv = case
+    monkeypatch.setattr(cuda_ops, "_load", lambda name: pytest.fail("must be refused before loading the kernel"))
+    args = (q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.25)
+    with pytest.raises(TypeError, match="backend='cuda' reads block_tables as int32, got torch.int64"):
+        cuda_ops.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables.long(), kv.seq_lens, 0.25)
+    with pytest.raises(TypeError, match="reads seq_lens as int32"):
+        cuda_ops.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens.long(), 0.25)
+    strided = kv.key_cache.transpose(2, 3).contiguous().transpose(2, 3)     # head_dim not contiguous
+    with pytest.raises(ValueError, match="key_cache's head_dim must be contiguous"):
+        cuda_ops.paged_decode_attention(q, strided, kv.value_cache, *args[3:])
+    with pytest.raises(ValueError, match="value_cache's head_dim must be contiguous"):
+        cuda_ops.reshape_and_cache(kv.keys[0], kv.values[0], kv.key_cache, strided, torch.arange(5))
 
 
 def test_cuda_config_is_checked_before_any_build():

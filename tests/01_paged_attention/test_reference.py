@@ -1,10 +1,11 @@
-"""The PyTorch reference ladder: dense == per-request paged loop == vectorized paged, on
-adversarial layouts, plus the exact properties every backend must also satisfy."""
+"""The PyTorch ladder: dense == the per-request paged loop (backend "reference") ==
+vectorized paged (backend "torch"), on adversarial layouts, plus the exact properties
+every backend must also satisfy."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from paged_attention import ops, reference as ref
+from paged_attention import ops, reference as ref, torch_ops
 from paged_attention.synthetic import make_paged_kv, random_query
 from tolerances import assert_close
 
@@ -15,8 +16,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 def run_all(q, kv, scale):
     args = (q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, scale)
     return (ref.dense_decode_attention(q, kv.keys, kv.values, scale),
-            ref.paged_decode_attention_loop(*args),
-            ref.paged_decode_attention(*args))
+            ref.paged_decode_attention(*args),
+            torch_ops.paged_decode_attention(*args))
 
 
 @settings(max_examples=30, deadline=None)
@@ -44,7 +45,7 @@ def test_gqa_is_dense_attention_with_repeated_kv_heads(dtype):
     """GQA by grouping query heads == MHA on K/V heads repeated `group` times (the textbook form)."""
     kv = make_paged_kv([9, 20], num_kv_heads=2, head_dim=16, block_size=4, dtype=dtype)
     q = random_query(2, 8, 16, dtype)
-    out = ref.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.25)
+    out = torch_ops.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.25)
     for i in range(2):
         k = kv.keys[i].repeat_interleave(4, dim=1)            # [seq_len, 8, d]
         v = kv.values[i].repeat_interleave(4, dim=1)
@@ -63,7 +64,7 @@ def test_dense_attention_matches_torch_sdpa():
     assert_close(ours, sdpa, torch.float32)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_physical_placement_and_junk_change_nothing(backend, dtype):
     """Same logical K/V, different physical blocks, junk (NaN / huge / zero) in every slot and
@@ -81,7 +82,7 @@ def test_physical_placement_and_junk_change_nothing(backend, dtype):
         assert torch.equal(o, outs[0])
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_values_all_ones_give_exactly_ones(backend, dtype):
     """Attention weights sum to 1, so V == 1 must give 1 whatever the scores: exact after
@@ -98,7 +99,7 @@ def test_values_all_ones_give_exactly_ones(backend, dtype):
         assert torch.equal(out, torch.ones_like(out))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "torch", "triton"])
 def test_padding_row_with_seq_len_zero_gives_zeros(backend):
     kv = make_paged_kv([0, 5, 0], 2, 16, 4, pad_id=-1)
     q = random_query(3, 2, 16)

@@ -20,15 +20,18 @@ from paged_attention import triton_ops as T
 PTXAS = os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas")
 TARGET = GPUTarget("cuda", 90, 32)
 DT = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
+PRECISION = {"fp32": "ieee", "fp16": "tf32", "bf16": "tf32"}   # triton_common.dot_precision
 
 def signature(fn, const, ptr_types, default_ptr):
     sig = {}
     for name in fn.arg_names:
+        if (name.endswith("_d") or name == "stride_bt_blk") and name.startswith("stride_") and name not in const:
+            const[name] = 1      # the JIT specialises ints equal to 1 (contiguous head_dim, block_tables rows)
         if name in const:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             sig[name] = ptr_types.get(name, default_ptr)
-        elif name == "scale":
+        elif name in ("scale", "qk_scale"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -52,18 +55,19 @@ for dt in ("fp16", "bf16", "fp32"):
     # GQA 8 unsplit at head_dim 128; MHA, block size 1, split-KV at head_dim 64
     for head_dim, group, block_size, splits in ((128, 8, 16, 1), (64, 1, 1, 8)):
         const = dict(QUERIES_PER_KV=group, BLOCK_G=16, HEAD_DIM=head_dim, BLOCK_D=head_dim,
-                     BLOCK_SIZE=block_size, TILE=T.DEFAULT_TILE, NUM_SPLITS=splits, UPCAST=False)
+                     BLOCK_SIZE=block_size, TILE=T.DEFAULT_TILE, NUM_KV_SPLITS=splits, UPCAST=False,
+                     PRECISION=PRECISION[dt])
         # split-KV writes fp32 partials (acc, m, l); unsplit writes the output dtype
         ptrs = dict(ints, m_ptr="*fp32", l_ptr="*fp32", **({} if splits == 1 else {"out_ptr": "*fp32"}))
         results.append(compile_one(f"decode_{dt}_d{head_dim}_g{group}_b{block_size}_s{splits}",
                                    T._paged_decode_kernel, const, ptrs, p))
     results.append(compile_one(f"reduce_{dt}", T._split_kv_reduce_kernel,
-                               dict(NUM_SPLITS=8, BLOCK_S=8, HEAD_DIM=128, BLOCK_D=128),
+                               dict(NUM_KV_SPLITS=8, BLOCK_S=8, HEAD_DIM=128, BLOCK_D=128, UPCAST=False),
                                {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32"}, p))
     block_m, block_n = T.PREFILL_BLOCKS[{"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dt]]
     results.append(compile_one(f"prefill_{dt}", T._prefill_kernel,
                                dict(QUERIES_PER_KV=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=block_m, BLOCK_N=block_n,
-                                    UPCAST=False),
+                                    UPCAST=False, PRECISION=PRECISION[dt]),
                                {"query_start_loc_ptr": "*i32"}, p))
     results.append(compile_one(f"reshape_and_cache_{dt}", T._reshape_and_cache_kernel,
                                dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HD=1024), {"slot_mapping_ptr": "*i64"}, p))

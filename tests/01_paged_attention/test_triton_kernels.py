@@ -11,19 +11,22 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def check_decode(device, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits_list, seed=0):
+def check_decode(device, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, num_kv_splits_list, seed=0):
     kv = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed=seed,
                        pad_id=-7, extra_table_width=1)               # NaN junk, shuffled, junk padding
     q = random_query(len(seq_lens), num_heads, head_dim, dtype, device, seed=seed + 1)
     scale = head_dim ** -0.5
     want = ref.dense_decode_attention(q, kv.keys, kv.values, scale)
-    for num_splits in num_splits_list:
+    for num_kv_splits in num_kv_splits_list:
         got = ops.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, scale,
-                                         backend="triton", num_splits=num_splits)
-        assert_close(got, want, dtype, msg=f"num_splits={num_splits}")
+                                         backend="triton", num_kv_splits=num_kv_splits)
+        assert_close(got, want, dtype, msg=f"num_kv_splits={num_kv_splits}")
 
 
-def check_prefill(device, dtype, lens, num_heads, num_kv_heads, head_dim, block_size, seed=0):
+def check_prefill(device, dtype, lens, num_heads, num_kv_heads, head_dim, block_size, seed=0,
+                  backends=("torch", "triton")):
+    """Every backend's prefill == the reference loop (which is dense causal attention per
+    prompt, bit for bit): same output to the dtype's tolerance, same cache rows bit for bit."""
     g = torch.Generator().manual_seed(seed)
     nb = [-(-n // block_size) for n in lens]
     ids = torch.randperm(sum(nb) + 2, generator=g).tolist()
@@ -33,16 +36,20 @@ def check_prefill(device, dtype, lens, num_heads, num_kv_heads, head_dim, block_
                for n in (num_heads, num_kv_heads, num_kv_heads))
     shape = (len(ids), block_size, num_kv_heads, head_dim)
     caches = {}
-    for backend in ("torch", "triton"):
+    for backend in ("reference",) + tuple(backends):
         kc = torch.full(shape, float("nan"), dtype=dtype, device=device)
         vc = kc.clone()
         out = ops.paged_prefill_attention(q, k, v, kc, vc, md.slot_mapping, md.query_start_loc, 0.3, backend=backend)
         caches[backend] = (out, kc, vc)
-    out_ref, kc_ref, vc_ref = caches["torch"]
-    out, kc, vc = caches["triton"]
-    assert_close(out, out_ref, dtype)
-    assert torch.equal(kc.nan_to_num(123.0), kc_ref.nan_to_num(123.0))   # same rows written, bit for bit
-    assert torch.equal(vc.nan_to_num(123.0), vc_ref.nan_to_num(123.0))
+    out_ref, kc_ref, vc_ref = caches["reference"]
+    starts = md.query_start_loc.tolist()
+    for s, e in zip(starts, starts[1:]):        # the oracle itself: dense causal attention per prompt
+        assert torch.equal(out_ref[s:e], ref.dense_attention(q[s:e], k[s:e], v[s:e], 0.3, causal=True))
+    for backend in backends:
+        out, kc, vc = caches[backend]
+        assert_close(out, out_ref, dtype, msg=backend)
+        assert torch.equal(kc.nan_to_num(123.0), kc_ref.nan_to_num(123.0))   # same rows written, bit for bit
+        assert torch.equal(vc.nan_to_num(123.0), vc_ref.nan_to_num(123.0))
 
 
 # ----------------------------------------------------------------------------- CPU (interpreter)
@@ -50,7 +57,7 @@ def check_prefill(device, dtype, lens, num_heads, num_kv_heads, head_dim, block_
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [1, 5, 16, 256])
 def test_decode_block_sizes(dtype, block_size):
-    # GQA 6/2, ragged lengths, partial last blocks, a seq_len-0 padding row; split and not.
+    # GQA 6/2, ragged lengths, partial last blocks, a seq_len-0 padding row; split-KV and not.
     check_decode("cpu", dtype, [37, 1, 0, 70], 6, 2, 32, block_size, [1, 3])
 
 
@@ -70,8 +77,12 @@ def test_split_kv_more_splits_than_tiles_and_stale_max_seq_len():
     q = random_query(2, 4, 16)
     want = ref.dense_decode_attention(q, kv.keys, kv.values, 0.25)
     args = (q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.25)
-    assert_close(ops.paged_decode_attention(*args, backend="triton", num_splits=8), want)
-    assert_close(ops.paged_decode_attention(*args, backend="triton", num_splits=2, max_seq_len=5), want)
+    assert_close(ops.paged_decode_attention(*args, backend="triton", num_kv_splits=8), want)
+    # (check_values=True would refuse the stale hint: the engine's hot path is what may pass one)
+    assert_close(ops.paged_decode_attention(*args, backend="triton", num_kv_splits=2, max_seq_len=5,
+                                            check_values=False), want)
+    with pytest.raises(ValueError, match="max_seq_len=5 is smaller than the longest seq_len 40"):
+        ops.paged_decode_attention(*args, backend="triton", num_kv_splits=2, max_seq_len=5)
 
 
 def test_decode_row_longer_than_its_block_table_gives_nan_not_a_wrong_answer():
@@ -80,9 +91,9 @@ def test_decode_row_longer_than_its_block_table_gives_nan_not_a_wrong_answer():
     kv = make_paged_kv([8, 8], 1, 16, 4)
     q = random_query(2, 2, 16)
     seq_lens = torch.tensor([8, 9], dtype=torch.int32)      # row 1 claims 9 tokens in 2 blocks of 4
-    for num_splits in (1, 2):
+    for num_kv_splits in (1, 2):
         out = ops.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, seq_lens, 0.25,
-                                         backend="triton", check_values=False, num_splits=num_splits)
+                                         backend="triton", check_values=False, num_kv_splits=num_kv_splits)
         assert torch.isnan(out[1]).all()
         assert_close(out[0], ref.dense_attention(q[:1], kv.keys[0], kv.values[0], 0.25, causal=False)[0])
 
@@ -92,12 +103,30 @@ def test_prefill(dtype):
     check_prefill("cpu", dtype, [5, 20, 1], 4, 2, 16, 8)
 
 
-def test_choose_num_splits():
-    from paged_attention.triton_ops import choose_num_splits
-    assert choose_num_splits(num_seqs=64, num_kv_heads=8, max_seq_len=32768) == 1   # 512 programs already
-    assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=200) == 1      # too short to split
-    assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=32768) == 32   # 256 / 8 programs
-    assert choose_num_splits(num_seqs=1, num_kv_heads=1, max_seq_len=1024) == 4     # capped by length: 1024 / 256
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_longer_than_one_query_tile(dtype):
+    """Causal masking ACROSS query tiles on the CPU: prompts longer than BLOCK_M (32 rows in
+    fp32, 64 in 16-bit) and not a multiple of it, so a program whose tile starts at row
+    BLOCK_M must see every key of the earlier tiles and only the first keys of its own;
+    several prompts of different lengths (tiles past a short prompt's end are empty), GQA
+    4/2, a 1-token prompt, block size 16 with partial last blocks."""
+    from paged_attention.triton_ops import PREFILL_BLOCKS
+    block_m = PREFILL_BLOCKS[dtype][0]
+    lens = [2 * block_m + 7, block_m + 1, 1]          # 3 tiles, 2 tiles (the second holds one row), 1
+    check_prefill("cpu", dtype, lens, 4, 2, 16, 16)
+
+
+def test_prefill_with_an_empty_prompt():
+    """A 0-token prompt (query_start_loc repeats a value) is allowed in chapter 01's prefill."""
+    check_prefill("cpu", torch.float32, [7, 0, 3], 2, 1, 16, 4)
+
+
+def test_choose_num_kv_splits():
+    from paged_attention.triton_ops import choose_num_kv_splits
+    assert choose_num_kv_splits(num_seqs=64, num_kv_heads=8, max_seq_len=32768) == 1   # 512 programs already
+    assert choose_num_kv_splits(num_seqs=1, num_kv_heads=8, max_seq_len=200) == 1      # too short to split
+    assert choose_num_kv_splits(num_seqs=1, num_kv_heads=8, max_seq_len=32768) == 32   # 256 / 8 programs
+    assert choose_num_kv_splits(num_seqs=1, num_kv_heads=1, max_seq_len=1024) == 4     # capped by length: 1024 / 256
 
 
 # ----------------------------------------------------------------------------- GPU (native Triton)
@@ -131,9 +160,9 @@ def test_gpu_junk_and_ones(dtype):
     kv = make_paged_kv([1, 700, 33], 2, 128, 16, dtype, "cuda", junk=float("nan"), pad_id=-3, extra_table_width=3)
     kv.value_cache[~torch.isnan(kv.value_cache)] = 1.0
     q = random_query(3, 8, 128, dtype, "cuda") * 4
-    for num_splits in (1, 4):
+    for num_kv_splits in (1, 4):
         out = ops.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 1.0,
-                                         backend="triton", num_splits=num_splits)
+                                         backend="triton", num_kv_splits=num_kv_splits)
         if dtype == torch.float32:
             assert (out - 1).abs().max() <= 4 * torch.finfo(torch.float32).eps
         else:

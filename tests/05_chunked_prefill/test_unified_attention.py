@@ -9,7 +9,7 @@ call); the `gpu`-marked tests at the end run them natively at engine sizes
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,75 +18,32 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
-from chunked_prefill import attention_reference, attention_vectorized, ops
+from chunked_prefill import attention_reference, attention_vectorized, build_attention_plan, ops
 from chunked_prefill.ops import unified_attention
-from paged_attention.cache_ops import reshape_and_cache
+from paged_attention import build_attention_metadata
+from paged_attention.synthetic import PagedBatch, index_views, make_paged_batch, strided_rows
 from tolerances import assert_close
 
 BACKENDS = ["torch", "triton"]
 # triton 3.6's interpreter converts 1-element arrays with int(); numpy >= 1.25 warns about it.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 NAN = float("nan")
-
-
-@dataclass
-class Batch:
-    query: torch.Tensor            # [num_tokens, num_heads, head_dim]
-    key_cache: torch.Tensor        # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor
-    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
-    seq_lens: torch.Tensor         # [num_seqs] int32
-    block_tables: torch.Tensor     # [num_seqs, max_blocks] int32
-    scale: float
-    keys: list[torch.Tensor]       # dense twin: per request [seq_len, num_kv_heads, head_dim]
-    values: list[torch.Tensor]
-    query_lens: list[int]
-
-    @property
-    def args(self):
-        return (self.query, self.key_cache, self.value_cache, self.query_start_loc, self.seq_lens,
-                self.block_tables, self.scale)
-
-    def to(self, device) -> "Batch":
-        return replace(self, **{name: getattr(self, name).to(device) for name in
-                                ("query", "key_cache", "value_cache", "query_start_loc", "seq_lens", "block_tables")},
-                       keys=[k.to(device) for k in self.keys], values=[v.to(device) for v in self.values])
+Batch = PagedBatch
 
 
 def make_batch(query_lens, context_lens, *, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
                dtype=torch.float32, device="cpu", poison=NAN, table_pad=10**6, shuffle=True,
-               spare_blocks=2, values_one=False, seed=0) -> Batch:
-    """A mixed batch in an adversarial paged layout, with its dense twin.
+               spare_blocks=2, values_one=False, seed=0) -> PagedBatch:
+    """A mixed batch in an adversarial paged layout, with its dense twin — chapter 01's
+    synthetic paged K/V (`make_paged_batch`).
 
     Physical blocks are shuffled; every slot no request owns (spare blocks, the tail of
-    each last block) holds `poison`; block-table padding holds `table_pad` (an id far out
-    of range): a kernel that reads any of them changes its output. K/V of the context AND
-    the new tokens are written with chapter 01's reshape_and_cache, as the engine does
-    before it calls attention.
+    each last block) holds `poison`; block-table padding (one extra column at least) holds
+    `table_pad` (an id far out of range): a kernel that reads any of them changes its output.
     """
-    gen = torch.Generator().manual_seed(seed)       # data: the same whatever the layout
-    seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
-    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + spare_blocks
-    layout = torch.Generator().manual_seed(seed + 1)
-    order = torch.randperm(num_blocks, generator=layout).tolist() if shuffle else list(range(num_blocks))
-    block_tables = torch.full((len(seq_lens), max(blocks_per_seq, default=0) + 1), table_pad, dtype=torch.int32)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache, value_cache = torch.full(shape, poison, dtype=dtype), torch.full(shape, poison, dtype=dtype)
-    keys, values, slots = [], [], []
-    for i, (s, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
-        ids, order = order[:nb], order[nb:]
-        block_tables[i, :nb] = torch.tensor(ids, dtype=torch.int32)
-        keys.append(torch.randn(s, num_kv_heads, head_dim, generator=gen).to(dtype))
-        values.append(torch.ones(s, num_kv_heads, head_dim, dtype=dtype) if values_one
-                      else torch.randn(s, num_kv_heads, head_dim, generator=gen).to(dtype))
-        slots += [ids[p // block_size] * block_size + p % block_size for p in range(s)]
-    if slots:
-        reshape_and_cache(torch.cat(keys), torch.cat(values), key_cache, value_cache, torch.tensor(slots))
-    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
-    query_start_loc = torch.tensor([0] + list(query_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    return Batch(query, key_cache, value_cache, query_start_loc, torch.tensor(seq_lens, dtype=torch.int32),
-                 block_tables, head_dim ** -0.5, keys, values, list(query_lens)).to(device)
+    return make_paged_batch(query_lens, context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device,
+                            seed=seed, junk=poison, pad_id=table_pad, shuffle=shuffle, num_spare_blocks=spare_blocks,
+                            extra_table_width=1, value_fill=1.0 if values_one else None)
 
 
 def dense_attention(b: Batch) -> torch.Tensor:
@@ -378,14 +335,14 @@ BAD_INPUTS = {
     "query_not_3d": (lambda: _bad("query", lambda a: a["query"][0]), ValueError, "query must be"),
     "head_dim_mismatch": (lambda: _bad("query", lambda a: a["query"][..., :8]), ValueError, "head_dim mismatch"),
     "heads_not_multiple": (lambda: _bad("query", lambda a: a["query"][:, :3]), ValueError, "multiple of num_kv_heads"),
-    "kv_shapes_differ": (lambda: _bad("value_cache", lambda a: a["value_cache"][:-1]), ValueError, "key_cache/value_cache"),
+    "kv_shapes_differ": (lambda: _bad("value_cache", lambda a: a["value_cache"][:-1]), ValueError, "key_cache and value_cache"),
     "dtype_mismatch": (lambda: _bad("query", lambda a: a["query"].half()), TypeError, "dtype mismatch"),
     "float_metadata": (lambda: _bad("seq_lens", lambda a: a["seq_lens"].float()), TypeError, "seq_lens must be int32"),
     "qsl_wrong_length": (lambda: _bad("query_start_loc", torch.tensor([0, 4], dtype=torch.int32)), ValueError, r"num_seqs \+ 1"),
     "qsl_not_ending_at_num_tokens": (lambda: _bad("query_start_loc", torch.tensor([0, 1, 3], dtype=torch.int32)), ValueError, "num_tokens=4"),
     "qsl_not_increasing": (lambda: _bad("query_start_loc", torch.tensor([0, 0, 4], dtype=torch.int32)), ValueError, "query_len >= 1"),
     "seq_len_below_query_len": (lambda: _bad("seq_lens", torch.tensor([5, 2], dtype=torch.int32)), ValueError, "shorter than query lens"),
-    "seq_len_beyond_block_table": (lambda: _bad("seq_lens", torch.tensor([5, 40], dtype=torch.int32)), ValueError, "needs more than"),
+    "seq_len_beyond_block_table": (lambda: _bad("seq_lens", torch.tensor([5, 40], dtype=torch.int32)), ValueError, "longer than the blocks given"),
     "block_id_out_of_range": (lambda: _bad("block_tables", lambda a: a["block_tables"].index_fill(1, torch.tensor([0]), 99)), IndexError, "cache has"),
     "block_id_negative": (lambda: _bad("block_tables", lambda a: a["block_tables"].index_fill(1, torch.tensor([0]), -1)), IndexError, "cache has"),
     "block_tables_rows": (lambda: _bad("block_tables", lambda a: a["block_tables"][:1]), ValueError, "block_tables must be"),
@@ -422,7 +379,7 @@ def test_triton_rejects_unsupported_shapes_and_dtypes():
     with pytest.raises(ValueError, match="head_dim <= 256"):
         triton_ops.unified_attention(*b.args)
     b = make_batch([1], [2], dtype=torch.float64)
-    with pytest.raises(TypeError, match="supports"):
+    with pytest.raises(TypeError, match="unsupported dtype torch.float64"):
         triton_ops.unified_attention(*b.args)
     assert_close(run("torch", b), attention_reference.unified_attention(*b.args), dtype=torch.float32)  # torch: any float
     with pytest.raises(ValueError, match="num_kv_splits"):
@@ -435,6 +392,95 @@ def test_dispatch_default_is_torch(monkeypatch):
     b = make_batch([1], [2])
     monkeypatch.setattr(ops.attention_vectorized, "unified_attention", lambda *a, **k: "torch path")
     assert unified_attention(*b.args) == "torch path"
+
+
+# ---------------------------------------------------------------- views of the inputs
+
+@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+def test_any_view_of_the_index_tensors(backend):
+    """Strided, offset and transposed seq_lens / query_start_loc / block_tables give the
+    output of the contiguous tensors: the kernels read the view, not the storage behind it
+    (which holds junk here: huge lengths and block ids). Non-contiguous query and caches too."""
+    b = make_batch([1, 6, 1, 3], [9, 3, 0, 6], num_heads=6, num_kv_heads=2)
+    want = run(backend, b)
+    for field, junk in (("seq_lens", 10**6), ("query_start_loc", 10**6), ("block_tables", 10**6)):
+        for name, view in index_views(getattr(b, field), junk).items():
+            assert torch.equal(view, getattr(b, field))
+            assert torch.equal(run(backend, replace(b, **{field: view})), want), f"{field} {name}"
+    both = torch.stack([b.key_cache, b.value_cache], dim=1)            # K and V interleaved: strided caches
+    out = run(backend, replace(b, query=strided_rows(b.query), key_cache=both[:, 0], value_cache=both[:, 1]))
+    assert_close(out, want)
+
+
+@pytest.mark.parametrize("backend", ["reference"] + BACKENDS)
+def test_checks_validate_the_view(backend):
+    """A view whose elements are bad is refused even when the storage around it is fine."""
+    b = make_batch([1, 3], [4, 2])
+    bad_lens = torch.tensor([[5, 5], [40, 5]], dtype=torch.int32)[:, 0]          # 40 needs more blocks than given
+    with pytest.raises(ValueError, match="longer than the blocks given"):
+        run(backend, replace(b, seq_lens=bad_lens))
+    bad_qsl = torch.tensor([[0, 1], [0, 2], [4, 4]], dtype=torch.int32)[:, 0]    # [0, 0, 4]: request 0 gets no token
+    with pytest.raises(ValueError, match="query_len >= 1"):
+        run(backend, replace(b, query_start_loc=bad_qsl))
+
+
+# ---------------------------------------------------------------- the per-step attention plan (torch path)
+
+def _metadata_batch():
+    """A chunked-prefill step: decodes, a fresh prompt, a chunk after cached context."""
+    return make_batch([1, 5, 1, 4], [9, 0, 20, 3], num_heads=6, num_kv_heads=2)
+
+
+def test_plan_gives_the_same_result_and_is_reused_across_layers(monkeypatch):
+    """A plan built once serves every layer (different caches, queries): bit-identical to
+    building it inside each call, and unified_attention builds nothing when given one."""
+    b = _metadata_batch()
+    g = torch.Generator().manual_seed(1)
+    layers = [replace(b, query=torch.randn(b.query.shape, generator=g), key_cache=b.key_cache + i,
+                      value_cache=b.value_cache * (i + 2)) for i in range(3)]       # same step, other layers' data
+    plan = attention_vectorized.build_plan(b.block_tables, b.seq_lens, b.query_start_loc, b.key_cache.shape[1])
+    expected = [run("torch", layer) for layer in layers]
+    assert all(torch.isfinite(e).all() for e in expected)
+    monkeypatch.setattr(attention_vectorized, "build_plan", lambda *a, **k: pytest.fail("the plan was rebuilt"))
+    for layer, want in zip(layers, expected):
+        got = unified_attention(layer.query, layer.key_cache, layer.value_cache, b.block_tables, b.seq_lens,
+                                b.query_start_loc, layer.scale, backend="torch", plan=plan)
+        assert torch.equal(got, want)
+
+
+def test_plan_through_attention_metadata():
+    """The engine's path: build the plan once per step from AttentionMetadata (vLLM's
+    AttentionMetadataBuilder.build), attach it, and every layer passes md.plan."""
+    block_size = 4
+    md = build_attention_metadata([[3, 0, 7], [5, 1], [2, 6, 4, 8]], [9, 2, 0], [1, 3, 13], block_size)
+    g = torch.Generator().manual_seed(0)
+    caches = torch.randn(2, 9, block_size, 2, 16, generator=g)
+    query = torch.randn(md.num_tokens, 6, 16, generator=g)
+    plan = build_attention_plan(md, block_size, "torch")
+    assert isinstance(plan, attention_vectorized.AttentionPlan)
+    md = replace(md, plan=plan)
+    args = (query, caches[0], caches[1], md.block_tables, md.seq_lens, md.query_start_loc, 0.25)
+    assert torch.equal(unified_attention(*args, plan=md.plan), unified_attention(*args))
+    assert_close(unified_attention(*args, plan=md.plan), attention_reference.unified_attention(*args))
+    for backend in ("reference", "triton"):          # they precompute nothing: no plan to carry
+        assert build_attention_plan(md, block_size, backend) is None
+    with pytest.raises(ValueError, match="unknown unified_attention backend 'sdpa'"):
+        build_attention_plan(md, block_size, "sdpa")
+
+
+def test_plan_for_other_metadata_is_refused():
+    b = _metadata_batch()
+    plan = attention_vectorized.build_plan(b.block_tables, b.seq_lens, b.query_start_loc, b.key_cache.shape[1])
+    other = make_batch([1, 1], [3, 4])                                        # another step: 2 tokens
+    with pytest.raises(ValueError, match="built for 11 tokens in blocks of 4; the call has 2 tokens"):
+        run("torch", other, plan=plan)
+    same_shapes = replace(b, seq_lens=b.seq_lens.clone())                     # equal values, other tensor
+    with pytest.raises(ValueError, match="built from other block_tables / seq_lens / query_start_loc"):
+        run("torch", same_shapes, plan=plan)
+    with pytest.raises(ValueError, match="plan= is the \\('torch',\\) backends' per-step precomputation"):
+        run("triton", b, plan=plan)
+    with pytest.raises(ValueError, match="kv_rows_per_batch shapes a plan"):
+        attention_vectorized.unified_attention(*b.args, plan=plan, kv_rows_per_batch=64)
 
 
 # ---------------------------------------------------------------- native kernels on a GPU (make test-gpu)

@@ -69,7 +69,7 @@ for name, (h, kvh, d, dtype, max_q, splits) in CASES.items():
     qsl = torch.zeros(num_seqs + 1, dtype=torch.int32)
     seq_lens = torch.zeros(num_seqs, dtype=torch.int32)
     tables = torch.zeros(num_seqs, 32, dtype=torch.int32)
-    for launch in plan_launches(query, cache, cache, qsl, seq_lens, tables, d ** -0.5, torch.empty_like(query),
+    for launch in plan_launches(query, cache, cache, tables, seq_lens, qsl, d ** -0.5, torch.empty_like(query),
                                 max_query_len=max_q, num_kv_splits=splits):
         print(json.dumps(dict(case=name, **compile_launch(launch))), flush=True)
 '''

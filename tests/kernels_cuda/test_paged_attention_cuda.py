@@ -129,3 +129,29 @@ def test_prefill_then_decode_on_the_cuda_backend(dtype):
     assert_close(results["cuda"][0], results["torch"][0], dtype)
     assert_close(results["cuda"][1], results["torch"][1], dtype)
     assert torch.equal(results["cuda"][2].nan_to_num(7.0), results["torch"][2].nan_to_num(7.0))
+
+
+def test_any_view_of_the_index_tensors():
+    """Strided / offset / transposed seq_lens, block_tables and slot_mapping (junk in the
+    storage they skip): the wrapper hands the kernels what they can read by pointer, so the
+    output and the cache writes equal the contiguous ones (CPU twin: the emulated-wrapper
+    tests in tests/01_paged_attention/test_cuda_kernels_emulated.py)."""
+    from paged_attention.synthetic import index_views
+    kv = make_paged_kv([37, 0, 600], 2, 64, 16, torch.float16, "cuda", pad_id=-5, extra_table_width=1)
+    q = random_query(3, 4, 64, torch.float16, "cuda")
+    for version in ("v1", "v2"):
+        run = lambda bt, sl: ops.paged_decode_attention(q, kv.key_cache, kv.value_cache, bt, sl, 0.125,  # noqa: E731
+                                                        backend="cuda", version=version)
+        base = run(kv.block_tables, kv.seq_lens)
+        for name, sl in index_views(kv.seq_lens, junk=10**6).items():
+            assert torch.equal(run(kv.block_tables, sl), base), f"seq_lens {name}"
+        for name, bt in index_views(kv.block_tables, junk=10**6).items():
+            assert torch.equal(run(bt, kv.seq_lens), base), f"block_tables {name}"
+    key = random_query(4, 2, 64, torch.float16, "cuda")
+    slots = torch.tensor([3, -1, 40, 17], device="cuda")
+    want = torch.zeros(4, 16, 2, 64, dtype=torch.float16, device="cuda")
+    ref.reshape_and_cache(key, key, want, want.clone(), slots)
+    for name, view in index_views(slots, junk=10**6).items():
+        kc = torch.zeros_like(want)
+        ops.reshape_and_cache(key, key, kc, torch.zeros_like(want), view, backend="cuda")
+        assert torch.equal(kc, want), name
