@@ -19,6 +19,7 @@ it is taken in the same run (other jobs may share the cores: noisy, interleaved)
 
     .venv/bin/python -m benchmarks.bench_kv_transfer            # -> benchmarks/results/kv_transfer.{json,png}
     .venv/bin/python -m benchmarks.bench_kv_transfer --quick    # L in {16, 256}
+    .venv/bin/python -m benchmarks.bench_kv_transfer --replot   # redraw the PNG from the JSON
 """
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ def plot(rows: list[dict], path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     xs = [r["tokens"] for r in rows]
     ax.plot(xs, [r["prefill_ms"] for r in rows], "k-o", lw=2, label="prefill, measured (HF SmolLM2, CPU fp32)")
     for key, style in (("scratch_pool_ms", "C0-s"), ("scratch_push_ms", "C0--^"),
@@ -137,7 +138,7 @@ def plot(rows: list[dict], path) -> None:
     ax.set_ylabel("ms")
     ax.set_title("A remote hit pays where its transfer line is below the prefill line", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -146,7 +147,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-mooncake", action="store_true")
+    parser.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON, measure nothing")
     args = parser.parse_args(argv)
+    if args.replot:
+        import json
+        plot(json.loads((RESULTS_DIR / "kv_transfer.json").read_text())["rows"], RESULTS_DIR / "kv_transfer.png")
+        return
     lengths = [16, 256] if args.quick else [16, 64, 256, 1024]
     prefill = measure_prefill(lengths)
     measured = {("scratch", "pool"): measure_transfers("scratch", "pool", lengths),
