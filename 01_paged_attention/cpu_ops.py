@@ -1,0 +1,240 @@
+"""Paged attention as a CPU kernel: C++ + OpenMP + AVX-512 / AVX2 (or portable scalar code),
+the "cpu" rung beside the reference, Triton and CUDA. Mirrors vLLM's CPU attention
+(csrc/cpu/cpu_attn_impl.hpp, used by vllm/v1/attention/backends/cpu_attn.py).
+
+    from paged_attention import cpu_ops
+    out = cpu_ops.unified_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                    query_start_loc, scale)          # [T, H, D]
+    out = cpu_ops.paged_decode_attention(query, key_cache, value_cache, block_tables,
+                                         seq_lens, scale)             # [S, H, D]
+    cpu_ops.is_available()    # False (with unavailable_reason()) when no compiler / build fails
+
+Why a kernel at all: on a CPU, decode attention is memory-bound — each step reads every
+cached K/V byte once — and the vectorized torch path (chapter 05) must first GATHER the
+paged K/V into contiguous tensors for SDPA: it writes and re-reads every byte, plus ~20
+small ops per sub-batch. The kernel reads K/V in place through the block table, all query
+heads of a GQA group per K/V row, with an online softmax in fp32 (csrc/cpu_attention_kernel.cpp
+explains the work split, split-KV and the cache behaviour).
+
+Semantics are exactly chapter 05's `unified_attention` reference: request i's
+query_start_loc[i+1] - query_start_loc[i] >= 1 new tokens are the last of its seq_lens[i]
+KV tokens, causal with that offset; GQA head h reads KV head h // (H // KVH); fp32 softmax,
+output in the query dtype (fp32, bf16, fp16); positions past seq_len and block-table
+entries past ceil(seq_len / block_size) are never read.
+
+Build: on first use, `torch.utils.cpp_extension.load` compiles csrc/ with g++ (-O3,
+-fopenmp and the vector flags of the best instruction set this CPU reports — a runtime check,
+so a build never uses an instruction the machine lacks) into torch's extension cache
+(~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), once per machine and instruction
+set; later processes load the cached library in ~0.1 s. VFS_CPU_ATTENTION_ISA=avx512|avx2|
+scalar forces a variant (tests use it to check all three on one machine). Without a C++
+compiler, `load()` raises a RuntimeError saying so and `is_available()` is False: callers
+(the backend dispatch) fall back to the torch path.
+
+Threads: the kernel's OpenMP pool is torch's own (the extension links the libgomp torch
+already loaded), sized by torch.get_num_threads() at each call.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import sys
+
+import torch
+
+from paged_attention import checks
+
+CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
+SOURCES = ("cpu_attention_binding.cpp", "cpu_attention_kernel.cpp")   # + cpu_attention.h, cpu_attention_vec.h
+ISA_ENV = "VFS_CPU_ATTENTION_ISA"
+# What each variant is compiled with. AVX-512 needs F+BW+VL+DQ (masked 16-bit loads, the
+# reduction shuffles): exactly what torch's "AVX512" capability requires of the CPU.
+ISA_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "scalar": [],
+}
+ISA_ORDER = ("avx512", "avx2", "scalar")          # best first
+HEAD_DIM_MULTIPLE = 8                              # AVX2 vectors hold 8 fp32 lanes
+
+_modules: dict[str | None, object] = {}     # None: the default variant (cpu_isa())
+_failures: dict[str, str] = {}
+
+
+def cpu_isa() -> str:
+    """The best variant this CPU can run: torch's own runtime check of the CPU
+    (torch.backends.cpu.get_cpu_capability(), which honours ATEN_CPU_CAPABILITY), or
+    $VFS_CPU_ATTENTION_ISA when set (it may only pick a variant the CPU supports)."""
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    supported = "avx512" if capability.startswith("AVX512") else "avx2" if capability == "AVX2" else "scalar"
+    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    if not forced:
+        return supported
+    if forced not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV}={forced!r}; choose one of {ISA_ORDER}")
+    if ISA_ORDER.index(forced) < ISA_ORDER.index(supported):
+        raise RuntimeError(f"{ISA_ENV}={forced} but this CPU only supports {supported} (torch reports {capability})")
+    return forced
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's extension builder will call ($CXX, else c++), or None."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def load(isa: str | None = None):
+    """Build (first call on this machine, ~20 s) or load (cached) the extension for `isa`
+    (default: `cpu_isa()`), and return the module. Raises RuntimeError with the reason when
+    it cannot: no compiler, or the build failed (the compiler's output is in the message)."""
+    if isa is None and None in _modules:     # the hot path: the default variant, already loaded
+        return _modules[None]
+    requested, isa = isa, isa or cpu_isa()
+    if isa in _modules:
+        return _modules[isa]
+    if isa in _failures:                     # don't retry a 20-second failing build per call
+        raise RuntimeError(_failures[isa])
+    if compiler() is None:
+        _failures[isa] = (f"the CPU attention kernel needs a C++ compiler: '{os.environ.get('CXX', 'c++')}' is not on "
+                          "PATH (install g++, or set CXX); use backend='torch' meanwhile")
+        raise RuntimeError(_failures[isa])
+    from torch.utils.cpp_extension import load as load_extension
+    try:
+        module = load_extension(
+            name=f"vfs_cpu_attention_{isa}",
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_include_paths=[str(CSRC)],
+            extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG", *ISA_FLAGS[isa]],
+            extra_ldflags=["-fopenmp"],
+            verbose=False)           # (ninja tracks the headers: an edited .h rebuilds too)
+    except Exception as e:                   # noqa: BLE001 — a build error becomes one clear message
+        _failures[isa] = f"building the CPU attention kernel ({isa}) failed: {type(e).__name__}: {e}"
+        raise RuntimeError(_failures[isa]) from e
+    if module.isa() != isa:
+        raise RuntimeError(f"the {isa} build reports instruction set {module.isa()!r}: the compiler ignored "
+                           f"{ISA_FLAGS[isa]}")
+    _modules[isa] = module
+    if requested is None:
+        _modules[None] = module
+    return module
+
+
+def is_available(isa: str | None = None) -> bool:
+    """True when the kernel is (or can be) built here. Builds it on the first call."""
+    try:
+        load(isa)
+        return True
+    except RuntimeError:
+        return False
+
+
+def unavailable_reason(isa: str | None = None) -> str | None:
+    """Why `load` fails here (None when it works)."""
+    try:
+        load(isa)
+        return None
+    except RuntimeError as e:
+        return str(e)
+
+
+def _check_cpu_layout(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    """What this kernel needs beyond the shared checks: CPU tensors, a contiguous head_dim
+    axis in the caches (read in place, so never copied), head_dim a multiple of 8."""
+    if query.device.type != "cpu":
+        raise ValueError(f"the cpu backend runs on CPU tensors, got {query.device}; use 'triton' or 'cuda' on a GPU")
+    head_dim = query.shape[-1]
+    if head_dim % HEAD_DIM_MULTIPLE:
+        raise ValueError(f"the cpu backend needs head_dim to be a multiple of {HEAD_DIM_MULTIPLE} (one AVX2 vector), "
+                         f"got {head_dim}; use backend='torch'")
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.numel() and cache.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit stride along head_dim (the kernel reads its rows in place), "
+                             f"got strides {cache.stride()}")
+
+
+def _index_int32(t: torch.Tensor) -> torch.Tensor:
+    """int32, unit last stride (the kernel reads rows through a pointer + row stride)."""
+    t = t if t.dtype == torch.int32 else t.to(torch.int32)
+    return t if t.numel() == 0 or t.stride(-1) == 1 else t.contiguous()
+
+
+def unified_attention(
+    query: torch.Tensor,            # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,        # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,     # [num_seqs, max_blocks] int32 (int64 accepted)
+    seq_lens: torch.Tensor,         # [num_seqs] int32: context + new tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32: cu_seqlens of the new tokens
+    scale: float,
+    *,
+    max_query_len: int | None = None,   # accepted for one signature across backends; only validated
+    max_seq_len: int | None = None,
+    check_values: bool = True,
+    kv_splits: int | None = None,       # tests: split every item's KV into this many pieces (None: automatic)
+    q_tile: int | None = None,          # tests: new tokens per work item (None: automatic)
+) -> torch.Tensor:                      # [num_tokens, num_heads, head_dim], query's dtype
+    """Unified (varlen, causal-with-context) paged attention on the CPU kernel."""
+    seq_lens = checks.contiguous_index(seq_lens)
+    query_start_loc = checks.contiguous_index(query_start_loc)
+    checks.check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                      check_values=check_values, max_query_len=max_query_len, max_seq_len=max_seq_len)
+    _check_cpu_layout(query, key_cache, value_cache)
+    return _run(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, kv_splits, q_tile)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,         # [num_seqs, num_heads, head_dim]: one new token per request
+    key_cache: torch.Tensor,     # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,      # [num_seqs] int32: KV tokens, the new one included (0: a padding row)
+    scale: float,
+    *,
+    check_values: bool = True,
+    max_seq_len: int | None = None,
+    kv_splits: int | None = None,
+) -> torch.Tensor:               # [num_seqs, num_heads, head_dim]
+    """Decode = unified attention with query_len 1 for every request (a seq_len-0 padding
+    row gets zeros, as in the reference)."""
+    seq_lens = checks.contiguous_index(seq_lens)
+    checks.check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values, max_seq_len)
+    _check_cpu_layout(query, key_cache, value_cache)
+    query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
+    return _run(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, kv_splits, None)
+
+
+def plan(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_heads: int, num_kv_heads: int, *,
+         num_threads: int | None = None, kv_splits: int | None = None, q_tile: int | None = None) -> list[dict]:
+    """The kernel's work items for a batch (in plan order; the kernel runs them longest first):
+    dicts (seq, kv_head, num_kv_heads, q_begin, q_count, kv_begin, kv_end, split). Shows how
+    a step is cut up: one item per decode request (all its KV heads), query tiles per KV head
+    for a long prefill, split-KV pieces of a request that is a large share of the work
+    (num_threads: default torch's)."""
+    names = ("seq", "kv_head", "num_kv_heads", "q_begin", "q_count", "kv_begin", "kv_end", "split")
+    items = load().plan(_index_int32(checks.contiguous_index(seq_lens)),
+                        _index_int32(checks.contiguous_index(query_start_loc)), num_heads, num_kv_heads,
+                        num_threads or 0, kv_splits or 0, q_tile or 0)
+    return [dict(zip(names, item)) for item in items]
+
+
+def _run(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, kv_splits, q_tile):
+    for name, knob in (("kv_splits", kv_splits), ("q_tile", q_tile)):
+        if knob is not None and knob < 1:
+            raise ValueError(f"{name} must be >= 1 (or None for automatic), got {knob}")
+    ext = load()
+    query = query if query.shape[-1] == 0 or query.stride(-1) == 1 else query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype)
+    ext.unified_attention_out(out, query, key_cache, value_cache, _index_int32(block_tables),
+                              _index_int32(seq_lens), _index_int32(query_start_loc), float(scale),
+                              kv_splits or 0, q_tile or 0)
+    return out
+
+
+def _self_check() -> None:   # python -m paged_attention.cpu_ops: build, say which variant
+    module = load()
+    print(f"cpu attention kernel: {module.isa()} ({module.vector_width()} fp32 lanes), "
+          f"{torch.get_num_threads()} threads, compiler {compiler()}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    _self_check()

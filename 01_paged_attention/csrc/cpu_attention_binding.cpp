@@ -1,0 +1,136 @@
+// torch binding of the CPU attention kernel: checks what the kernel relies on (layouts,
+// dtypes, devices), turns tensors into pointers + element strides, and releases the GIL.
+// The argument semantics (values of the index tensors) are checked in Python, by
+// paged_attention.checks, as for every other backend.
+//
+// Lighter headers than <torch/extension.h> (which pulls in all of libtorch's C++ API):
+// the one-time build is ~2x faster.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <tuple>
+#include <vector>
+
+#include "cpu_attention.h"
+
+namespace {
+
+vfs_cpu::DType to_dtype(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return vfs_cpu::DType::F32;
+    case at::kBFloat16: return vfs_cpu::DType::BF16;
+    case at::kHalf: return vfs_cpu::DType::F16;
+    default: TORCH_CHECK(false, "cpu attention: unsupported dtype ", t.scalar_type(), " (float32, bfloat16, float16)");
+  }
+}
+
+void check_index(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), "cpu attention: ", name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kInt, "cpu attention: ", name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, "cpu attention: ", name, " must be ", dim, "-D, got ", t.sizes());
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, "cpu attention: ", name, " must have a unit last stride");
+}
+
+// out [T, H, D] <- attention of query [T, H, D] over the paged caches [N, B, KVH, D].
+void unified_attention_out(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale, int64_t kv_splits, int64_t q_tile) {
+  for (const at::Tensor* t : {&out, &query, &key_cache, &value_cache})
+    TORCH_CHECK(t->device().is_cpu(), "cpu attention: tensors must be on the CPU, got ", t->device());
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "cpu attention: query/out must be [T, H, D], got ",
+              query.sizes(), " and ", out.sizes());
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
+              "cpu attention: caches must be [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(key_cache.size(3) == query.size(2), "cpu attention: head_dim mismatch");
+  TORCH_CHECK(key_cache.size(2) > 0 && query.size(1) % key_cache.size(2) == 0,
+              "cpu attention: num_heads must be a multiple of num_kv_heads");
+  const auto dtype = query.scalar_type();
+  TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype && value_cache.scalar_type() == dtype,
+              "cpu attention: query, out and caches must share one dtype");
+  for (const at::Tensor* t : {&out, &query, &key_cache, &value_cache})
+    TORCH_CHECK(t->stride(-1) == 1, "cpu attention: the head_dim axis must be contiguous (unit stride), got strides ",
+                t->strides());
+  check_index(block_tables, "block_tables", 2);
+  check_index(seq_lens, "seq_lens", 1);
+  check_index(query_start_loc, "query_start_loc", 1);
+  TORCH_CHECK(seq_lens.is_contiguous() && query_start_loc.is_contiguous(),
+              "cpu attention: seq_lens and query_start_loc must be contiguous");
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1 && block_tables.size(0) == num_seqs,
+              "cpu attention: index tensors disagree on num_seqs");
+
+  vfs_cpu::AttentionParams p{};
+  p.query = query.data_ptr();
+  p.q_stride_token = query.stride(0);
+  p.q_stride_head = query.stride(1);
+  p.out = out.data_ptr();
+  p.o_stride_token = out.stride(0);
+  p.o_stride_head = out.stride(1);
+  p.key_cache = key_cache.data_ptr();
+  p.value_cache = value_cache.data_ptr();
+  p.k_stride_block = key_cache.stride(0);
+  p.k_stride_token = key_cache.stride(1);
+  p.k_stride_head = key_cache.stride(2);
+  p.v_stride_block = value_cache.stride(0);
+  p.v_stride_token = value_cache.stride(1);
+  p.v_stride_head = value_cache.stride(2);
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.bt_stride = block_tables.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  p.num_seqs = int(num_seqs);
+  p.num_heads = int(query.size(1));
+  p.num_kv_heads = int(key_cache.size(2));
+  p.head_dim = int(query.size(2));
+  p.block_size = int(key_cache.size(1));
+  p.scale = float(scale);
+  p.dtype = to_dtype(query);
+  p.num_threads = at::get_num_threads();   // torch.set_num_threads is respected
+  p.kv_splits = int(kv_splits);
+  p.q_tile = int(q_tile);
+  if (query.size(0) == 0 || num_seqs == 0) return;
+  pybind11::gil_scoped_release no_gil;     // other Python threads may run meanwhile
+  vfs_cpu::unified_attention(p);
+}
+
+// The kernel's work items for these index tensors, as tuples
+// (seq, kv_head, num_kv_heads, q_begin, q_count, kv_begin, kv_end, split).
+std::vector<std::tuple<int, int, int, int, int, int, int, bool>> plan_items(
+    const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_heads, int64_t num_kv_heads,
+    int64_t num_threads, int64_t kv_splits, int64_t q_tile) {
+  check_index(seq_lens, "seq_lens", 1);
+  check_index(query_start_loc, "query_start_loc", 1);
+  TORCH_CHECK(seq_lens.is_contiguous() && query_start_loc.is_contiguous() &&
+                  query_start_loc.size(0) == seq_lens.size(0) + 1,
+              "cpu attention plan: contiguous seq_lens [S] and query_start_loc [S + 1] expected");
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  vfs_cpu::AttentionParams p{};
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.query_start_loc = query_start_loc.data_ptr<int32_t>();
+  p.num_seqs = int(seq_lens.size(0));
+  p.num_heads = int(num_heads);
+  p.num_kv_heads = int(num_kv_heads);
+  p.num_threads = num_threads > 0 ? int(num_threads) : at::get_num_threads();
+  p.kv_splits = int(kv_splits);
+  p.q_tile = int(q_tile);
+  std::vector<std::tuple<int, int, int, int, int, int, int, bool>> out;
+  for (const auto& w : vfs_cpu::plan(p))
+    out.emplace_back(w.seq, w.kv_head, w.num_kv_heads, w.q_begin, w.q_count, w.kv_begin, w.kv_end, w.split);
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Unified paged attention for the CPU (see paged_attention/cpu_ops.py)";
+  m.def("unified_attention_out", &unified_attention_out, "out <- paged attention (varlen, causal with context)",
+        pybind11::arg("out"), pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
+        pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("query_start_loc"),
+        pybind11::arg("scale"), pybind11::arg("kv_splits") = 0, pybind11::arg("q_tile") = 0);
+  m.def("plan", &plan_items, "the work items unified_attention_out would run", pybind11::arg("seq_lens"),
+        pybind11::arg("query_start_loc"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"),
+        pybind11::arg("num_threads") = 0, pybind11::arg("kv_splits") = 0, pybind11::arg("q_tile") = 0);
+  m.def("isa", &vfs_cpu::isa_name, "instruction set this build targets");
+  m.def("vector_width", &vfs_cpu::vector_width, "fp32 lanes per vector in this build");
+}
