@@ -44,10 +44,10 @@ _HEADER = 8      # a stored block = crc32 (8 bytes, little endian) + the block's
 
 
 def _quiet_glog() -> None:
-    # Mooncake logs through glog to stderr, benign errors included ("Local segment descriptor
-    # not found" at every setup). Every failure reaches us as a return code; set
-    # GLOG_minloglevel=0 to see its logs.
-    os.environ.setdefault("GLOG_minloglevel", "3")
+    # Mooncake logs through glog at INFO by default, benign errors included ("Local segment
+    # descriptor not found" at every setup). Every failure reaches us as a return code.
+    # MC_LOG_LEVEL (INFO / WARNING / ERROR) is read when its library loads: set it before.
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 
 def mooncake_master_binary() -> str:
@@ -78,7 +78,7 @@ class MooncakeMaster:
         self.proc = subprocess.Popen(
             [mooncake_master_binary(), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
              f"--metrics_port={metrics_port}", "--metrics_host=127.0.0.1", f"--default_kv_lease_ttl={lease_ttl_ms}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "GLOG_minloglevel": "2"})
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "MC_LOG_LEVEL": "ERROR"})
         deadline = time.monotonic() + start_timeout
         while not port_answers(self.address, 0.2):
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -57,7 +57,7 @@ def test_stale_entry_evicted_between_query_and_read(metadata_service, pool_confi
     reader = KVNode(pool_config(metadata_service.address), shuffle_seed=2, node_id="reader")
     try:
         owner.run("w", SYSTEM + [1])                           # fills the owner's 10 pool slots
-        owner.connector.layer.engine.faults.serve_delay_s = 0.5
+        owner.connector.layer.engine.faults.serve_delay_s = 1.0   # the read waits; the eviction does not
         reader.add_request("r", SYSTEM + [2])
         reader.step()                                          # queried (10 hits), read in flight
         assert reader.records["r"].trace[0][0] == "WAITING_FOR_REMOTE_KVS"
