@@ -36,7 +36,7 @@ from global_prefix_cache.kv_layout import kv_caches_from_cache_engine
 from global_prefix_cache.recovery import recover_failed_loads
 from kvcache import KVCacheManager
 from kvcache.cache_engine import CacheEngine, KVCacheSpec
-from scheduler import ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerConfig
+from scheduler import ModelRunnerOutput, Request, Scheduler, SchedulerConfig
 
 
 class FakeKVModel:

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from global_prefix_cache.metadata import MetadataClient, MetadataServer, MetadataServerProcess, MetadataService
+from global_prefix_cache.metadata import MetadataClient, MetadataServer, MetadataServerProcess
 from global_prefix_cache.rpc import RpcError, RpcServer, RpcTimeout
 
 SPEC = {"model": "m", "block_size": 4}
