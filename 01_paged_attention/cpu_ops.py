@@ -7,6 +7,8 @@ the "cpu" rung beside the reference, Triton and CUDA. Mirrors vLLM's CPU attenti
                                     query_start_loc, scale)          # [T, H, D]
     out = cpu_ops.paged_decode_attention(query, key_cache, value_cache, block_tables,
                                          seq_lens, scale)             # [S, H, D]
+    out = cpu_ops.paged_prefill_attention(query, key, value, key_cache, value_cache,
+                                          slot_mapping, query_start_loc, scale)   # [T, H, D]
     cpu_ops.is_available()    # False (with unavailable_reason()) when no compiler / build fails
 
 Why a kernel at all: on a CPU, decode attention is memory-bound — each step reads every
@@ -16,6 +18,9 @@ small ops per sub-batch. The kernel reads K/V in place through the block table, 
 heads of a GQA group per K/V row, with an online softmax in fp32 (csrc/cpu_attention_kernel.cpp
 explains the work split, split-KV and the cache behaviour).
 
+The module has the same functions and signatures as every chapter-01 backend module
+(reference.py, torch_ops.py, triton_ops.py, cuda_ops.py: reshape_and_cache, paged_decode_attention,
+paged_prefill_attention) plus chapter 05's unified_attention, so the dispatch can list it.
 Semantics are exactly chapter 05's `unified_attention` reference: request i's
 query_start_loc[i+1] - query_start_loc[i] >= 1 new tokens are the last of its seq_lens[i]
 KV tokens, causal with that offset; GQA head h reads KV head h // (H // KVH); fp32 softmax,
@@ -44,6 +49,10 @@ import sys
 import torch
 
 from paged_attention import checks
+from paged_attention.cache_ops import reshape_and_cache   # the cache write: one scatter, not where time goes
+
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "reshape_and_cache", "unified_attention",
+           "is_available", "load", "plan"]
 
 CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
 SOURCES = ("cpu_attention_binding.cpp", "cpu_attention_kernel.cpp")   # + cpu_attention.h, cpu_attention_vec.h
@@ -166,10 +175,10 @@ def unified_attention(
     seq_lens: torch.Tensor,         # [num_seqs] int32: context + new tokens
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32: cu_seqlens of the new tokens
     scale: float,
+    check_values: bool = True,
     *,
     max_query_len: int | None = None,   # accepted for one signature across backends; only validated
     max_seq_len: int | None = None,
-    check_values: bool = True,
     kv_splits: int | None = None,       # tests: split every item's KV into this many pieces (None: automatic)
     q_tile: int | None = None,          # tests: new tokens per work item (None: automatic)
 ) -> torch.Tensor:                      # [num_tokens, num_heads, head_dim], query's dtype
@@ -189,8 +198,8 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,      # [num_seqs] int32: KV tokens, the new one included (0: a padding row)
     scale: float,
-    *,
     check_values: bool = True,
+    *,
     max_seq_len: int | None = None,
     kv_splits: int | None = None,
 ) -> torch.Tensor:               # [num_seqs, num_heads, head_dim]
@@ -201,6 +210,42 @@ def paged_decode_attention(
     _check_cpu_layout(query, key_cache, value_cache)
     query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
     return _run(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, kv_splits, None)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,            # [num_tokens, num_heads, head_dim]: the prompts back to back
+    key: torch.Tensor,              # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,            # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,        # [num_blocks, block_size, num_kv_heads, head_dim] (written)
+    value_cache: torch.Tensor,      # (written)
+    slot_mapping: torch.Tensor,     # [num_tokens] int, -1 = don't cache
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int: cu_seqlens of the prompts
+    scale: float,
+    check_values: bool = True,
+    *,
+    max_query_len: int | None = None,
+) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
+    """Chapter 01's prefill: write the prompts' K/V (cache_ops' one scatter), then causal
+    attention of each prompt over its OWN fresh K/V, as the reference does (a token with
+    slot -1 is not cached but is attended). The kernel reads the fresh key [T, KVH, D] in
+    place, viewed as a cache of T blocks of one position each: prompt i's block table is
+    simply its token indices."""
+    query_start_loc = checks.contiguous_index(query_start_loc)
+    checks.check_prefill_args(query, key, value, key_cache, value_cache, slot_mapping, query_start_loc,
+                              check_values, max_query_len)
+    _check_cpu_layout(query, key_cache, value_cache)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values=False)   # checked above
+    num_tokens = query.shape[0]
+    starts = query_start_loc.long()
+    lens = starts[1:] - starts[:-1]                                              # [num_seqs]
+    if num_tokens == 0 or lens.numel() == 0:
+        return torch.empty(query.shape, dtype=query.dtype)
+    width = max_query_len if max_query_len is not None else int(lens.max())
+    # entries past a prompt's length are never read; clamped to stay valid ids all the same
+    block_tables = (starts[:-1, None] + torch.arange(max(width, 1))).clamp_max(num_tokens - 1)   # [num_seqs, width]
+    fresh_k = (key if key.stride(-1) == 1 else key.contiguous()).unsqueeze(1)    # [T, 1, KVH, D]
+    fresh_v = (value if value.stride(-1) == 1 else value.contiguous()).unsqueeze(1)
+    return _run(query, fresh_k, fresh_v, block_tables, lens, query_start_loc, scale, None, None)
 
 
 def plan(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_heads: int, num_kv_heads: int, *,

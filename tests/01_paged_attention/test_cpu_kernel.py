@@ -174,6 +174,43 @@ def test_decode_seq_len_zero_row_is_zero():
     assert_close(out, dense_decode_attention(query, kv.keys, kv.values, 0.25), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_attention(dtype):
+    """Chapter 01's prefill op: the cache write is the same scatter as the torch backend
+    (bit for bit, slot -1 skipped), and the attention runs over the FRESH K/V (a token that
+    is not cached is still attended), matching the torch backend; an empty prompt is fine."""
+    from paged_attention import torch_ops
+    g = torch.Generator().manual_seed(3)
+    lens, num_kv_heads, head_dim, block_size = [37, 0, 1, 70], 2, 32, 8
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    query, key, value = (torch.randn(sum(lens), n, head_dim, generator=g).to(dtype) for n in (6, 2, 2))
+    num_blocks = sum(-(-n // block_size) for n in lens) + 2
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:sum(lens)]
+    slots[[3, 50]] = -1                                              # padding tokens: not cached
+    results = {}
+    for name, module in (("cpu", cpu_ops), ("torch", torch_ops)):
+        kc = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+        vc = kc.clone()
+        out = module.paged_prefill_attention(query, key, value, kc, vc, slots, qsl, 0.3)
+        results[name] = (out, kc.nan_to_num(7.0), vc.nan_to_num(7.0))
+    assert_close(results["cpu"][0], results["torch"][0], dtype)
+    assert torch.equal(results["cpu"][1], results["torch"][1]) and torch.equal(results["cpu"][2], results["torch"][2])
+
+
+def test_same_functions_as_the_other_backend_modules():
+    """cpu_ops can be listed in chapter 01's dispatch: the same op names and parameters
+    (plus keyword-only kernel knobs) as torch_ops, and chapter 05's unified_attention's."""
+    import inspect
+    from chunked_prefill import attention_reference
+    from paged_attention import torch_ops
+
+    def params(fn):
+        return [(p.name, p.kind) for p in inspect.signature(fn).parameters.values() if p.name not in ("kv_splits", "q_tile")]
+    for op in ("reshape_and_cache", "paged_decode_attention", "paged_prefill_attention"):
+        assert params(getattr(cpu_ops, op)) == params(getattr(torch_ops, op)), op
+    assert params(cpu_ops.unified_attention) == params(attention_reference.unified_attention)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("isa", ["avx2", "scalar"])
 def test_other_instruction_sets(isa):
