@@ -31,7 +31,7 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from global_prefix_cache.rpc import RpcClient, RpcError, RpcServer, free_port, parse_address
+from global_prefix_cache.rpc import RpcClient, RpcError, RpcServer, die_with_parent, free_port, parse_address
 
 
 @dataclass
@@ -295,7 +295,7 @@ class MetadataServerProcess:
     def __init__(self, port: int | None = None, start_timeout: float = 30.0) -> None:
         self.port = port or free_port()
         self.proc = subprocess.Popen([sys.executable, "-m", "global_prefix_cache.metadata", "--port", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent)
         deadline = time.monotonic() + start_timeout
         client = MetadataClient(self.address, timeout=1.0)
         try:

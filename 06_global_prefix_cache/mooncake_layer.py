@@ -38,7 +38,7 @@ import torch
 from global_prefix_cache.config import KVTransferConfig
 from global_prefix_cache.kv_layout import KVLayout, NodeSpec
 from global_prefix_cache.layers import LoadError, PoolHit
-from global_prefix_cache.rpc import free_port, parse_address
+from global_prefix_cache.rpc import die_with_parent, free_port, parse_address
 
 _HEADER = 8      # a stored block = crc32 (8 bytes, little endian) + the block's packed bytes
 
@@ -78,7 +78,8 @@ class MooncakeMaster:
         self.proc = subprocess.Popen(
             [mooncake_master_binary(), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
              f"--metrics_port={metrics_port}", "--metrics_host=127.0.0.1", f"--default_kv_lease_ttl={lease_ttl_ms}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "MC_LOG_LEVEL": "ERROR"})
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
+            preexec_fn=die_with_parent)
         deadline = time.monotonic() + start_timeout
         while not port_answers(self.address, 0.2):
             if self.proc.poll() is not None or time.monotonic() > deadline:
