@@ -68,13 +68,9 @@ class SpecDecodeMetadata:
         verified token + its drafts (a pure speculative decode step). Tests and benchmarks."""
         num_draft = [len(d) for d in draft_token_ids]
         cu_scheduled = torch.cumsum(torch.tensor([k + 1 for k in num_draft], dtype=torch.int64), 0).tolist()
-        flat = torch.tensor([t for d in draft_token_ids for t in d], dtype=torch.int64)
-        # input_ids of that batch: [t_last(unknown, 0), d_1..d_k] per request; only the drafts are read.
-        input_ids = torch.cat([torch.cat((torch.zeros(1, dtype=torch.int64), torch.tensor(list(d), dtype=torch.int64)))
-                               for d in draft_token_ids]) if draft_token_ids else torch.zeros(0, dtype=torch.int64)
-        md = calc_spec_decode_metadata(num_draft, cu_scheduled, input_ids, device=device)
-        assert torch.equal(md.draft_token_ids.long().cpu(), flat)
-        return md
+        # input_ids of that batch: [last token (unknown here: 0), d_1..d_k] per request; only drafts are read.
+        input_ids = torch.tensor([t for d in draft_token_ids for t in [0, *d]], dtype=torch.int64)
+        return calc_spec_decode_metadata(num_draft, cu_scheduled, input_ids, device=device)
 
 
 def calc_spec_decode_metadata(

@@ -98,12 +98,14 @@ def features(model, seqs: list[list[int]]) -> tuple[list[torch.Tensor], list[tor
     return fs, labels
 
 
-def train(head: EagleHead, model, fs, labels, seqs, steps: int, batch: int, lr: float, window: int,
-          seed: int, log_every: int = 25) -> list[dict]:
+def train(head: EagleHead, model, fs, labels, seqs, prompt_lens, steps: int, batch: int, lr: float, window: int,
+          ce_weight: float, seed: int, log_every: int = 25) -> list[dict]:
     """Random windows of `window` rows from random sequences (RoPE attention depends on
     relative positions only, so a window trains the same rows as the whole sequence would).
     The CE runs over the vocabulary the target actually produced in the data (a few thousand
-    words instead of 49k: a sampled softmax; drafting still uses the full LM head)."""
+    words instead of 49k: a sampled softmax; drafting still uses the full LM head). Losses
+    count only rows that predict ANSWER tokens: the chat template's system prompt is the same
+    in every sequence and would otherwise be memorised at the expense of everything else."""
     g = torch.Generator().manual_seed(seed)
     embed = model.get_input_embeddings()
     vocab_subset = torch.unique(torch.cat([lab[1:] for lab in labels]))             # [S]
@@ -112,8 +114,10 @@ def train(head: EagleHead, model, fs, labels, seqs, steps: int, batch: int, lr: 
     lm_weight = model.get_output_embeddings().weight.detach()[vocab_subset]         # [S, H]
     rows = []                                                                       # per sequence: row tensors
     with torch.no_grad():
-        for s, f, lab in zip(seqs, fs, labels):
-            rows.append((embed(torch.tensor(s[1:])).float(), f[:-1], f[1:], to_subset[lab[1:]]))
+        for s, f, lab, p0 in zip(seqs, fs, labels, prompt_lens):
+            target = to_subset[lab[1:]].clone()                  # row i predicts the target's token after x_{i+1}
+            target[:max(p0 - 2, 0)] = -100                       # ... an answer token only from row p0 - 2 on
+            rows.append((embed(torch.tensor(s[1:])).float(), f[:-1], f[1:], target))
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     log, t0 = [], time.time()
@@ -130,14 +134,14 @@ def train(head: EagleHead, model, fs, labels, seqs, steps: int, batch: int, lr: 
             f_out.append(F.pad(fo, (0, 0, 0, pad)))
             lab.append(F.pad(lb, (0, pad), value=-100))
         emb, f_in, f_out, lab = torch.stack(emb), torch.stack(f_in), torch.stack(f_out), torch.stack(lab)
-        valid = f_in.abs().sum(-1) > 0                                                # not padding
+        valid = lab != -100                                                           # answer rows, not padding
         noise = (torch.rand(f_in.shape, generator=g) - 0.5) * 0.2     # U(-0.1, 0.1), EAGLE's augmentation
         pred = head.forward_dense(emb, f_in + noise)                 # [B, W, H]
         reg = F.smooth_l1_loss(pred[valid], f_out[valid])
         logits = pred[valid] @ lm_weight.T                           # [rows, S]
         target = lab[valid]
         ce = F.cross_entropy(logits, target, ignore_index=-100)
-        loss = reg + 0.1 * ce
+        loss = reg + ce_weight * ce
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -204,7 +208,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--eval-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ce-weight", type=float, default=0.1)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--data-cache", help="JSON file keeping the generated text between runs (generation is the "
+                                         "slow part on a CPU)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -218,9 +225,21 @@ def main(argv: list[str] | None = None) -> dict:
     timings = {}
 
     prompts = training_prompts(args.num_prompts, args.seed)
-    seqs = generate(model, tok, prompts, args.max_new_tokens, args.gen_batch, sample=True, seed=args.seed)
+    eval_prompts = EVAL_PROMPTS[:args.eval_prompts]
+    cache = pathlib.Path(args.data_cache) if args.data_cache else None
+    key = dict(model=pathlib.Path(model_dir).name, prompts=prompts, eval_prompts=eval_prompts,
+               max_new_tokens=args.max_new_tokens, eval_tokens=args.eval_tokens, seed=args.seed)
+    data = json.loads(cache.read_text()) if cache is not None and cache.exists() else None
+    if data is None or data["key"] != key:
+        seqs = generate(model, tok, prompts, args.max_new_tokens, args.gen_batch, sample=True, seed=args.seed)
+        eval_seqs = generate(model, tok, eval_prompts, args.eval_tokens, len(eval_prompts), sample=False, seed=args.seed)
+        data = dict(key=key, train=seqs, eval=eval_seqs)
+        if cache is not None:
+            cache.write_text(json.dumps(data))
+    seqs, eval_seqs = data["train"], data["eval"]
     timings["generate_s"] = round(time.time() - t0, 1)
-    print(f"generated {sum(map(len, seqs))} tokens ({len(seqs)} sequences) in {timings['generate_s']} s", flush=True)
+    print(f"{sum(map(len, seqs))} training tokens ({len(seqs)} sequences) in {timings['generate_s']} s", flush=True)
+    prompt_lens = [len(chat_ids(tok, p)) for p in prompts]
     fs, labels = features(model, seqs)
 
     torch.manual_seed(args.seed)
@@ -228,15 +247,13 @@ def main(argv: list[str] | None = None) -> dict:
     config.target_model = pathlib.Path(model_dir).name
     head = EagleHead(config)
     t1 = time.time()
-    log = train(head, model, fs, labels, seqs, args.steps, args.batch, args.lr, args.window, args.seed)
+    log = train(head, model, fs, labels, seqs, prompt_lens, args.steps, args.batch, args.lr, args.window,
+                args.ce_weight, args.seed)
     timings["train_s"] = round(time.time() - t1, 1)
     head.eval()
 
     t2 = time.time()
-    eval_prompts = EVAL_PROMPTS[:args.eval_prompts]
-    eval_seqs = generate(model, tok, eval_prompts, args.eval_tokens, len(eval_prompts), sample=False, seed=args.seed)
-    prompt_lens = [len(chat_ids(tok, p)) for p in eval_prompts]
-    stats = measure_acceptance(head, model, eval_seqs, prompt_lens, args.k)
+    stats = measure_acceptance(head, model, eval_seqs, [len(chat_ids(tok, p)) for p in eval_prompts], args.k)
     timings["eval_s"] = round(time.time() - t2, 1)
     result = dict(acceptance_rate=round(stats.acceptance_rate, 4),
                   mean_acceptance_length=round(stats.mean_acceptance_length, 3),
@@ -248,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
     print("held-out acceptance:", stats, flush=True)
     config.extra = dict(data=dict(train_prompts=len(prompts), train_tokens=sum(map(len, seqs)),
                                   sampling="temperature 0.7, top_p 0.9", max_new_tokens=args.max_new_tokens),
-                        training=dict(steps=args.steps, batch=args.batch, window=args.window, lr=args.lr,
+                        training=dict(steps=args.steps, batch=args.batch, window=args.window, lr=args.lr, ce_weight=args.ce_weight,
                                       seed=args.seed, final=log[-1]),
                         held_out=result, timings=timings,
                         command="python -m spec_decode.train_eagle " + " ".join(argv or []))
