@@ -15,8 +15,9 @@ Implementations, timed in the same run on the same tensors, taking turns:
   torch       chapter 05's vectorized path (attention_vectorized.unified_attention: gather
               K/V into padded sub-batches + SDPA), with its per-step plan built untimed, as
               the engine does once per step for all layers
-  sdpa_dense  ONE SDPA call on contiguous per-request K/V ([batch, kvh, max_seq, d], padded,
-              built untimed): no paging, no gather — what a dense-cache engine would run
+  sdpa_dense  SDPA on contiguous per-request K/V (built untimed): no paging, no gather — what
+              a dense-cache engine runs. One batched call for a uniform batch (the decode
+              grid, the equal prompts), one call per request for the mixed step
 Caches: by default every call is preceded (untimed) by a read of 2x the L3, so its K/V come
 from DRAM — the engine's case, where one layer's K/V is evicted by the other 29 layers and
 the weights before the next step reads it again. --hot skips that: small batches then run
@@ -71,31 +72,40 @@ def build(query_lens, context_lens, seed=0):
     return (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl), kv
 
 
-def sdpa_dense_peer(query, query_lens, keys, values):
-    """One SDPA call on contiguous K/V padded to the longest request (built untimed), with an
-    offset-causal + padding mask (none when every request is one token of equal length).
-    Returns (the call, a function unpadding its output to [num_tokens, H, D])."""
-    n, max_q, max_s = len(keys), max(query_lens), max(k.shape[0] for k in keys)
-    k_pad = torch.zeros(n, NUM_KV_HEADS, max_s, HEAD_DIM)
-    v_pad = torch.zeros_like(k_pad)
-    q_pad = torch.zeros(n, NUM_HEADS, max_q, HEAD_DIM)
-    mask = torch.zeros(n, 1, max_q, max_s, dtype=torch.bool)
-    mask[:, :, :, 0] = True                      # padded query rows see key 0 (dropped)
-    start = 0
-    for i, (k, v, q_len) in enumerate(zip(keys, values, query_lens)):
-        s = k.shape[0]
-        k_pad[i, :, :s] = k.transpose(0, 1)
-        v_pad[i, :, :s] = v.transpose(0, 1)
-        q_pad[i, :, :q_len] = query[start:start + q_len].transpose(0, 1)
-        mask[i, 0, :q_len, :s] = torch.arange(s)[None, :] <= torch.arange(s - q_len, s)[:, None]
-        start += q_len
-    uniform = max_q == 1 and all(k.shape[0] == max_s for k in keys)
-    attn_mask = None if uniform else mask
+def offset_causal_mask(q_len: int, seq_len: int) -> torch.Tensor:   # [q_len, seq_len] bool
+    return torch.arange(seq_len)[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
 
-    def unpad(out):                              # [n, H, max_q, D] -> [num_tokens, H, D]
-        return torch.cat([out[i, :, :q_len].transpose(0, 1) for i, q_len in enumerate(query_lens)])
-    return (lambda: F.scaled_dot_product_attention(q_pad, k_pad, v_pad, attn_mask=attn_mask, scale=SCALE,
-                                                   enable_gqa=True)), unpad
+
+def sdpa_dense_peer(query, query_lens, keys, values):
+    """SDPA on contiguous per-request K/V (built untimed): no paging, no gather. A uniform
+    batch (same query_len and seq_len everywhere: the decode grid, equal prompts) is ONE
+    batched call — no mask for decode, is_causal for fresh prompts; a ragged batch is one
+    call per request with its offset-causal mask (padding a mixed batch to its longest
+    chunk would mostly compute padding). Returns (the call, output -> [num_tokens, H, D])."""
+    seq_lens = [k.shape[0] for k in keys]
+    starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
+    if len(set(query_lens)) == 1 and len(set(seq_lens)) == 1:
+        q_len, s = query_lens[0], seq_lens[0]
+        q = query.view(len(keys), q_len, NUM_HEADS, HEAD_DIM).transpose(1, 2).contiguous()   # [n, H, q, D]
+        k = torch.stack(keys).transpose(1, 2).contiguous()                                # [n, KVH, s, D]
+        v = torch.stack(values).transpose(1, 2).contiguous()
+        mask = None if q_len == 1 or q_len == s else offset_causal_mask(q_len, s)
+        causal = q_len == s and q_len > 1
+        return (lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=SCALE,
+                                                       enable_gqa=True),
+                lambda out: out.transpose(1, 2).reshape(-1, NUM_HEADS, HEAD_DIM))
+    calls = []
+    for i, (k, v) in enumerate(zip(keys, values)):
+        q_len, s = query_lens[i], seq_lens[i]
+        q = query[starts[i]:starts[i + 1]].transpose(0, 1)[None]                          # [1, H, q, D]
+        mask = None if q_len == 1 or q_len == s else offset_causal_mask(q_len, s)
+        calls.append((q, k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous(), mask,
+                      q_len == s and q_len > 1))
+
+    def run():
+        return [F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=c, scale=SCALE, enable_gqa=True)
+                for q, k, v, m, c in calls]
+    return run, lambda outs: torch.cat([o[0].transpose(0, 1) for o in outs])
 
 
 def torch_path(args):
