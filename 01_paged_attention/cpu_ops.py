@@ -33,8 +33,8 @@ so a build never uses an instruction the machine lacks) into torch's extension c
 (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), once per machine and instruction
 set; later processes load the cached library in ~0.1 s. VFS_CPU_ATTENTION_ISA=avx512|avx2|
 scalar forces a variant (tests use it to check all three on one machine). Without a C++
-compiler, `load()` raises a RuntimeError saying so and `is_available()` is False: callers
-(the backend dispatch) fall back to the torch path.
+compiler (or ninja, which torch builds with), `load()` raises a RuntimeError saying so and
+`is_available()` is False: callers (the backend dispatch) fall back to the torch path.
 
 Threads: the kernel's OpenMP pool is torch's own (the extension links the libgomp torch
 already loaded), sized by torch.get_num_threads() at each call.
@@ -92,6 +92,19 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
+def missing_build_tool() -> str | None:
+    """Why this machine cannot build the extension at all (None when it can): no C++
+    compiler, or no ninja (torch.utils.cpp_extension builds with it)."""
+    if compiler() is None:
+        return (f"the CPU attention kernel needs a C++ compiler: '{os.environ.get('CXX', 'c++')}' is not on PATH "
+                "(install g++, or set CXX); use backend='torch' meanwhile")
+    from torch.utils.cpp_extension import is_ninja_available
+    if not is_ninja_available():
+        return ("the CPU attention kernel is built by torch.utils.cpp_extension, which needs ninja "
+                "(`pip install ninja` or apt-get install ninja-build); use backend='torch' meanwhile")
+    return None
+
+
 def load(isa: str | None = None):
     """Build (first call on this machine, ~20 s) or load (cached) the extension for `isa`
     (default: `cpu_isa()`), and return the module. Raises RuntimeError with the reason when
@@ -103,10 +116,10 @@ def load(isa: str | None = None):
         return _modules[isa]
     if isa in _failures:                     # don't retry a 20-second failing build per call
         raise RuntimeError(_failures[isa])
-    if compiler() is None:
-        _failures[isa] = (f"the CPU attention kernel needs a C++ compiler: '{os.environ.get('CXX', 'c++')}' is not on "
-                          "PATH (install g++, or set CXX); use backend='torch' meanwhile")
-        raise RuntimeError(_failures[isa])
+    missing = missing_build_tool()
+    if missing:
+        _failures[isa] = missing
+        raise RuntimeError(missing)
     from torch.utils.cpp_extension import load as load_extension
     try:
         module = load_extension(

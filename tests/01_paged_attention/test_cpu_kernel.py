@@ -28,8 +28,8 @@ from paged_attention.reference import dense_attention
 from paged_attention.synthetic import make_paged_kv
 from tolerances import assert_close
 
-if cpu_ops.compiler() is None:
-    pytest.skip(f"no C++ compiler: {cpu_ops.unavailable_reason()}", allow_module_level=True)
+if cpu_ops.missing_build_tool():
+    pytest.skip(cpu_ops.missing_build_tool(), allow_module_level=True)
 
 SMOL = dict(num_heads=9, num_kv_heads=3, head_dim=64)       # SmolLM2-135M's attention
 
@@ -373,6 +373,15 @@ def test_no_compiler_is_a_clear_error(monkeypatch):
         cpu_ops.load()
     assert not cpu_ops.is_available()
     assert "no-such-compiler-xyz" in cpu_ops.unavailable_reason()
+
+
+def test_no_ninja_is_a_clear_error(monkeypatch):
+    import torch.utils.cpp_extension as cpp_extension
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: False)
+    monkeypatch.setattr(cpu_ops, "_modules", {})
+    monkeypatch.setattr(cpu_ops, "_failures", {})
+    with pytest.raises(RuntimeError, match="needs ninja"):
+        cpu_ops.load()
 
 
 # ----------------------------------------------------------------------------- benchmark
