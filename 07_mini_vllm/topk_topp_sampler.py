@@ -32,7 +32,8 @@ on the first K positions every decision is the reference's. The prefix is enough
                      token is left outside), or the candidates hold every finite logit;
     top-p-only rows: the candidates' mass already reaches p (no token outside can be kept) and
                      the K-th candidate is below t (no tie of the last kept token is outside).
-Rows that fail get 4x more candidates; K = V is the full sort.
+Rows that fail get 4x more candidates (top-p rows: as many as a histogram of their mass by
+binary exponent says they need, if more); K = V is the full sort.
 
 The draw: one uniform u per row, inverse CDF over the kept tokens in token-id order (the first
 token whose cumulative mass exceeds u * total). A seeded row therefore consumes exactly one
@@ -113,7 +114,7 @@ def top_k_top_p_candidates(logits: torch.Tensor, probs: torch.Tensor, k: torch.T
     logits, probs [N, V] fp32 (probs = logits.softmax(-1)). Top-k rows start with k + 1
     candidates (one more than k, to see whether the k-th logit's ties go on), top-p-only rows
     with `top_p_candidates`; rows whose kept set is not decided by their candidates retry with
-    `growth` times as many, up to V (the full sort). One torch.topk per round, over the rows
+    `growth` times as many (or as many as `_top_p_width` estimates), up to V (the full sort). One torch.topk per round, over the rows
     still open, with the round's largest K. Rows with neither filter keep everything (don't
     pass them: the Sampler draws from their full rows directly).
     """
@@ -141,7 +142,11 @@ def top_k_top_p_candidates(logits: torch.Tensor, probs: torch.Tensor, k: torch.T
         rows = here[~decided]
         if rows.numel() == 0:
             break
-        width = min(vocab, width * growth)
+        width *= growth
+        top_p_only = ~decided & (kr == vocab)                                  # [R]
+        if bool(top_p_only.any()):
+            width = max(width, _top_p_width(pr[top_p_only], pr_p[top_p_only]) * 9 // 8 + 16)
+        width = vocab if width > vocab // 2 else width                         # then the full sort is cheaper
     ### END SOLUTION
     widest = max(piece[1].shape[-1] for piece in done)
     token_ids = torch.zeros((num_rows, widest), dtype=torch.int64, device=logits.device)
@@ -152,6 +157,22 @@ def top_k_top_p_candidates(logits: torch.Tensor, probs: torch.Tensor, k: torch.T
         kept[where, :kp.shape[-1]] = kp
         threshold[where] = t
     return Candidates(token_ids, kept, threshold)
+
+
+def _top_p_width(probs: torch.Tensor, p: torch.Tensor) -> int:
+    """How many candidates the top-p-only rows of probs [R, V] need, at most: a histogram of each
+    row's mass by binary exponent (bin b holds the probabilities in [2^-(b+1), 2^-b)) finds the
+    bin where the mass from the top reaches p, and the top-p set lies within that bin and above.
+    One pass over the rows (instead of topk after topk); it only sizes the next round, whose
+    result is checked as always (a rounding slip just costs another round)."""
+    num_rows = probs.shape[0]
+    _, exponent = torch.frexp(probs)                                           # probs = m * 2^e, m in [0.5, 1)
+    bins = torch.where(probs > 0, (-exponent).clamp(max=63), 63).to(torch.int64)       # [R, V] in 0..63
+    flat = (bins + 64 * torch.arange(num_rows, device=probs.device)[:, None]).flatten()
+    mass = torch.bincount(flat, weights=probs.flatten().double(), minlength=64 * num_rows).view(num_rows, 64)
+    count = torch.bincount(flat, minlength=64 * num_rows).view(num_rows, 64)
+    cut = (mass.cumsum(dim=1) < p[:, None]).sum(dim=1).clamp(max=63)          # [R] the bin where p is reached
+    return int(count.cumsum(dim=1).gather(1, cut[:, None]).max())
 
 
 def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,6 +12,9 @@ row) and `Sampler(reference=True)` (full sort of the vocabulary, V exponentials 
 pieces are timed too: the finiteness check (full isnan/isinf scan vs isfinite(amax)), top-k/top-p
 (sort vs candidates), the draw (exponential race vs inverse CDF). Interleaved rounds, medians;
 writes benchmarks/results/sampler_cpu.json.
+
+Clocks: wall time, and with `--threads 1` also this thread's CPU time (`time.thread_time`),
+which other jobs on a shared machine disturb far less than wall time.
 """
 from __future__ import annotations
 
@@ -59,14 +62,16 @@ def top_p_set_sizes(logits: torch.Tensor, temperature: float, p: float) -> list[
     return ((mass < p).sum(-1) + 1).tolist()
 
 
-def timed(fn, reps: int) -> float:
-    fn()                                                                  # warm-up
-    samples = []
+def timed(fn, reps: int) -> tuple[float, float]:
+    """Median (wall seconds, this thread's CPU seconds) over reps calls, after one warm-up call."""
+    fn()
+    wall, cpu = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -78,9 +83,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each times every side once)")
     ap.add_argument("--reps", type=int, default=5, help="calls per side per round (median)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (1: CPU time is meaningful)")
     ap.add_argument("--smoke", action="store_true", help="random logits, 1 round of 2 calls")
     ap.add_argument("--out-dir", default=RESULTS_DIR)
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.smoke:
         logits, source = torch.randn(8, 49152, generator=torch.Generator().manual_seed(0)) * 4, "randn * 4"
         args.rounds, args.reps = 1, 2
@@ -104,19 +112,26 @@ def main(argv: list[str] | None = None) -> dict:
     jobs = [(f"sampler: {name}", lambda md=md: reference(logits, md), lambda md=md: fast(logits, md))
             for name, md in metadata.items()] + [(f"piece: {name}", *fns) for name, fns in pieces.items()]
 
-    times: dict[tuple[str, str], list[float]] = {}
+    times: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for _ in range(args.rounds):                  # interleaved: this machine is shared and drifts
         for name, ref_fn, fast_fn in jobs:
             times.setdefault((name, "reference"), []).append(timed(ref_fn, args.reps))
             times.setdefault((name, "fast"), []).append(timed(fast_fn, args.reps))
     rows = []
+    one_thread = torch.get_num_threads() == 1
     for name, _, _ in jobs:
-        ref_ms = statistics.median(times[(name, "reference")]) * 1e3
-        fast_ms = statistics.median(times[(name, "fast")]) * 1e3
-        rows.append(dict(name=name, reference_ms=round(ref_ms, 2), fast_ms=round(fast_ms, 2),
-                         speedup=round(ref_ms / fast_ms, 1),
-                         fast_ms_per_round=[round(t * 1e3, 2) for t in times[(name, "fast")]]))
-        print(f"{name:<44} reference {ref_ms:8.2f} ms   fast {fast_ms:7.2f} ms   {ref_ms / fast_ms:6.1f}x", flush=True)
+        row = dict(name=name)
+        for clock, i in (("wall", 0), ("cpu", 1)):
+            if clock == "cpu" and not one_thread:
+                continue
+            ref_ms = statistics.median(t[i] for t in times[(name, "reference")]) * 1e3
+            fast_ms = statistics.median(t[i] for t in times[(name, "fast")]) * 1e3
+            row.update({f"reference_{clock}_ms": round(ref_ms, 2), f"fast_{clock}_ms": round(fast_ms, 2),
+                        f"speedup_{clock}": round(ref_ms / fast_ms, 1),
+                        f"fast_{clock}_ms_per_round": [round(t[i] * 1e3, 2) for t in times[(name, "fast")]]})
+            print(f"{name:<44} {clock:4} reference {ref_ms:8.2f} ms   fast {fast_ms:7.2f} ms   {ref_ms / fast_ms:6.1f}x",
+                  flush=True)
+        rows.append(row)
     sizes = top_p_set_sizes(logits, 0.8, 0.95)
     workload = dict(logits=[n, vocab], dtype="float32", source=source, threads=torch.get_num_threads(),
                     rounds=args.rounds, reps=args.reps, cases=CASES,
