@@ -15,7 +15,7 @@ CH         ?=
 PYTEST_ARGS ?=
 TEST_PATHS := $(if $(CH),$(wildcard tests/$(CH)_*) $(wildcard tests/$(CH)),tests)
 
-.PHONY: setup model demo test test-gpu bench notebooks clean
+.PHONY: setup model demo test test-gpu bench notebooks clean check-ch
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,14 +35,20 @@ model: setup
 demo: setup model
 	$(PY) -m mini_vllm demo
 
-test: setup
+test: setup check-ch
 	@if [ -d 07_mini_vllm ] && [ -f 07_mini_vllm/default_model.py ]; then $(MAKE) --no-print-directory model; fi
 	$(PY) -m pytest $(TEST_PATHS) -m "not gpu" $(PYTEST_ARGS)
+
+# `make test CH=04` with no tests/04_* folder must fail, not silently run the whole suite.
+check-ch:
+	@if [ -n "$(CH)" ] && [ -z "$(strip $(TEST_PATHS))" ]; then \
+		echo "make test CH=$(CH): no tests/$(CH)_* folder (chapters: $$(ls -d tests/[0-9]* | xargs -n1 basename | tr '\n' ' '))" >&2; \
+		exit 2; fi
 
 # GPU machines bring their own CUDA torch/triton/transformers and no internet: install
 # only our package (no deps, no build isolation) into that Python and run the gpu tests.
 GPU_PY ?= python3
-test-gpu:
+test-gpu: check-ch
 	$(GPU_PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(GPU_PY) -m pytest $(TEST_PATHS) -m gpu $(PYTEST_ARGS)
 

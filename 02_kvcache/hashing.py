@@ -35,6 +35,10 @@ def sha256_hash(obj: Any) -> int:
     return int.from_bytes(hashlib.sha256(pickle.dumps(obj, protocol=5)).digest(), "big")
 
 
+# sha256 is the default (vLLM's since CVE-2025-25183): Python's `hash` of a tuple of ints is
+# deterministic and cheap to invert, so a client can craft a prompt whose block hashes collide
+# with another tenant's cached blocks and be served their K/V. "builtin" stays as a measured
+# option (benchmarks/bench_kvcache.py: the cost of sha256 per lookup).
 HASH_FUNCTIONS: dict[str, HashFn] = {"builtin": hash, "sha256": sha256_hash}
 
 
@@ -64,7 +68,7 @@ def hash_block_tokens(
     parent_block_hash: int | None,
     curr_block_token_ids: Sequence[int],
     extra_keys: tuple | None = None,
-    hash_fn: HashFn = hash,
+    hash_fn: HashFn = sha256_hash,
 ) -> BlockHash:
     """hash_i = H(hash_{i-1}, tokens_i, extra_keys_i); the first block's parent is NONE_HASH."""
     ### BEGIN SOLUTION
@@ -87,7 +91,7 @@ def generate_block_hash_extra_keys(request: Any, block_index: int) -> tuple | No
 
 
 def append_block_hashes(block_hashes: list[BlockHash], request: Any, block_size: int,
-                        hash_fn: HashFn = hash) -> list[BlockHash]:
+                        hash_fn: HashFn = sha256_hash) -> list[BlockHash]:
     """Extend `block_hashes` (in place) to cover every FULL block of `request.all_token_ids`.
 
     Incremental on purpose: a decoding request gains one token per step, and rehashing its
@@ -106,7 +110,7 @@ def append_block_hashes(block_hashes: list[BlockHash], request: Any, block_size:
     ### END SOLUTION
 
 
-def hash_request_tokens(block_size: int, request: Any, hash_fn: HashFn = hash) -> list[BlockHash]:
+def hash_request_tokens(block_size: int, request: Any, hash_fn: HashFn = sha256_hash) -> list[BlockHash]:
     """The hash chain of every full block of a request (one-shot form of `append_block_hashes`)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")

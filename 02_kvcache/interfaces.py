@@ -1,5 +1,5 @@
 """The small types the KV cache manager exchanges with its callers (the scheduler, tests,
-benchmarks): what it reads from a request, what it returns, its statistics and errors.
+benchmarks): what it reads from a request, what it returns, and its errors.
 
 kvcache never imports the scheduler: a request is anything with the attributes of
 `KVCacheRequest` (chapter 03's `Request` is one; `SimpleRequest` is the one chapter 02's
@@ -59,9 +59,6 @@ class KVCacheBlocks:
     """A list of blocks handed to the scheduler (vLLM: `vllm/v1/core/kv_cache_manager.py`)."""
     blocks: list[KVCacheBlock] = field(default_factory=list)
 
-    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        return KVCacheBlocks(self.blocks + other.blocks)
-
     def __len__(self) -> int:
         return len(self.blocks)
 
@@ -71,28 +68,6 @@ class KVCacheBlocks:
     @classmethod
     def create_empty(cls) -> KVCacheBlocks:
         return cls([])
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache counters (vLLM: `vllm/v1/metrics/stats.py: PrefixCacheStats`).
-
-    queries/hits are in TOKENS: a request of n tokens is a query of n, its cached prefix a hit.
-    """
-    requests: int = 0     # lookups made (get_computed_blocks calls that consulted the cache)
-    queries: int = 0      # tokens asked for
-    hits: int = 0         # tokens found cached
-    evictions: int = 0    # cached blocks whose hash was dropped because the block was reused
-    collisions: int = 0   # verified lookups whose hash matched but content did not
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-    def __sub__(self, other: PrefixCacheStats) -> PrefixCacheStats:
-        return PrefixCacheStats(self.requests - other.requests, self.queries - other.queries,
-                                self.hits - other.hits, self.evictions - other.evictions,
-                                self.collisions - other.collisions)
 
 
 class RequestTooLargeError(ValueError):

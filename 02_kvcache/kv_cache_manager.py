@@ -1,46 +1,45 @@
 """KVCacheManager: the scheduler's one interface to KV memory.
 
 Mirrors vLLM v1's `vllm/v1/core/kv_cache_manager.py` (get_computed_blocks, allocate_slots,
-free, free_block_hashes, reset_prefix_cache, make_prefix_cache_stats, usage) on top of
-`BlockPool` (`block_pool.py`). Two vLLM v0 mechanisms that v1 dropped are added back
-because the thesis (§3.4.4-3.4.5) teaches them: copy-on-write block sharing (`fork`,
-`append_slots`, v0's `BlockSpaceManager.fork/append_slots`) and a CPU swap tier
-(`swap_out`, `swap_in`, v0's `BlockSpaceManager.swap_out/swap_in`).
+cache_blocks, free, free_block_hashes, reset_prefix_cache, make_prefix_cache_stats, usage) on
+top of `BlockPool` (`block_pool.py`). vLLM v0's copy-on-write and CPU swap tier, which v1
+dropped but the thesis (§3.4.4-3.4.5) teaches, are `BlockSpaceManager` (block_space_manager.py),
+a subclass of this one.
 
 A request's life, as the scheduler drives it:
 
     blocks, n = get_computed_blocks(req)                 # cached prefix (full blocks, no refs taken)
-    allocate_slots(req, num_new_tokens, n, blocks)       # touch the hits, pop fresh blocks, cache full ones
-    ... each step: allocate_slots(req, 1)               # decode: a new block every block_size tokens
+    allocate_slots(req, num_new_tokens, n, blocks)       # touch the hits, pop fresh blocks
+    ... the model runner writes the K/V of those tokens (the forward pass) ...
+    cache_blocks(req, req.num_computed_tokens)           # NOW their full blocks may be hit
+    ... each step: allocate_slots(req, 1), forward, cache_blocks(...)   # decode
     free(req)                                            # finished / aborted / preempted: blocks -> free queue
     free_block_hashes(req)                               # finished for good (not on preemption)
 
-The manager only moves block ids. The model runner moves bytes: K/V writes through the
-slot mapping (chapter 01), and the (src, dst) pairs that `append_slots`, `swap_out` and
-`swap_in` return, executed with `kvcache.ops.copy_blocks` / `swap_blocks` before the
-forward pass of the step, in this order: swap-outs, swap-ins, copies. A step must not
-both swap out and swap in (vLLM v0's scheduler rule): the device blocks a swap-out frees
-may be handed to a swap-in of the same step, and must be saved before being overwritten.
+Why a block is cached only AFTER its K/V is computed (vLLM caches at allocation time, for the
+tokens about to be computed): between allocation and the forward pass a lot can happen. The
+scheduler may preempt a request it has already scheduled in the same step (to make room for a
+higher-priority one), a KV connector's load may fail, the forward pass may fail for one
+request. If its blocks were registered at allocation, they go back to the free queue still
+carrying their hashes, and the next request with that prefix attends to K/V nobody wrote —
+silently wrong text. Registering what the model runner has actually written makes that
+impossible by construction; the price is that two requests arriving in the same step with the
+same prefix both compute it (the second one hits from the next step on).
+
+The manager only moves block ids. The model runner moves bytes: K/V writes through the slot
+mapping (chapter 01) and, with a BlockSpaceManager, the copy/swap pairs it returns.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kvcache.block import KVCacheBlock
 from kvcache.block_pool import BlockPool
-from kvcache.block_pool_v1 import BlockPoolV1
 from kvcache.hashing import BlockHash, HashFn, append_block_hashes, get_hash_fn
-from kvcache.interfaces import KVCacheBlocks, KVCacheRequest, PrefixCacheStats, RequestTooLargeError
+from kvcache.interfaces import KVCacheBlocks, KVCacheRequest, RequestTooLargeError
+from kvcache.stats import PrefixCacheStats
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-@dataclass
-class _SwappedOut:
-    cpu_block_ids: list[int]      # logical block i of the request lives in CPU block cpu_block_ids[i]
-    num_computed_tokens: int      # what the copies hold; the request must come back at this point
 
 
 class KVCacheManager:
@@ -49,8 +48,9 @@ class KVCacheManager:
         block_size: tokens per block.
         enable_caching: prefix caching on/off. Off: no hashing, no hits, freed blocks are plain free.
         eviction_policy: "lru" (vLLM) or "chain_aware" (see `BlockPool`).
-        num_cpu_blocks: size of the CPU swap tier (0 = no swapping).
-        hash_fn: "builtin" (Python `hash`, fast), "sha256" (stable across processes) or a callable.
+        hash_fn: "sha256" (the default, as in vLLM since CVE-2025-25183: collision resistant and
+            identical in every process), "builtin" (Python `hash`: ~2x faster, but its collisions
+            can be constructed, so one tenant's prompt could be served another's K/V) or a callable.
         verify_tokens: compare stored tokens on every hit (seed 001's collision defence).
         free_order: "reverse" (vLLM: tail blocks enter the free queue first) or "forward"
             (head first, as in seed 003's timeline) — an ablation only, for the orphan-block
@@ -58,14 +58,13 @@ class KVCacheManager:
             queue, so the parent is evicted first and the children become unreachable.
     """
 
+    cpu_block_pool = None     # no CPU swap tier here (BlockSpaceManager adds one)
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 eviction_policy: str = "lru", num_cpu_blocks: int = 0,
-                 hash_fn: str | HashFn = "builtin", verify_tokens: bool = False,
+                 eviction_policy: str = "lru", hash_fn: str | HashFn = "sha256", verify_tokens: bool = False,
                  free_order: str = "reverse") -> None:
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if not isinstance(num_cpu_blocks, int) or num_cpu_blocks < 0:
-            raise ValueError(f"num_cpu_blocks must be an int >= 0, got {num_cpu_blocks!r}")
         if free_order not in ("reverse", "forward"):
             raise ValueError(f"free_order must be 'reverse' or 'forward', got {free_order!r}")
         self.free_order = free_order
@@ -74,7 +73,6 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.hash_fn = get_hash_fn(hash_fn)
         self.block_pool = BlockPool(num_blocks, eviction_policy=eviction_policy, verify_tokens=verify_tokens)
-        self.cpu_block_pool = BlockPoolV1(num_cpu_blocks) if num_cpu_blocks else None
         # request_id -> its block table (logical block i -> physical block), device-resident requests only.
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # request_id -> how many of its leading blocks are registered in the prefix cache.
@@ -82,8 +80,9 @@ class KVCacheManager:
         # request_id -> hashes of its full blocks. Survives free() (a preempted request comes
         # back with the same tokens); dropped by free_block_hashes() when it finishes.
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
-        # request_id -> where its K/V sits in the CPU tier while swapped out.
-        self.swapped_out: dict[str, _SwappedOut] = {}
+        # Full blocks being computed in the current step, not hittable yet: hash -> request ids.
+        self.pending_block_hashes: dict[int, set[str]] = {}
+        self._pending_by_request: dict[str, set[int]] = {}
         self._lookups = PrefixCacheStats()
         self._last_stats = PrefixCacheStats()
 
@@ -123,25 +122,24 @@ class KVCacheManager:
     # ---- allocation ---------------------------------------------------------------------
 
     def allocate_slots(self, request: KVCacheRequest, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0,
-                       delay_cache_blocks: bool = False) -> KVCacheBlocks | None:
+                       new_computed_blocks: KVCacheBlocks | None = None,
+                       num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
         """Make `request` own blocks for num_computed_tokens + num_new_computed_tokens +
         num_new_tokens + num_lookahead_tokens tokens.
 
         Args:
-            num_new_tokens: tokens to compute this step (scheduled, drafts included).
+            num_new_tokens: tokens to compute this step (scheduled, drafts included), or whose
+                K/V a KV connector will load (chapter 06).
             num_new_computed_tokens / new_computed_blocks: the prefix hit from
                 get_computed_blocks (tokens = blocks * block_size), for a request holding no blocks.
-            num_lookahead_tokens: extra slots for speculative drafts (chapter 04); never cached.
-            delay_cache_blocks: allocate but do not cache yet — the K/V arrives from elsewhere
-                (remote prefill, chapter 06) and must not be hit before it lands.
+            num_lookahead_tokens: extra slots for speculative drafts (chapter 04).
 
-        Returns the NEWLY allocated blocks, or None — with no state change — if they do not fit
-        now. Raises RequestTooLargeError if they can never fit, ValueError on inconsistent input.
+        Nothing new is cached here: the new blocks' K/V does not exist yet (`cache_blocks`
+        registers them once it does). Returns the NEWLY allocated blocks, or None — with no
+        state change — if they do not fit now. Raises RequestTooLargeError if they can never
+        fit, ValueError on inconsistent input.
         """
         rid = request.request_id
-        if rid in self.swapped_out:
-            raise ValueError(f"request {rid!r} is swapped out: swap_in() it before allocating")
         if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(f"token counts must be >= 0, got num_new_tokens={num_new_tokens}, "
                              f"num_new_computed_tokens={num_new_computed_tokens}, num_lookahead_tokens={num_lookahead_tokens}")
@@ -177,22 +175,66 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         self.req_to_blocks[rid] = req_blocks + computed_blocks + new_blocks
         self.num_cached_block[rid] = self.num_cached_block.get(rid, 0) + len(computed_blocks)
-
-        if self.enable_caching and not delay_cache_blocks:
-            # Cache what will be computed after this step, but never lookahead slots or
-            # tokens beyond request.num_tokens (unverified drafts).
-            self.cache_blocks(request, min(num_computed_tokens + num_new_tokens, request.num_tokens))
         ### END SOLUTION
+        self._mark_pending(request, num_computed_tokens + num_new_tokens)
         return KVCacheBlocks(new_blocks)
+
+    def _mark_pending(self, request: KVCacheRequest, num_tokens_after_step: int) -> None:
+        """Remember the hashes of full blocks this step will compute (not hittable yet), so that
+        a request arriving with the same prefix can wait one step for them instead of computing
+        them a second time (`num_pending_tokens`)."""
+        if not self.enable_caching:
+            return
+        num_full = min(num_tokens_after_step, request.num_tokens) // self.block_size
+        hashes = self._block_hashes(request)[self.num_cached_block[request.request_id]:num_full]
+        if not hashes:
+            return
+        pending = self._pending_by_request.setdefault(request.request_id, set())
+        for h in hashes:
+            self.pending_block_hashes.setdefault(h.hash_value, set()).add(request.request_id)
+            pending.add(h.hash_value)
+
+    def _clear_pending(self, request_id: str, hash_values) -> None:
+        mine = self._pending_by_request.get(request_id)
+        if mine is None:
+            return
+        for v in list(hash_values):
+            if v in mine:
+                mine.discard(v)
+                owners = self.pending_block_hashes[v]
+                owners.discard(request_id)
+                if not owners:
+                    del self.pending_block_hashes[v]
+        if not mine:
+            del self._pending_by_request[request_id]
+
+    def num_pending_tokens(self, request: KVCacheRequest, num_computed_tokens: int) -> int:
+        """Tokens after a prefix hit of `num_computed_tokens` that OTHER requests are computing
+        in the current step: they will be hittable after it. The scheduler lets the request wait
+        one step for them rather than compute the same prefix twice — vLLM lets it hit them in
+        the same step instead, which this manager does not allow (see the module docstring)."""
+        if not self.enable_caching or not self.pending_block_hashes:
+            return 0
+        hashes = self._block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        i = num_computed_tokens // self.block_size
+        while i < min(len(hashes), max_blocks) and \
+                self.pending_block_hashes.get(hashes[i].hash_value, set()) - {request.request_id}:
+            i += 1
+        return i * self.block_size - num_computed_tokens
 
     def cache_blocks(self, request: KVCacheRequest, num_computed_tokens: int) -> None:
         """Register the request's blocks that are full within its first `num_computed_tokens`
-        tokens. Called by allocate_slots; called directly once delayed (remote) K/V has landed."""
+        tokens, whose K/V the model runner (or a KV connector) HAS written. The scheduler calls
+        it after every step with the request's num_computed_tokens (rejected drafts already
+        rolled back), and never before: a block in the prefix cache is a promise that its
+        K/V is there for anyone whose prefix hashes to it."""
         rid = request.request_id
         if rid not in self.req_to_blocks:
             raise ValueError(f"cache_blocks: request {rid!r} holds no blocks")
         if not self.enable_caching:
             return
+        ### BEGIN SOLUTION
         num_full_blocks = min(num_computed_tokens, request.num_tokens) // self.block_size
         num_cached_blocks = self.num_cached_block[rid]
         if num_full_blocks <= num_cached_blocks:
@@ -200,9 +242,11 @@ class KVCacheManager:
         if num_full_blocks > len(self.req_to_blocks[rid]):
             raise ValueError(f"cache_blocks: {num_computed_tokens} tokens need {num_full_blocks} blocks, "
                              f"request {rid!r} holds {len(self.req_to_blocks[rid])}")
-        self.block_pool.cache_full_blocks(self.req_to_blocks[rid], self._block_hashes(request),
-                                          num_cached_blocks, num_full_blocks)
+        block_hashes = self._block_hashes(request)
+        self.block_pool.cache_full_blocks(self.req_to_blocks[rid], block_hashes, num_cached_blocks, num_full_blocks)
         self.num_cached_block[rid] = num_full_blocks
+        ### END SOLUTION
+        self._clear_pending(rid, (h.hash_value for h in block_hashes[num_cached_blocks:num_full_blocks]))
 
     def _check_computed_blocks(self, request, req_blocks, computed_blocks) -> None:
         """Hits must be exactly what get_computed_blocks just returned for this request: a
@@ -226,141 +270,16 @@ class KVCacheManager:
                 raise ValueError(f"request {request.request_id!r} would write into block {block.block_id}, shared by "
                                  f"{block.ref_cnt} block tables: use append_slots() (copy-on-write)")
 
-    # ---- copy-on-write ------------------------------------------------------------------
-
-    def fork(self, parent: KVCacheRequest, child: KVCacheRequest) -> KVCacheBlocks:
-        """The child shares the parent's computed K/V (parallel sampling, beam search):
-        its block table is the parent's blocks covering parent.num_computed_tokens, each
-        ref_cnt + 1. Nothing is copied until one of them writes into a shared block.
-        Fork between steps (after the parent's computed tokens are up to date)."""
-        prid, crid = parent.request_id, child.request_id
-        if prid not in self.req_to_blocks:
-            raise ValueError(f"fork: parent {prid!r} holds no device blocks")
-        if crid in self.req_to_blocks or crid in self.swapped_out:
-            raise ValueError(f"fork: child {crid!r} already holds blocks")
-        n = parent.num_computed_tokens
-        if child.num_computed_tokens != n or list(child.all_token_ids[:n]) != list(parent.all_token_ids[:n]):
-            raise ValueError(f"fork: child {crid!r} must start where parent {prid!r} is: same first {n} tokens, "
-                             f"num_computed_tokens={n} (got {child.num_computed_tokens})")
-        if self.num_cached_block.get(prid, 0) > n // self.block_size:
-            raise ValueError(f"fork: parent {prid!r} has blocks cached beyond its computed tokens; fork between steps")
-        ### BEGIN SOLUTION
-        shared = self.req_to_blocks[prid][:cdiv(n, self.block_size)]
-        self.block_pool.touch(shared)          # all are held already: only ref counts change
-        self.req_to_blocks[crid] = list(shared)
-        self.num_cached_block[crid] = self.num_cached_block.get(prid, 0)
-        if self.enable_caching:
-            self.req_to_block_hashes[crid] = list(self.req_to_block_hashes.get(prid, [])[:n // self.block_size])
-        ### END SOLUTION
-        return KVCacheBlocks(list(shared))
-
-    def append_slots(self, request: KVCacheRequest, num_new_tokens: int,
-                     num_lookahead_tokens: int = 0) -> tuple[KVCacheBlocks, list[tuple[int, int]]] | None:
-        """allocate_slots for a request that may share blocks (after fork): every shared block
-        the new tokens would write into is first replaced by a private fresh block. Returns
-        (new blocks, [(src, dst)] to copy with copy_blocks before the step), or None — no state
-        change — if it does not fit. Only a partially filled shared block needs its contents
-        copied; that is the one pair (thesis §3.4.4: 'only copying one block of data')."""
-        rid = request.request_id
-        blocks = self.req_to_blocks.get(rid)
-        if blocks is None:
-            raise ValueError(f"append_slots: request {rid!r} holds no device blocks")
-        B, n = self.block_size, request.num_computed_tokens
-        ### BEGIN SOLUTION
-        write_range = range(n // B, min(len(blocks), cdiv(n + num_new_tokens, B)))
-        shared = [i for i in write_range if blocks[i].ref_cnt > 1]
-        num_required_blocks = cdiv(n + num_new_tokens + num_lookahead_tokens, B)
-        num_new_blocks = max(0, num_required_blocks - len(blocks))
-        if num_required_blocks > self.num_blocks:
-            raise RequestTooLargeError(f"request {rid!r} needs {num_required_blocks} blocks, the pool has {self.num_blocks}")
-        if num_new_blocks + len(shared) > self.block_pool.get_num_free_blocks():
-            return None
-        copies = []
-        for i, fresh in zip(shared, self.block_pool.get_new_blocks(len(shared))):
-            src = blocks[i]
-            blocks[i] = fresh
-            self.block_pool.free_blocks([src])          # ref_cnt > 1: stays held by the others
-            if i * B < n:                               # holds computed K/V: copy it
-                copies.append((src.block_id, fresh.block_id))
-        new_blocks = self.allocate_slots(request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens)
-        assert new_blocks is not None, "fit was checked above"
-        ### END SOLUTION
-        return new_blocks, copies
-
-    # ---- CPU swap tier ------------------------------------------------------------------
-
-    def swap_out(self, request: KVCacheRequest) -> list[tuple[int, int]] | None:
-        """Preempt by swapping: move the request's computed K/V to CPU blocks and free its
-        device blocks (tail first, as free() does). Returns [(device_block, cpu_block)] for
-        swap_blocks, or None — no state change — if the CPU tier is full. The request keeps
-        its num_computed_tokens; bring it back with swap_in()."""
-        rid = request.request_id
-        if self.cpu_block_pool is None:
-            raise ValueError("swap_out: this manager has no CPU swap tier (num_cpu_blocks=0)")
-        blocks = self.req_to_blocks.get(rid)
-        if blocks is None:
-            raise ValueError(f"swap_out: request {rid!r} holds no device blocks")
-        num_used = cdiv(request.num_computed_tokens, self.block_size)   # blocks holding computed K/V
-        if num_used > self.cpu_block_pool.num_blocks:
-            raise RequestTooLargeError(f"swap_out: request {rid!r} needs {num_used} CPU blocks, "
-                                       f"the tier has {self.cpu_block_pool.num_blocks}")
-        if num_used > self.cpu_block_pool.get_num_free_blocks():
-            return None
-        ### BEGIN SOLUTION
-        cpu_block_ids = self.cpu_block_pool.allocate(num_used)
-        mapping = [(blocks[i].block_id, cpu_block_ids[i]) for i in range(num_used)]
-        self.free(request)
-        self.swapped_out[rid] = _SwappedOut(cpu_block_ids, request.num_computed_tokens)
-        ### END SOLUTION
-        return mapping
-
-    def swap_in(self, request: KVCacheRequest) -> list[tuple[int, int]] | None:
-        """Bring a swapped-out request back. Leading full blocks still in the device prefix
-        cache are re-used (touched) instead of copied; the rest get fresh device blocks.
-        Returns [(cpu_block, device_block)] for swap_blocks, or None — no state change —
-        if the device blocks do not fit."""
-        rid = request.request_id
-        record = self.swapped_out.get(rid)
-        if record is None:
-            raise ValueError(f"swap_in: request {rid!r} is not swapped out")
-        if request.num_computed_tokens != record.num_computed_tokens:
-            raise ValueError(f"swap_in: request {rid!r} was swapped out at {record.num_computed_tokens} computed "
-                             f"tokens, now says {request.num_computed_tokens}")
-        ### BEGIN SOLUTION
-        hits: list[KVCacheBlock] = []
-        if self.enable_caching:
-            num_full = record.num_computed_tokens // self.block_size
-            for block_hash in self._block_hashes(request)[:num_full]:
-                block = self.block_pool.get_cached_block(block_hash)
-                if block is None:
-                    break
-                hits.append(block)
-        num_new_blocks = len(record.cpu_block_ids) - len(hits)
-        if num_new_blocks > self.block_pool.get_num_free_blocks() - sum(1 for b in hits if b.ref_cnt == 0):
-            return None
-        self.block_pool.touch(hits)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-        mapping = [(cpu, blk.block_id) for cpu, blk in zip(record.cpu_block_ids[len(hits):], new_blocks)]
-        self.cpu_block_pool.free(record.cpu_block_ids)
-        del self.swapped_out[rid]
-        self.req_to_blocks[rid] = hits + new_blocks
-        self.num_cached_block[rid] = len(hits)
-        self.cache_blocks(request, record.num_computed_tokens)   # the copied-back blocks are valid again
-        ### END SOLUTION
-        return mapping
-
     # ---- freeing ------------------------------------------------------------------------
 
     def free(self, request: KVCacheRequest) -> None:
         """Release the request's blocks: on finish, abort, or recompute preemption — exactly
         once per allocation. Tail blocks first: they enter the free queue first and so are
         evicted first, and a shared prefix (freed last) survives longest. Cached blocks keep
-        their hash and stay hittable until evicted. A swapped-out request frees its CPU blocks.
+        their hash and stay hittable until evicted; blocks never cached (their K/V was not
+        computed yet, e.g. a request preempted in the step that scheduled it) are plain free.
         Raises ValueError for a request the manager holds nothing for."""
         rid = request.request_id
-        if rid in self.swapped_out:
-            self.cpu_block_pool.free(self.swapped_out.pop(rid).cpu_block_ids)
-            return
         blocks = self.req_to_blocks.get(rid)
         if blocks is None:
             raise ValueError(f"free: the manager holds no blocks for request {rid!r} "
@@ -370,6 +289,7 @@ class KVCacheManager:
         del self.req_to_blocks[rid]
         del self.num_cached_block[rid]
         ### END SOLUTION
+        self._clear_pending(rid, list(self._pending_by_request.get(rid, ())))
 
     def free_block_hashes(self, request: KVCacheRequest) -> None:
         """Forget the request's block hashes: call when it FINISHES (or is aborted), not when
@@ -380,8 +300,6 @@ class KVCacheManager:
     # ---- queries, stats, maintenance ----------------------------------------------------
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        if request_id in self.swapped_out:
-            raise ValueError(f"request {request_id!r} is swapped out: it has no device blocks")
         if request_id not in self.req_to_blocks:
             raise ValueError(f"request {request_id!r} holds no blocks")
         return [b.block_id for b in self.req_to_blocks[request_id]]
@@ -392,7 +310,7 @@ class KVCacheManager:
 
     @property
     def num_free_cpu_blocks(self) -> int:
-        return self.cpu_block_pool.get_num_free_blocks() if self.cpu_block_pool else 0
+        return 0
 
     @property
     def usage(self) -> float:
@@ -428,7 +346,6 @@ class KVCacheManager:
             assert b.ref_cnt == refs.get(b.block_id, 0), \
                 f"block {b.block_id}: ref_cnt {b.ref_cnt} but {refs.get(b.block_id, 0)} block-table entries"
         assert self.num_cached_block.keys() == self.req_to_blocks.keys(), "num_cached_block out of sync"
-        assert not (self.swapped_out.keys() & self.req_to_blocks.keys()), "a request is both swapped and resident"
         for rid, blocks in self.req_to_blocks.items():
             n = self.num_cached_block[rid]
             assert n <= len(blocks), f"{rid}: {n} cached blocks > {len(blocks)} held"
@@ -439,8 +356,4 @@ class KVCacheManager:
                         f"{rid}: logical block {i} (block {blocks[i].block_id}) is not cached under the request's hash"
             else:
                 assert n == 0 and not self.block_pool.cached_block_hash_to_block, "caching disabled but blocks cached"
-        if self.cpu_block_pool is not None:
-            held = [c for rec in self.swapped_out.values() for c in rec.cpu_block_ids]
-            assert len(held) == len(set(held)), "a CPU block is held twice"
-            assert len(held) + self.cpu_block_pool.get_num_free_blocks() == self.cpu_block_pool.num_blocks, \
-                "CPU blocks leaked"
+        assert self._pending_by_request.keys() <= self.req_to_blocks.keys(), "pending blocks of a request holding none"

@@ -119,7 +119,8 @@ def simulate(workload: Workload, config: SimConfig) -> SimResult:
                 first_queries += r.req.num_tokens
                 first_hits += n
             prefill_computed += r.req.num_tokens - n
-            r.req.num_computed_tokens = r.req.num_tokens
+            r.req.num_computed_tokens = r.req.num_tokens    # the prefill ran: its full blocks may be hit
+            m.cache_blocks(r.req, r.req.num_computed_tokens)
             running.append(waiting.popleft())
             admissions += 1
         if not running:
@@ -142,6 +143,7 @@ def simulate(workload: Workload, config: SimConfig) -> SimResult:
             if preempted_itself:
                 break
             r.req.num_computed_tokens = r.req.num_tokens
+            m.cache_blocks(r.req, r.req.num_computed_tokens)
             i += 1
         # 3. Retire finished requests; a conversation's next turn joins the back of the queue.
         for r in [r for r in running if r.done]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcache import KVCacheManager
+from kvcache import BlockSpaceManager
 from scheduler.config import POLICIES, SchedulerConfig
 from scheduler.cost_model import OPT_13B_A100, OPT_13B_A100_KV_TOKENS, StepCostModel, llama_3_8b_h100, opt_13b_a100
 from scheduler.reservation import ReservationKVCacheManager
@@ -41,7 +41,7 @@ def make_scheduler(kind: str, *, kv_tokens: int = OPT_13B_A100_KV_TOKENS, block_
                              max_model_len=max_model_len, policy=policy, preemption_mode=preemption_mode)
     if kind == "continuous":
         # Swap tier as large as the device cache: what is swapped out never exceeds it (thesis §3.4.5).
-        kv = KVCacheManager(num_blocks, block_size, enable_caching=enable_caching,
+        kv = BlockSpaceManager(num_blocks, block_size, enable_caching=enable_caching,
                             num_cpu_blocks=num_blocks if preemption_mode == "swap" else 0)
     elif kind.startswith("orca-"):
         kv = ReservationKVCacheManager(num_blocks, block_size, kind.removeprefix("orca-"), max_model_len)
@@ -117,7 +117,7 @@ def policy_comparison(policies: tuple[str, ...] = POLICIES, *, cost_model: StepC
         for policy in policies:
             config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048,
                                      policy=policy, staging_size=staging_size)
-            result = simulate(Scheduler(config, KVCacheManager(2048, 16, enable_caching=False)), trace, cost_model)
+            result = simulate(Scheduler(config, BlockSpaceManager(2048, 16, enable_caching=False)), trace, cost_model)
             row = {"trace": trace_name, "policy": policy,
                    "ttft_mean_s": float(np.mean([m.ttft for m in result.requests]))}
             for cls in classes:

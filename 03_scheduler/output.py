@@ -70,6 +70,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)       # (src, dst) device blocks
+    kv_connector_metadata: Any = None   # what the KV connector's worker side must do this step (chapter 06)
 
     @property
     def is_empty(self) -> bool:
@@ -86,8 +87,13 @@ class ModelRunnerOutput:
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    # KV connector: requests whose remote KV finished loading this step (WAITING_FOR_REMOTE_KVS).
+    # req_id -> why the runner could not run it (a per-request fault): the scheduler finishes it
+    # with FINISHED_ERROR and the message, frees its blocks without caching them, and goes on.
+    failed: dict[str, str] = field(default_factory=dict)
+    # KV connector: requests whose remote KV finished loading this step (WAITING_FOR_REMOTE_KVS),
+    # and finished requests whose K/V finished sending (their blocks can be freed now).
     finished_recving: set[str] = field(default_factory=set)
+    finished_sending: set[str] = field(default_factory=set)
     req_id_to_index: dict[str, int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -39,6 +39,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = enum.auto()   # max_tokens or max_model_len reached
     FINISHED_ABORTED = enum.auto()         # abort() / finish_requests() from outside
     FINISHED_IGNORED = enum.auto()         # can never fit in the KV cache: failed with a clear reason
+    FINISHED_ERROR = enum.auto()           # the model runner could not run it (a per-request fault)
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:
@@ -50,11 +51,13 @@ class RequestStatus(enum.IntEnum):
 
 
 class FinishReason(enum.IntEnum):
-    """What the user is told (OpenAI's finish_reason): stop, length or abort."""
+    """What the user is told (OpenAI's finish_reason): stop, length, abort, or error (vLLM's
+    FinishReason.ERROR: the request failed inside the engine; the others went on)."""
 
     STOP = 0
     LENGTH = 1
     ABORT = 2
+    ERROR = 3
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -65,6 +68,7 @@ _FINISHED_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
     RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,   # vLLM reports "length" for ignored prompts too
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -105,7 +109,7 @@ class Request:
         self.sampling_params = sampling_params
 
         self.status = RequestStatus.WAITING
-        self.stop_reason: int | str | None = None   # the stop token id, or a message for FINISHED_IGNORED
+        self.stop_reason: int | str | None = None   # the stop token id, or a message (FINISHED_IGNORED / _ERROR)
         self._output_token_ids: list[int] = []
         # prompt + output in one list, appended to in place (the KV manager hashes it incrementally).
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -116,8 +120,6 @@ class Request:
         # scheduled as extra tokens (num_tokens_with_spec) but are not part of num_tokens until
         # the target model accepts them; update_from_output rolls back the rejected ones.
         self.spec_token_ids: list[int] = []
-        # Remote KV (disaggregation, chapter 06): tokens whose KV a connector loads from elsewhere.
-        self.num_external_computed_tokens = 0
         # Streaming input (Table 4.1, "streaming prefills"): while True, more prompt tokens may
         # arrive (append_prompt_tokens) and no output token is sampled yet.
         self.streaming_input = streaming_input

@@ -135,8 +135,8 @@ class ReservationKVCacheManager:
         return KVCacheBlocks.create_empty(), 0          # no prefix caching
 
     def allocate_slots(self, request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: KVCacheBlocks | None = None, num_lookahead_tokens: int = 0,
-                       delay_cache_blocks: bool = False) -> KVCacheBlocks | None:
+                       new_computed_blocks: KVCacheBlocks | None = None,
+                       num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
         rid = request.request_id
         if rid not in self.regions:
             reserved = cdiv(self.reservation_tokens(request), self.block_size)
@@ -167,6 +167,12 @@ class ReservationKVCacheManager:
 
     def free_block_hashes(self, request) -> None:
         pass                                              # nothing is hashed
+
+    def cache_blocks(self, request, num_computed_tokens: int) -> None:
+        pass                                              # no prefix caching
+
+    def num_pending_tokens(self, request, num_computed_tokens: int) -> int:
+        return 0
 
     def get_block_ids(self, request_id: str) -> list[int]:
         start, _ = self.regions[request_id]

@@ -28,7 +28,7 @@ running, 0 <= num_computed_tokens <= num_tokens_with_spec.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Iterable
 
 from kvcache import KVCacheManager, RequestTooLargeError
@@ -46,6 +46,36 @@ class SchedulingBudget:
     """What is left of this step's budget. Chapter 05 extends it with partial-prefill counts."""
 
     token_budget: int
+
+
+@dataclass
+class ScheduledStep:
+    """The step being planned: what `schedule()` has decided so far. Every decision goes
+    through `add` / `take_back`, so the budget and the per-request maps never disagree."""
+
+    budget: SchedulingBudget
+    new_reqs: list[Request] = field(default_factory=list)          # first time scheduled
+    resumed_reqs: list[Request] = field(default_factory=list)      # back after a preemption
+    running_reqs: list[Request] = field(default_factory=list)      # were running already
+    preempted_reqs: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)          # Δ per request
+    req_to_new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int, block_ids: list[int], kind: list[Request]) -> None:
+        kind.append(request)
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.req_to_new_block_ids[request.request_id] = block_ids
+        self.budget.token_budget -= num_tokens
+
+    def take_back(self, request: Request) -> None:
+        """Un-schedule a running request planned earlier in this step (it is being preempted)."""
+        self.budget.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        self.req_to_new_block_ids.pop(request.request_id)
+        self.spec_decode_tokens.pop(request.request_id, None)
+        self.running_reqs.remove(request)
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
@@ -93,8 +123,10 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         # Requests finished INSIDE schedule() (can never fit): reported by the next update_from_output.
         self._ignored_outputs: list[EngineCoreOutput] = []
-        # KV connector: requests whose remote KV finished loading (reported by the model runner).
+        # KV connector: requests whose remote KV finished loading (reported by the model runner),
+        # and finished requests whose blocks a connector is still sending (freed when it is done).
         self.finished_recving_kv_req_ids: set[str] = set()
+        self._delayed_free: dict[str, Request] = {}
 
     # ================================================================== public API
     def add_request(self, request: Request) -> None:
@@ -152,6 +184,8 @@ class Scheduler:
                 continue     # finished or preempted in the meantime: drafts are stale
             if request.num_computed_tokens < request.num_tokens - 1:
                 continue     # still prefilling: no drafts (vLLM ignores them for prefill chunks)
+            if request.streaming_input:
+                continue     # its input is still open: nothing it samples is output yet
             request.spec_token_ids = list(drafts)
 
     def has_unfinished_requests(self) -> bool:
@@ -169,28 +203,25 @@ class Scheduler:
         # NOTE (as in vLLM): there is no prefill phase and no decode phase. Each request has
         # num_computed_tokens and num_tokens_with_spec; each step the scheduler gives requests
         # tokens so that the first catches up with the second, within the budget.
-        scheduled_new_reqs: list[Request] = []
-        scheduled_resumed_reqs: list[Request] = []
-        scheduled_running_reqs: list[Request] = []
-        preempted_reqs: list[Request] = []
-        req_to_new_block_ids: dict[str, list[int]] = {}
-        num_scheduled_tokens: dict[str, int] = {}
-        scheduled_spec_decode_tokens: dict[str, list[int]] = {}
-        blocks_to_swap_out: list[tuple[int, int]] = []
-        blocks_to_swap_in: list[tuple[int, int]] = []
-        budget = self._new_budget()
+        step = ScheduledStep(budget=self._new_budget())
+        self._schedule_running(step)
+        if not step.preempted_reqs:       # admitting while evicting would thrash
+            self._schedule_waiting(step)
+        return self._make_output(step)
 
-        # ---- 1. RUNNING requests -------------------------------------------------------
+    # ---- 1. RUNNING requests -------------------------------------------------------------
+    def _schedule_running(self, step: ScheduledStep) -> None:
+        """Give every running request its Δ, in order, preempting the lowest-priority running
+        request (all of its blocks at once) whenever the KV cache has no room."""
         req_index = 0
-        while req_index < len(self.running) and budget.token_budget > 0:
+        while req_index < len(self.running) and step.budget.token_budget > 0:
             request = self.running[req_index]
-            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, budget)
+            num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, step.budget)
             if num_new_tokens == 0:
                 # Nothing to do now (e.g. streaming input caught up, or no budget for a whole
                 # chunk). `continue`, not `break`: later requests may still fit.
                 req_index += 1
                 continue
-
             ### BEGIN SOLUTION
             while True:
                 try:
@@ -201,20 +232,16 @@ class Scheduler:
                     break
                 if new_blocks is not None:
                     break
-                # Out of KV blocks: preempt the lowest-priority running request, all of its
-                # blocks at once (a request is useless with part of its KV).
+                # Out of KV blocks: preempt the lowest-priority running request.
                 victim = self._select_victim()
                 victim_index = self.running.index(victim)
                 del self.running[victim_index]
                 if victim_index < req_index:      # it was handled earlier in this loop
                     req_index -= 1
-                if victim.request_id in num_scheduled_tokens:   # ... and scheduled: take it back
-                    budget.token_budget += num_scheduled_tokens.pop(victim.request_id)
-                    req_to_new_block_ids.pop(victim.request_id)
-                    scheduled_spec_decode_tokens.pop(victim.request_id, None)
-                    scheduled_running_reqs.remove(victim)
-                blocks_to_swap_out += self._preempt_request(victim)
-                preempted_reqs.append(victim)
+                if victim.request_id in step.num_scheduled_tokens:   # ... and scheduled: take it back
+                    step.take_back(victim)
+                step.blocks_to_swap_out += self._preempt_request(victim)
+                step.preempted_reqs.append(victim)
                 if victim is request:             # nothing lower left to preempt
                     break
             if new_blocks is None:
@@ -225,156 +252,199 @@ class Scheduler:
                 self.running.pop(req_index)
                 self._ignore_request(request, str(new_blocks))
                 continue
-
-            scheduled_running_reqs.append(request)
-            req_to_new_block_ids[request.request_id] = new_blocks.get_block_ids()
-            num_scheduled_tokens[request.request_id] = num_new_tokens
-            budget.token_budget -= num_new_tokens
-            if request.spec_token_ids:
-                num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
-                if num_spec > 0:
-                    scheduled_spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec]
-                # Drafts are used once; chapter 04 proposes new ones before the next step.
-                request.spec_token_ids = []
+            step.add(request, num_new_tokens, new_blocks.get_block_ids(), step.running_reqs)
+            self._schedule_drafts(request, num_new_tokens, step)
             req_index += 1
 
-        # ---- 2. WAITING requests ---------------------------------------------------------
-        if not preempted_reqs:
-            skipped: list[Request] = []
-            while self.waiting and budget.token_budget > 0:
-                if len(self.running) == self.max_num_running_reqs:
+    def _schedule_drafts(self, request: Request, num_new_tokens: int, step: ScheduledStep) -> None:
+        """Speculative drafts that ride along in Δ (chapter 04); they are used once."""
+        if request.spec_token_ids:
+            num_spec = num_new_tokens + request.num_computed_tokens - request.num_tokens
+            if num_spec > 0:
+                step.spec_decode_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+            request.spec_token_ids = []
+
+    # ---- 2. WAITING requests -------------------------------------------------------------
+    def _schedule_waiting(self, step: ScheduledStep) -> None:
+        """Admit waiting requests in the policy's order while the budget, max_num_seqs and
+        the KV cache allow. FCFS is strict: when the head does not fit, nobody behind it
+        jumps the queue (only requests that are skipped on purpose are passed over)."""
+        # Requests whose remote KV has landed go first: they already hold their blocks, and
+        # idle blocks behind a head that needs them would deadlock the queue.
+        if self.finished_recving_kv_req_ids:
+            for request in [r for r in self.waiting if r.request_id in self.finished_recving_kv_req_ids]:
+                if not self._has_room(step):
                     break
-                request = self.waiting.peek_request()
+                if self._try_admit(request, step) in ("admitted", "ignored"):
+                    self.waiting.remove_request(request)
+        skipped: list[Request] = []
+        while self.waiting and self._has_room(step):
+            request = self.waiting.peek_request()
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                outcome = "skipped"                          # remote KV still loading
+            elif request.kv_swapped_out:
+                outcome = self._try_swap_in(request, step)   # KV lives on the CPU tier: bring it back
+            else:
+                outcome = self._try_admit(request, step)
+            if outcome == "blocked":
+                break
+            popped = self.waiting.pop_request()
+            if outcome == "skipped":
+                skipped.append(popped)
+        if skipped:
+            self.waiting.prepend_requests(skipped)
+        if not step.num_scheduled_tokens and not self.running and self.waiting:
+            self._release_idle_remote_blocks()
 
-                if (request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-                        and request.request_id not in self.finished_recving_kv_req_ids):
-                    skipped.append(self.waiting.pop_request())   # remote KV still loading
-                    continue
+    def _has_room(self, step: ScheduledStep) -> bool:
+        return step.budget.token_budget > 0 and len(self.running) < self.max_num_running_reqs
 
-                if request.kv_swapped_out:
-                    # KV lives on the CPU tier: bring it back rather than recompute it.
-                    num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, budget)
-                    if num_new_tokens == 0:
-                        break
-                    needed = cdiv(request.num_computed_tokens + num_new_tokens + self.num_lookahead_tokens,
-                                  self.block_size)
-                    if needed > self.kv_cache_manager.num_blocks:
-                        self.waiting.pop_request()
-                        self._ignore_request(request, f"request {request.request_id} needs {needed} blocks, "
-                                                      f"the pool has {self.kv_cache_manager.num_blocks}")
-                        continue
-                    swap_in = self._swap_in(request, num_new_tokens)
-                    if swap_in is None:
-                        break
-                    blocks_to_swap_in += swap_in
-                    self.waiting.pop_request()
-                    self._admit(request, request.num_computed_tokens, num_new_tokens, budget,
-                                scheduled_new_reqs, scheduled_resumed_reqs, req_to_new_block_ids, num_scheduled_tokens)
-                    continue
+    def _release_idle_remote_blocks(self) -> None:
+        """Nothing runs, nothing could be admitted, and waiting requests hold device blocks
+        their remote KV was loaded into (WAITING_FOR_REMOTE_KVS): no one will ever free a block
+        for the head of the queue. Drop the loaded KV of the last such request (it recomputes,
+        as after a preemption) so the queue moves. Loads still in flight are never touched."""
+        holders = [r for r in self.waiting if r.request_id in self.finished_recving_kv_req_ids]
+        if holders:
+            request = holders[-1]
+            self.kv_cache_manager.free(request)
+            self.finished_recving_kv_req_ids.discard(request.request_id)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
 
-                # Already-computed tokens: the local prefix cache, then a remote KV source.
-                if request.num_computed_tokens == 0:
-                    new_computed_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
-                    num_external, load_kv_async = (0, False)
-                    if self.connector is not None:
-                        num_external, load_kv_async = self.connector.get_num_new_matched_tokens(request, num_local)
-                        if load_kv_async and num_external <= 0:
-                            raise ValueError(f"KV connector asked to load {num_external} tokens asynchronously "
-                                             f"for request {request.request_id}")
-                else:   # remote KV finished loading into blocks the request already owns
-                    new_computed_blocks, num_local, num_external, load_kv_async = None, 0, 0, False
-                num_computed_tokens = request.num_computed_tokens + num_local + num_external
+    def _try_swap_in(self, request: Request, step: ScheduledStep) -> str:
+        """A swapped-out request comes back with its KV copied from the CPU tier.
+        Returns "admitted", "skipped" (deferred by a policy), "ignored" or "blocked"."""
+        budget = step.budget
+        num_new_tokens = self._num_new_tokens(request, request.num_computed_tokens, budget)
+        if num_new_tokens == 0:
+            return "blocked"
+        needed = cdiv(request.num_computed_tokens + num_new_tokens + self.num_lookahead_tokens, self.block_size)
+        if needed > self.kv_cache_manager.num_blocks:
+            self._ignore_request(request, f"request {request.request_id} needs {needed} blocks, "
+                                          f"the pool has {self.kv_cache_manager.num_blocks}")
+            return "ignored"
+        if self._defer_admission(request, request.num_computed_tokens, num_new_tokens, budget):
+            return "skipped"
+        swap_in = self._swap_in(request, num_new_tokens)
+        if swap_in is None:
+            return "blocked"
+        step.blocks_to_swap_in += swap_in
+        self._admit(request, request.num_computed_tokens, num_new_tokens, step)
+        return "admitted"
 
-                if load_kv_async:
-                    num_new_tokens = 0       # nothing to compute until the KV has arrived
-                else:
-                    num_new_tokens = self._num_new_tokens(request, num_computed_tokens, budget)
-                    if num_new_tokens == 0:
-                        # The queue's head does not fit this step, and nobody behind it jumps
-                        # ahead (under FCFS: head-of-line blocking).
-                        break
-                    if self._defer_admission(request, num_computed_tokens, num_new_tokens, budget):
-                        skipped.append(self.waiting.pop_request())
-                        continue
+    def _try_admit(self, request: Request, step: ScheduledStep) -> str:
+        """A new or recompute-preempted request, or one whose remote KV has landed: find its
+        already-computed tokens (local prefix cache, then a KV connector), allocate, admit.
+        Returns "admitted", "skipped", "ignored" or "blocked" (the caller moves it in the queue)."""
+        budget = step.budget
+        if request.num_computed_tokens == 0:
+            new_computed_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
+            if self.kv_cache_manager.num_pending_tokens(request, num_local):
+                # Requests running this step are computing more of its prefix: wait one step and
+                # hit them, rather than compute the same K/V twice.
+                return "skipped"
+            external = self._external_tokens(request, num_local)
+            if external is None:
+                return "skipped"          # the connector cannot tell yet: ask again next step
+            num_external, load_kv_async = external
+        else:   # remote KV finished loading into blocks the request already owns
+            new_computed_blocks, num_local, num_external, load_kv_async = None, 0, 0, False
+        num_computed_tokens = request.num_computed_tokens + num_local + num_external
 
-                # (No lookahead slots yet: a request gets drafts only once it decodes.)
-                try:
-                    new_blocks = self.kv_cache_manager.allocate_slots(
-                        request, num_external + num_new_tokens, num_new_computed_tokens=num_local,
-                        new_computed_blocks=new_computed_blocks, delay_cache_blocks=load_kv_async)
-                except RequestTooLargeError as e:
-                    self.waiting.pop_request()
-                    self._ignore_request(request, str(e))
-                    continue
-                if new_blocks is None:
-                    break     # no room in the KV cache; the running requests will free some
-                self.waiting.pop_request()
-                if self.connector is not None and num_external:
-                    self.connector.update_state_after_alloc(
-                        request, self.kv_cache_manager.get_block_ids(request.request_id), num_external)
-                    request.num_external_computed_tokens = num_external
-                if load_kv_async:
-                    request.num_computed_tokens = num_computed_tokens
-                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                    skipped.append(request)
-                    continue
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_computed_tokens
-                self._admit(request, num_computed_tokens, num_new_tokens, budget,
-                            scheduled_new_reqs, scheduled_resumed_reqs, req_to_new_block_ids, num_scheduled_tokens)
-            if skipped:
-                self.waiting.prepend_requests(skipped)
-
-        # ---- 3. the output, then advance the counters --------------------------------------
-        total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
-        assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens
-        assert len(self.running) <= self.max_num_running_reqs
-
-        cached = CachedRequestData()
-        for request, resumed in [(r, False) for r in scheduled_running_reqs] + [(r, True) for r in scheduled_resumed_reqs]:
-            cached.req_ids.append(request.request_id)
-            cached.resumed_from_preemption.append(resumed)
-            cached.new_block_ids.append(req_to_new_block_ids[request.request_id])
-            cached.num_computed_tokens.append(request.num_computed_tokens)
-            if resumed:
-                cached.resumed_token_ids[request.request_id] = list(request.all_token_ids)
-        output = SchedulerOutput(
-            scheduled_new_reqs=[NewRequestData.from_request(r, req_to_new_block_ids[r.request_id])
-                                for r in scheduled_new_reqs],
-            scheduled_cached_reqs=cached,
-            num_scheduled_tokens=num_scheduled_tokens,
-            total_num_scheduled_tokens=total_num_scheduled_tokens,
-            scheduled_spec_decode_tokens=scheduled_spec_decode_tokens,
-            preempted_req_ids={r.request_id for r in preempted_reqs},
-            finished_req_ids=self.finished_req_ids,
-            blocks_to_swap_out=blocks_to_swap_out,
-            blocks_to_swap_in=blocks_to_swap_in,
-        )
-        self.finished_req_ids = set()
-        # Advance now (vLLM's _update_after_schedule): the output above carries the values
-        # BEFORE this step; update_from_output corrects for rejected drafts.
-        for req_id, n in num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += n
-        return output
-
-    def _admit(self, request: Request, num_computed_tokens: int, num_new_tokens: int, budget: SchedulingBudget,
-               scheduled_new_reqs: list[Request], scheduled_resumed_reqs: list[Request],
-               req_to_new_block_ids: dict[str, list[int]], num_scheduled_tokens: dict[str, int]) -> None:
-        """WAITING / PREEMPTED / remote KV loaded -> RUNNING with Δ = num_new_tokens this step."""
-        if request.num_preemptions:     # the runner dropped it at preemption: resend everything
-            scheduled_resumed_reqs.append(request)
+        if load_kv_async:
+            num_new_tokens = 0       # nothing to compute until the KV has arrived
         else:
-            scheduled_new_reqs.append(request)
+            num_new_tokens = self._num_new_tokens(request, num_computed_tokens, budget)
+            if num_new_tokens == 0:
+                return "blocked"     # it does not fit this step
+            if self._defer_admission(request, num_computed_tokens, num_new_tokens, budget):
+                return "skipped"
+
+        # (No lookahead slots yet: a request gets drafts only once it decodes.)
+        try:
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_external + num_new_tokens, num_new_computed_tokens=num_local,
+                new_computed_blocks=new_computed_blocks)
+        except RequestTooLargeError as e:
+            self._ignore_request(request, str(e))
+            return "ignored"
+        if new_blocks is None:
+            return "blocked"         # no room in the KV cache; the running requests will free some
+        if num_external:
+            self.connector.update_state_after_alloc(
+                request, self.kv_cache_manager.get_block_ids(request.request_id), num_external)
+        if load_kv_async:
+            # It owns its blocks now and waits, in its place in the queue, for the load to land.
+            request.num_computed_tokens = num_computed_tokens
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            return "skipped"
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed_tokens
+        self._admit(request, num_computed_tokens, num_new_tokens, step)
+        return "admitted"
+
+    def _external_tokens(self, request: Request, num_local: int) -> tuple[int, bool] | None:
+        """(tokens a KV connector can load after the local hit, load asynchronously?), or None
+        when the connector cannot tell yet. At least one token is always left to compute: its
+        logits are the request's next token (vLLM recomputes the last prompt token the same way)."""
+        if self.connector is None:
+            return 0, False
+        answer = self.connector.get_num_new_matched_tokens(request, num_local)
+        if answer[0] is None:
+            return None
+        num_external, load_kv_async = answer
+        if num_external < 0:
+            raise ValueError(f"KV connector returned {num_external} external tokens for request {request.request_id}")
+        num_external = min(num_external, request.num_tokens - 1 - num_local)
+        return num_external, load_kv_async and num_external > 0
+
+    def _admit(self, request: Request, num_computed_tokens: int, num_new_tokens: int, step: ScheduledStep) -> None:
+        """WAITING / PREEMPTED / remote KV loaded -> RUNNING with Δ = num_new_tokens this step."""
         self.finished_recving_kv_req_ids.discard(request.request_id)
         self.running.append(request)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed_tokens
         request.kv_swapped_out = False
-        # New and resumed requests send their WHOLE block table (the runner has none for them).
-        req_to_new_block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(request.request_id)
-        num_scheduled_tokens[request.request_id] = num_new_tokens
-        self._on_admitted(request, num_computed_tokens, num_new_tokens, budget)
-        budget.token_budget -= num_new_tokens
+        self._on_admitted(request, num_computed_tokens, num_new_tokens, step.budget)
+        # New and resumed requests send their WHOLE block table (the runner has none for them);
+        # a request the runner dropped at preemption is resent in full too.
+        kind = step.resumed_reqs if request.num_preemptions else step.new_reqs
+        step.add(request, num_new_tokens, self.kv_cache_manager.get_block_ids(request.request_id), kind)
+
+    # ---- 3. the output, then advance the counters ------------------------------------------
+    def _make_output(self, step: ScheduledStep) -> SchedulerOutput:
+        total_num_scheduled_tokens = sum(step.num_scheduled_tokens.values())
+        assert total_num_scheduled_tokens <= self.max_num_scheduled_tokens
+        assert len(self.running) <= self.max_num_running_reqs
+        cached = CachedRequestData()
+        for request, resumed in [(r, False) for r in step.running_reqs] + [(r, True) for r in step.resumed_reqs]:
+            cached.req_ids.append(request.request_id)
+            cached.resumed_from_preemption.append(resumed)
+            cached.new_block_ids.append(step.req_to_new_block_ids[request.request_id])
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            if resumed:
+                cached.resumed_token_ids[request.request_id] = list(request.all_token_ids)
+        output = SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData.from_request(r, step.req_to_new_block_ids[r.request_id])
+                                for r in step.new_reqs],
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=step.num_scheduled_tokens,
+            total_num_scheduled_tokens=total_num_scheduled_tokens,
+            scheduled_spec_decode_tokens=step.spec_decode_tokens,
+            preempted_req_ids={r.request_id for r in step.preempted_reqs},
+            finished_req_ids=self.finished_req_ids,
+            blocks_to_swap_out=step.blocks_to_swap_out,
+            blocks_to_swap_in=step.blocks_to_swap_in,
+        )
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        self.finished_req_ids = set()
+        # Advance now (vLLM's _update_after_schedule): the output above carries the values
+        # BEFORE this step; update_from_output corrects for rejected drafts.
+        for req_id, n in step.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
 
     # ================================================================== policy hooks
     def _new_budget(self) -> SchedulingBudget:
@@ -483,16 +553,26 @@ class Scheduler:
     # ================================================================== after the forward pass
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Append the sampled tokens, roll back rejected drafts, check stop conditions, free
-        finished requests. Returns one output per request that produced tokens or finished."""
+        """After the forward pass: fail the requests the runner could not run, roll back
+        rejected drafts, register the blocks whose K/V is now written in the prefix cache,
+        append the sampled tokens, check stop conditions, free finished requests. Returns one
+        output per request that produced tokens or finished."""
         outputs, self._ignored_outputs = self._ignored_outputs, []
         sampled = model_runner_output.sampled_token_ids
         index = model_runner_output.req_id_to_index
+        failed = model_runner_output.failed
         stopped_running: set[int] = set()
         for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue     # aborted while the model was running: drop its tokens
+            if req_id in failed:
+                # Its K/V may be half written: freed, never cached. The others go on.
+                self._free_request(request, RequestStatus.FINISHED_ERROR, owns_kv=True, message=failed[req_id])
+                stopped_running.add(id(request))
+                outputs.append(EngineCoreOutput(req_id, [], request.get_finished_reason(), failed[req_id],
+                                                max(request.num_cached_tokens, 0)))
+                continue
             if req_id not in index:
                 raise ValueError(f"the model runner returned nothing for scheduled request {req_id}")
             generated = sampled[index[req_id]]
@@ -511,6 +591,8 @@ class Scheduler:
                                      f"({request.num_computed_tokens} of {request.num_tokens} tokens computed)")
                 if request.streaming_input:
                     generated = []    # the input is still open: those logits belong to an unfinished prompt
+            # The forward pass wrote the K/V of every computed token: full blocks may now be hit.
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
             stopped = False
             for n, token_id in enumerate(generated, 1):
                 request.append_output_token_ids(token_id)
@@ -529,7 +611,9 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(req_id, generated, num_cached_tokens=max(request.num_cached_tokens, 0)))
         if stopped_running:
             self.running = [r for r in self.running if id(r) not in stopped_running]
-        self.finished_recving_kv_req_ids |= model_runner_output.finished_recving
+        self.finished_recving_kv_req_ids |= {r for r in model_runner_output.finished_recving if r in self.requests}
+        for req_id in model_runner_output.finished_sending:
+            self._free_delayed(req_id)
         return outputs
 
     # ================================================================== freeing
@@ -538,17 +622,37 @@ class Scheduler:
         return (request.status in (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KVS)
                 or request.kv_swapped_out)
 
-    def _free_request(self, request: Request, finished_status: RequestStatus, owns_kv: bool) -> None:
+    def _free_request(self, request: Request, finished_status: RequestStatus, owns_kv: bool,
+                      message: str | None = None) -> None:
         """The one place a request leaves the scheduler: free its KV exactly once (device or
-        CPU tier), and let the manager forget its block hashes (kept across preemptions)."""
+        CPU tier), and let the manager forget its block hashes (kept across preemptions).
+
+        A KV connector may still be reading the request's blocks (a prefill node pushing its
+        K/V to a decode node): if `request_finished` says so, the blocks are freed only when
+        the model runner reports the send finished (vLLM: `finished_sending`)."""
         request.status = finished_status
-        if owns_kv:
+        if message is not None:
+            request.stop_reason = message
+        delay_free = False
+        if owns_kv and self.connector is not None and not request.kv_swapped_out:
+            delay_free = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(request.request_id))
+        if delay_free:
+            self._delayed_free[request.request_id] = request
+        elif owns_kv:
             self.kv_cache_manager.free(request)
-        self.kv_cache_manager.free_block_hashes(request)
+        if not delay_free:
+            self.kv_cache_manager.free_block_hashes(request)
         request.kv_swapped_out = False
         self.finished_recving_kv_req_ids.discard(request.request_id)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
+
+    def _free_delayed(self, req_id: str) -> None:
+        request = self._delayed_free.pop(req_id, None)
+        if request is not None:
+            self.kv_cache_manager.free(request)
+            self.kv_cache_manager.free_block_hashes(request)
 
     # ================================================================== invariants
     def check_invariants(self, in_flight: SchedulerOutput | None = None) -> None:

@@ -9,7 +9,7 @@ the LLMEngine's processor and output processor).
              scheduler.update_from_output(...)         -> EngineCoreOutputs    (chapter 03)
 
 Start-up sizes the KV cache (`kv_memory.py`), allocates it, captures CUDA graphs, and only
-then builds the KVCacheManager (chapter 02) with that many blocks and the scheduler on top.
+then builds the KV cache manager (chapter 02) with that many blocks and the scheduler on top.
 """
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache import KVCacheManager
+from kvcache import BlockSpaceManager, KVCacheManager
 from scheduler import EngineCoreOutput, FinishReason, Request, RequestStatus, Scheduler, SchedulerOutput
 
 from mini_vllm.config import ModelConfig
 from mini_vllm.engine_config import GiB, EngineConfig
-from mini_vllm.input_batch import ModelInputs
+from mini_vllm.model_inputs import ModelInputs
 from mini_vllm.kv_memory import (DEFAULT_CPU_KV_CACHE_MEMORY, GPUMemorySnapshot, KVCacheReport,
                                  check_enough_kv_cache_memory, gpu_kv_cache_bytes, num_blocks_for_bytes)
 from mini_vllm.model_runner import ModelRunner
@@ -66,9 +66,14 @@ class EngineCore:
             logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", config.capture_sizes(),
                         time.perf_counter() - t0)
 
-        self.kv_cache_manager = KVCacheManager(self.kv_cache_report.num_blocks, config.block_size,
-                                               enable_caching=config.enable_prefix_caching,
-                                               num_cpu_blocks=self.kv_cache_report.num_cpu_blocks)
+        # Swap preemption needs vLLM v0's BlockSpaceManager (a CPU tier); otherwise the v1 manager.
+        if self.kv_cache_report.num_cpu_blocks:
+            self.kv_cache_manager: KVCacheManager = BlockSpaceManager(
+                self.kv_cache_report.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
+                num_cpu_blocks=self.kv_cache_report.num_cpu_blocks)
+        else:
+            self.kv_cache_manager = KVCacheManager(self.kv_cache_report.num_blocks, config.block_size,
+                                                   enable_caching=config.enable_prefix_caching)
         scheduler_config = config.scheduler_config(model_config.max_model_len)
         if config.enable_chunked_prefill:
             from chunked_prefill import ChunkedPrefillScheduler
@@ -131,20 +136,24 @@ class EngineCore:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> EngineCoreStep:
+        """One step. A per-request fault (bad state, a forward pass or sampler that raises for one
+        request, non-finite logits, a request the KV cache can never hold) finishes THAT request
+        with an error message and frees its blocks; the others go on. step() itself raises only
+        for faults of the engine (the scheduler's own bookkeeping)."""
         start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        errors = dict(runner_output.failed)
-        if errors:
-            self.scheduler.finish_requests(list(errors), RequestStatus.FINISHED_ABORTED)
+        errors: dict[str, str] = {}
         for output in outputs:
-            # Chapter 03 reports a request the KV cache can never hold as FINISHED_IGNORED,
-            # i.e. finish reason "length" with the KV manager's message as stop_reason.
-            if output.finish_reason == FinishReason.LENGTH and isinstance(output.stop_reason, str):
+            # FINISHED_ERROR (the runner failed it) and FINISHED_IGNORED (chapter 03: can never fit;
+            # finish reason "length" with the KV manager's message) are reported as errors.
+            if output.finish_reason == FinishReason.ERROR or (
+                    output.finish_reason == FinishReason.LENGTH and isinstance(output.stop_reason, str)):
                 errors[output.request_id] = output.stop_reason
-        if (scheduler_output.is_empty and not scheduler_output.preempted_req_ids and not outputs and not errors
-                and not self.scheduler.running and self.scheduler.has_unfinished_requests()):
+        if (scheduler_output.is_empty and not scheduler_output.preempted_req_ids and not outputs
+                and not self.scheduler.running and self.scheduler.has_unfinished_requests()
+                and not any(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.scheduler.waiting)):
             raise RuntimeError(f"the scheduler could schedule none of {self.scheduler.get_num_unfinished_requests()} "
                                "waiting requests with an idle engine: this is a bug, not a full cache")
         return EngineCoreStep(scheduler_output, outputs, runner_output.logprobs, errors,

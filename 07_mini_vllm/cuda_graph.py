@@ -34,7 +34,7 @@ from torch import nn
 
 from paged_attention.metadata import AttentionMetadata
 
-from mini_vllm.input_batch import ModelInputs
+from mini_vllm.model_inputs import ModelInputs
 
 
 def padded_batch_size(num_reqs: int, capture_sizes: list[int]) -> int | None:

@@ -125,15 +125,24 @@ class IncrementalDetokenizer:
         self.output_text = self.output_text[:truncate_to]
         return stop_str
 
-    def flush(self) -> None:
+    def flush(self) -> str | None:
         """The request finished (not by a stop string): emit the text of the tokens still held
-        back — an incomplete character will never be completed now."""
+        back — an incomplete character will never be completed now. That text is searched for
+        stop strings like any other (it may complete one): returns the stop string, with the
+        text truncated at it, or None."""
         end = len(self.token_ids) - self._excluded_tail
         if end <= self.read_offset:
-            return
+            return None
         prefix_text, new_text = self._decode_window(end)
-        self.output_text += new_text[len(prefix_text):]
+        flushed = new_text[len(prefix_text):]
+        self.output_text += flushed
         self.prefix_offset = self.read_offset = end
+        match = check_stop_strings(self.output_text, len(flushed), self.stop, self.include_stop_str_in_output)
+        if match is None:
+            return None
+        stop_str, truncate_to = match
+        self.output_text = self.output_text[:truncate_to]
+        return stop_str
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text a RequestOutput carries now: everything (delta=False) or only what is new.

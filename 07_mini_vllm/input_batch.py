@@ -19,11 +19,12 @@ scheduler's *deltas* costs O(changes). So the runner keeps, per request:
 
 The arrays are numpy on the CPU (cheap single-element writes, no torch dispatch per write);
 one step's input tensors are gathered from them with a few vectorized ops
-(`InputBatch.prepare_inputs`; `input_batch.prepare_inputs` is the same result rebuilt from
+(`InputBatch.prepare_inputs`; `model_inputs.prepare_inputs` is the same result rebuilt from
 Python lists, the readable version the tests compare it with).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,8 +33,11 @@ import torch
 from paged_attention.block_table import compute_slot_mapping
 from paged_attention.metadata import AttentionMetadata
 
-from mini_vllm.input_batch import ModelInputs
+from mini_vllm.model_inputs import ModelInputs
 from mini_vllm.sampling_params import SamplingParams
+
+
+_state_serials = itertools.count()
 
 
 @dataclass
@@ -45,6 +49,9 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    # Unique per state object, never reused: a request id that finishes and comes back is a NEW
+    # request (new sampling params, new seed), and per-row caches must see the difference.
+    serial: int = field(default_factory=lambda: next(_state_serials))
 
     @property
     def num_tokens(self) -> int:
@@ -147,35 +154,39 @@ class InputBatch:
         self.num_tokens[row] = n + 1
 
     # ------------------------------------------------------------------ one step's tensors
-    def prepare_inputs(self, num_scheduled: np.ndarray, block_size: int,
-                       device: str | torch.device = "cpu") -> tuple[ModelInputs, np.ndarray]:
-        """The flat ragged batch for rows 0..num_reqs-1, row r running num_scheduled[r] >= 1 tokens
-        from its num_computed_tokens on (vLLM: GPUModelRunner._prepare_inputs).
+    def prepare_inputs(self, num_scheduled: np.ndarray, block_size: int, device: str | torch.device = "cpu",
+                       rows: np.ndarray | None = None) -> tuple[ModelInputs, np.ndarray]:
+        """The flat ragged batch for rows 0..num_reqs-1 (or only `rows`, in that order), row r
+        running num_scheduled[r] >= 1 tokens from its num_computed_tokens on (vLLM:
+        GPUModelRunner._prepare_inputs). `rows` is how the runner re-runs part of a step to find
+        the one request that makes a forward pass fail.
 
         Returns (inputs, sample_rows): the rows whose tokens reach the end of what the request
         has this step — only they sample, so logits_indices holds their last token's row only.
         """
-        n = self.num_reqs
+        rows = np.arange(self.num_reqs) if rows is None else np.asarray(rows, dtype=np.int64)
+        n = len(rows)
         if num_scheduled.shape != (n,) or n == 0 or num_scheduled.min() < 1:
             raise ValueError(f"need one count >= 1 per row ({n} rows), got {num_scheduled.tolist()}")
+        num_tokens = self.num_tokens[rows]                                         # [n]
         ### BEGIN SOLUTION
         cu_num_tokens = np.cumsum(num_scheduled)                                   # [n]
         total = int(cu_num_tokens[-1])
-        req_indices = np.repeat(np.arange(n), num_scheduled)                       # [T] row of each token
+        req_indices = np.repeat(np.arange(n), num_scheduled)                       # [T] batch row of each token
         offsets = np.arange(total) - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
-        computed = self.num_computed_tokens[:n]
+        computed = self.num_computed_tokens[rows]                                  # [n]
         positions = computed[req_indices] + offsets                                # [T]
-        input_ids = self.token_ids.reshape(-1)[req_indices * self.max_model_len + positions]   # [T]
+        input_ids = self.token_ids.reshape(-1)[rows[req_indices] * self.max_model_len + positions]   # [T]
         seq_lens = computed + num_scheduled                                        # [n] KV length after the step
-        sample_rows = np.flatnonzero(seq_lens >= self.num_tokens[:n])              # reach the end: sample
+        sample_rows = np.flatnonzero(seq_lens >= num_tokens)                       # reach the end: sample
         logits_indices = cu_num_tokens[sample_rows] - 1
         ### END SOLUTION
-        overrun = np.flatnonzero(seq_lens > self.num_tokens[:n])
+        overrun = np.flatnonzero(seq_lens > num_tokens)
         if overrun.size:
-            raise RuntimeError(f"scheduled past the tokens the runner has for {[self.req_ids[i] for i in overrun]}: "
+            raise RuntimeError(f"scheduled past the tokens the runner has for {[self.req_ids[rows[i]] for i in overrun]}: "
                                "scheduler and runner disagree")
-        width = max(1, int(self.num_blocks[:n].max()))
-        block_tables = torch.from_numpy(np.ascontiguousarray(self.block_table[:n, :width])).to(device)
+        width = max(1, int(self.num_blocks[rows].max()))
+        block_tables = torch.from_numpy(np.ascontiguousarray(self.block_table[rows, :width])).to(device)
         positions_t = torch.from_numpy(positions).to(device)
         # Chapter 01's vectorized slot mapping, over the block tables just built.
         slot_mapping = compute_slot_mapping(block_tables, torch.from_numpy(req_indices).to(device), positions_t,
@@ -190,4 +201,4 @@ class InputBatch:
         inputs = ModelInputs(input_ids=torch.from_numpy(input_ids.astype(np.int64)).to(device),
                              positions=positions_t, attn_metadata=md,
                              logits_indices=torch.from_numpy(logits_indices).to(device))
-        return inputs, sample_rows
+        return inputs, rows[sample_rows]

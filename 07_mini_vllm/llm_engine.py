@@ -70,8 +70,8 @@ class LLMEngine:
                     prompt_token_ids: list[int] | None = None) -> None:
         """Validate, tokenize and queue one request. Raises (changing nothing) on bad input.
 
-        prompt_token_ids: already-validated ids of `prompt` (LLM.generate tokenizes a whole batch
-        before adding any of it)."""
+        prompt_token_ids: the ids of `prompt` when the caller tokenized it already (LLM.generate
+        tokenizes a whole batch before adding any of it); they are validated again here."""
         params = params if params is not None else SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -79,6 +79,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         if prompt_token_ids is None:
             prompt, prompt_token_ids = self.processor.process_inputs(prompt, params)
+        else:   # ids from a caller: validated like any other prompt (one bad id would fail every step)
+            prompt_token_ids = self.processor.validate(prompt_token_ids, params)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         eos_ids = self.model_config.eos_token_ids
         request = Request(

@@ -42,9 +42,9 @@ from scheduler import SchedulerOutput
 from mini_vllm.config import ModelConfig
 from mini_vllm.cuda_graph import CUDAGraphRunner
 from mini_vllm.engine_config import EngineConfig
-from mini_vllm.input_batch import ModelInputs, prepare_inputs
+from mini_vllm.model_inputs import ModelInputs, prepare_inputs
 from mini_vllm.models.loader import get_model
-from mini_vllm.persistent_batch import CachedRequestState, InputBatch
+from mini_vllm.input_batch import CachedRequestState, InputBatch
 from mini_vllm.sampler import Sampler, SamplerOutput, SamplingMetadata, nonfinite_rows, request_generator
 from mini_vllm.sampling_params import SamplingParams
 
@@ -57,12 +57,11 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class ModelRunnerOutput(SchedulerModelRunnerOutput):
-    """Chapter 03's ModelRunnerOutput (what update_from_output reads) plus what only the engine's
-    output processor needs (vLLM's ModelRunnerOutput carries logprobs the same way)."""
+    """Chapter 03's ModelRunnerOutput (what update_from_output reads, including `failed`) plus
+    what only the engine's output processor needs (vLLM's ModelRunnerOutput carries logprobs
+    the same way)."""
     # req_id -> ([sampled, top-1, ..., top-k] token ids, their logprobs, the sampled token's rank)
     logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
-    # req_id -> why it produced no token (non-finite logits): the engine fails these requests
-    failed: dict[str, str] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -135,26 +134,53 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if scheduler_output.scheduled_spec_decode_tokens:
             raise NotImplementedError("speculative decoding (chapter 04) is not composed into this engine")
-        self._update_states(scheduler_output)
+        failed = self._update_states(scheduler_output)
         # Block moves BEFORE the forward, in this order: a block a swap-out frees may be written
         # by this very step (chapter 02).
         so = scheduler_output
         if so.blocks_to_swap_out or so.blocks_to_swap_in or so.blocks_to_copy:
             self.cache_engine.execute(so.blocks_to_swap_out, so.blocks_to_swap_in, so.blocks_to_copy)
-        if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [])
-
-        inputs, sample_rows = self._prepare_inputs(so)
-        self.last_inputs = inputs
-        if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(inputs):
-            hidden = self.cuda_graph_runner.run(inputs)                                  # [T, hidden]
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-        return self._sample(hidden, inputs.logits_indices, sample_rows)
-
-    def _update_states(self, so: SchedulerOutput) -> None:
-        """Apply the scheduler's deltas to `requests` and the persistent batch (vLLM: _update_states)."""
         batch = self.input_batch
+        output = ModelRunnerOutput(list(batch.req_ids), [[] for _ in range(batch.num_reqs)], failed=failed)
+        if batch.num_reqs == 0:
+            return output
+        num_scheduled = np.fromiter((so.num_scheduled_tokens[r] for r in batch.req_ids), dtype=np.int64,
+                                    count=batch.num_reqs)
+        self._execute_rows(np.arange(batch.num_reqs), num_scheduled, output)
+        return output
+
+    def _execute_rows(self, rows: np.ndarray, num_scheduled: np.ndarray, output: ModelRunnerOutput) -> None:
+        """Forward + sample `rows` of the persistent batch. One request must never take the
+        batch down: if anything raises, the rows are run again in two halves, down to the one
+        request that fails alone — it is reported in `output.failed` and the scheduler finishes
+        it with the message, freeing its blocks (never cached: its K/V may be half written).
+        Re-running is safe: a forward writes each token's K/V to the same slot again."""
+        try:
+            ### BEGIN SOLUTION
+            inputs, sample_rows = self.input_batch.prepare_inputs(num_scheduled, self.block_size, self.device, rows)
+            self.last_inputs = inputs
+            if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(inputs):
+                hidden = self.cuda_graph_runner.run(inputs)                              # [T, hidden]
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+            self._sample(hidden, inputs.logits_indices, sample_rows, output)
+            ### END SOLUTION
+        except Exception as error:      # noqa: BLE001 — isolating per-request faults is the point
+            if len(rows) == 1:
+                req_id = self.input_batch.req_ids[rows[0]]
+                logger.exception("request %s failed in the forward pass or the sampler", req_id)
+                output.failed[req_id] = f"the engine could not run this request: {type(error).__name__}: {error}"
+                return
+            half = len(rows) // 2
+            self._execute_rows(rows[:half], num_scheduled[:half], output)
+            self._execute_rows(rows[half:], num_scheduled[half:], output)
+
+    def _update_states(self, so: SchedulerOutput) -> dict[str, str]:
+        """Apply the scheduler's deltas to `requests` and the persistent batch (vLLM: _update_states).
+        Returns {req_id: message} for scheduled requests whose state could not be applied (they
+        stay out of the batch; the others run)."""
+        batch = self.input_batch
+        failed: dict[str, str] = {}
         ### BEGIN SOLUTION
         for req_id in so.finished_req_ids:                   # gone for good
             self.requests.pop(req_id, None)
@@ -166,93 +192,107 @@ class ModelRunner:
             batch.remove_request(req_id)                     # not scheduled this step: row freed, state kept
 
         for new in so.scheduled_new_reqs:
-            params = new.sampling_params if new.sampling_params is not None else SamplingParams(temperature=0.0)
-            state = CachedRequestState(new.req_id, list(new.prompt_token_ids), params,
-                                       request_generator(params, self.device), list(new.block_ids),
-                                       new.num_computed_tokens)
-            self.requests[new.req_id] = state
-            batch.add_request(state)
+            try:
+                params = new.sampling_params if new.sampling_params is not None else SamplingParams(temperature=0.0)
+                state = CachedRequestState(new.req_id, list(new.prompt_token_ids), params,
+                                           request_generator(params, self.device), list(new.block_ids),
+                                           new.num_computed_tokens)
+                self.requests[new.req_id] = state
+                batch.add_request(state)
+            except Exception as error:    # noqa: BLE001
+                failed[new.req_id] = self._state_error(new.req_id, error)
 
         cached = so.scheduled_cached_reqs
         for req_id, resumed, new_block_ids, num_computed in zip(
                 cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids, cached.num_computed_tokens):
-            state = self.requests[req_id]
-            state.num_computed_tokens = num_computed
-            if resumed:
-                # Preempted earlier: the block table is replaced, and the scheduler's tokens
-                # (prompt + output so far) are the truth.
-                state.block_ids = list(new_block_ids)
-                all_tokens = cached.resumed_token_ids[req_id]
-                state.output_token_ids = list(all_tokens[len(state.prompt_token_ids):])
-            else:
-                state.block_ids.extend(new_block_ids)
-            row = batch.req_id_to_index.get(req_id)
-            if row is None:                                  # resumed, or back after a step unscheduled
-                batch.add_request(state)
-            else:
-                batch.num_computed_tokens[row] = num_computed
-                if new_block_ids:
-                    batch.append_block_ids(row, new_block_ids)
+            try:
+                self._update_cached_request(req_id, resumed, new_block_ids, num_computed,
+                                            cached.resumed_token_ids.get(req_id))
+            except Exception as error:    # noqa: BLE001
+                failed[req_id] = self._state_error(req_id, error)
         batch.condense()
         ### END SOLUTION
-        if batch.num_reqs != len(scheduled):
-            raise RuntimeError(f"the persistent batch holds {batch.num_reqs} requests but {len(scheduled)} are scheduled")
+        if batch.num_reqs != len(scheduled) - len(failed):
+            raise RuntimeError(f"the persistent batch holds {batch.num_reqs} requests but "
+                               f"{len(scheduled) - len(failed)} are scheduled")
+        return failed
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> tuple[ModelInputs, np.ndarray]:
+    def _update_cached_request(self, req_id: str, resumed: bool, new_block_ids: list[int], num_computed: int,
+                               resumed_token_ids: list[int] | None) -> None:
         batch = self.input_batch
-        num_scheduled = np.fromiter((so.num_scheduled_tokens[r] for r in batch.req_ids), dtype=np.int64,
-                                    count=batch.num_reqs)
-        return batch.prepare_inputs(num_scheduled, self.block_size, self.device)
+        state = self.requests[req_id]
+        state.num_computed_tokens = num_computed
+        if resumed:
+            # Preempted earlier: the block table is replaced, and the scheduler's tokens
+            # (prompt + output so far) are the truth.
+            state.block_ids = list(new_block_ids)
+            state.output_token_ids = list(resumed_token_ids[len(state.prompt_token_ids):])
+        else:
+            state.block_ids.extend(new_block_ids)
+        row = batch.req_id_to_index.get(req_id)
+        if row is None:                                  # resumed, or back after a step unscheduled
+            batch.add_request(state)
+        else:
+            batch.num_computed_tokens[row] = num_computed
+            if new_block_ids:
+                batch.append_block_ids(row, new_block_ids)
+
+    def _state_error(self, req_id: str, error: Exception) -> str:
+        logger.exception("request %s: its state could not be applied to the batch", req_id)
+        self.input_batch.remove_request(req_id)
+        return f"the engine could not prepare this request: {type(error).__name__}: {error}"
 
     def _sampling_metadata_for(self, rows: np.ndarray) -> SamplingMetadata:
         """The sampler's per-row tensors, rebuilt only when the sampling rows change (in a run of
-        decode steps they do not, and rebuilding is O(rows) of Python)."""
+        decode steps they do not, and rebuilding is O(rows) of Python). The key is the rows'
+        state serials, not their request ids: a finished id added again is a new request with
+        its own sampling params and seed (vLLM: refresh_metadata when the batch changes)."""
         batch = self.input_batch
-        key = tuple(batch.req_ids[i] for i in rows)
+        key = tuple(batch.states[i].serial for i in rows)
         if self._sampling_metadata is None or self._sampling_metadata[0] != key:
             states = [batch.states[i] for i in rows]
             md = SamplingMetadata.from_params([s.sampling_params for s in states], [s.generator for s in states],
-                                              req_ids=key, device=self.device)
+                                              req_ids=[s.req_id for s in states], device=self.device)
             self._sampling_metadata = (key, md)
         return self._sampling_metadata[1]
 
-    def _sample(self, hidden: torch.Tensor, logits_indices: torch.Tensor, sample_rows: np.ndarray) -> ModelRunnerOutput:
-        batch = self.input_batch
-        req_ids = list(batch.req_ids)
-        sampled: list[list[int]] = [[] for _ in req_ids]
-        output = ModelRunnerOutput(req_ids, sampled)
+    def _sample(self, hidden: torch.Tensor, logits_indices: torch.Tensor, sample_rows: np.ndarray,
+                output: ModelRunnerOutput) -> None:
+        """Logits for the sampling rows, one token each, recorded into `output`."""
         if len(sample_rows) == 0:
-            return output
+            return
         logits = self.model.compute_logits(hidden[logits_indices])                 # [S, vocab] fp32
         rows = sample_rows
-        try:
-            result = self.sampler(logits, self._sampling_metadata_for(rows))
-        except FloatingPointError as error:
-            # Fail only the offending rows (the sampler checks before drawing anything, so no
-            # random stream has advanced), then sample the others.
-            bad = nonfinite_rows(logits).cpu().numpy()
+        bad = nonfinite_rows(logits).cpu().numpy()                                  # [S]
+        if bad.any():
+            # Fail only the offending rows (before drawing anything, so no random stream has
+            # advanced), then sample the others.
             for i in rows[bad]:
-                output.failed[req_ids[i]] = f"non-finite logits (NaN or +inf, or no finite value): {error}"
+                output.failed[self.input_batch.req_ids[i]] = (
+                    "non-finite logits (NaN or +inf, or no finite value): the model's output overflowed "
+                    "or its weights are corrupt (fp16 overflow? try bfloat16 or float32)")
             rows, logits = rows[~bad], logits[torch.from_numpy(~bad).to(logits.device)]
             if len(rows) == 0:
-                return output
-            result = self.sampler(logits, self._sampling_metadata_for(rows))
+                return
+        result = self.sampler(logits, self._sampling_metadata_for(rows))
         self._record(result, rows, output)
-        return output
 
     def _record(self, result: SamplerOutput, rows: np.ndarray, output: ModelRunnerOutput) -> None:
         """Append each sampled token to its request (the runner keeps its own copy of the
-        tokens: the next step's input ids are read from the persistent batch)."""
+        tokens: the next step's input ids are read from the persistent batch). Everything is
+        read out before anything is appended, so a failure here leaves the batch as it was."""
         batch = self.input_batch
         tokens = result.sampled_token_ids.tolist()
+        logprobs: dict[str, tuple[list[int], list[float], int]] = {}
+        lp = result.logprobs_tensors
+        if lp is not None:
+            ids, values, ranks = lp.logprob_token_ids.tolist(), lp.logprobs.tolist(), lp.selected_token_ranks.tolist()
+            for j, i in enumerate(rows.tolist()):
+                k = batch.states[i].sampling_params.logprobs
+                if k is not None:
+                    logprobs[batch.req_ids[i]] = (ids[j][:k + 1], values[j][:k + 1], ranks[j])
         for i, token in zip(rows.tolist(), tokens):
             output.sampled_token_ids[i].append(token)
             batch.states[i].output_token_ids.append(token)
             batch.append_token(i, token)
-        lp = result.logprobs_tensors
-        if lp is not None:
-            ids, logprobs, ranks = lp.logprob_token_ids.tolist(), lp.logprobs.tolist(), lp.selected_token_ranks.tolist()
-            for j, i in enumerate(rows.tolist()):
-                k = batch.states[i].sampling_params.logprobs
-                if k is not None:
-                    output.logprobs[batch.req_ids[i]] = (ids[j][:k + 1], logprobs[j][:k + 1], ranks[j])
+        output.logprobs.update(logprobs)

@@ -96,7 +96,10 @@ class OutputProcessor:
             if finish_reason is not None:
                 state.metrics.finished_time = now
                 if state.detokenizer is not None and stop_str is None:
-                    state.detokenizer.flush()         # not cut at a stop string: emit what is held back
+                    # Not cut at a stop string: emit what is held back — which may complete one.
+                    stop_str = state.detokenizer.flush()
+                    if stop_str is not None:
+                        finish_reason, stop_reason = "stop", stop_str
             output = self._make_request_output(state, finish_reason, stop_reason)
             if output is not None:
                 request_outputs.append(output)

@@ -48,8 +48,7 @@ class Processor:
             text, token_ids = None, list(prompt)
         else:
             raise TypeError(f"a prompt is a str, a list of token ids, or a dict; got {type(prompt).__name__}")
-        self._validate(token_ids, params)
-        return text, token_ids
+        return text, self.validate(token_ids, params)
 
     def chat_to_token_ids(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
                           chat_template_kwargs: Mapping | None = None) -> tuple[str, list[int]]:
@@ -64,7 +63,15 @@ class Processor:
         # The template already wrote the special tokens (BOS, role markers): don't add them twice.
         return text, self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, token_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """Check prompt token ids (and the parameters) for one request; returns them as a list.
+        Every path into the engine goes through here — a single out-of-vocabulary id would
+        otherwise fail inside the embedding lookup at every step."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a mini_vllm.SamplingParams, got {type(params).__name__}")
+        if not _is_token_ids(token_ids):
+            raise TypeError(f"prompt token ids must be a list of ints, got {type(token_ids).__name__}")
+        token_ids = list(token_ids)
         if not token_ids:
             raise ValueError("the prompt is empty: a request needs at least one prompt token")
         if len(token_ids) >= self.max_model_len:
@@ -75,3 +82,4 @@ class Processor:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}) (the vocabulary); got {lo}..{hi}")
         if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
             raise ValueError(f"stop_token_ids must be < vocab_size {self.vocab_size}, got {params.stop_token_ids}")
+        return token_ids

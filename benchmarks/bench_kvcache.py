@@ -101,6 +101,7 @@ def bench_zero_hit_lookup(prompt_len: int = 4096, cached_entries: int = 100_000,
         m = KVCacheManager(cached_entries + 512, BLOCK_SIZE, hash_fn=hash_name)
         filler = SimpleRequest("filler", list(range(10**7, 10**7 + cached_entries * BLOCK_SIZE)))
         m.allocate_slots(filler, filler.num_tokens)
+        m.cache_blocks(filler, filler.num_tokens)
         m.free(filler)
         reqs = [SimpleRequest(f"q{i}", [i * prompt_len + t for t in range(prompt_len)]) for i in range(iters)]
         samples = []

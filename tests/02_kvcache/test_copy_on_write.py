@@ -3,7 +3,7 @@ Exact block ids, then the same trace executed on real tensors."""
 import pytest
 import torch
 
-from kvcache import KVCacheManager, SimpleRequest
+from kvcache import BlockSpaceManager, SimpleRequest
 from kvcache.cache_engine import CacheEngine, KVCacheSpec
 
 
@@ -11,6 +11,7 @@ def prefilled(m, rid, tokens):
     r = SimpleRequest(rid, tokens)
     m.allocate_slots(r, len(tokens))
     r.num_computed_tokens = len(tokens)
+    m.cache_blocks(r, r.num_computed_tokens)
     return r
 
 
@@ -28,7 +29,7 @@ def refs(m, ids):
 def test_parallel_sampling_copies_only_the_shared_partial_block():
     """Thesis Fig. 3.8: two samples share the prompt; the first to write its last block
     copies it, the second then owns the original and writes in place."""
-    m = KVCacheManager(8, 4)
+    m = BlockSpaceManager(8, 4)
     a1 = prefilled(m, "A1", list(range(7)))            # blocks [0, 1]; block 1 holds 3 of 4 tokens
     a2 = fork(m, a1, "A2")
     assert m.get_block_ids("A2") == [0, 1] and refs(m, [0, 1]) == [2, 2]
@@ -44,7 +45,7 @@ def test_parallel_sampling_copies_only_the_shared_partial_block():
 
 
 def test_fork_at_a_block_boundary_needs_no_copy():
-    m = KVCacheManager(8, 4)
+    m = BlockSpaceManager(8, 4)
     p = prefilled(m, "p", list(range(8)))
     c = fork(m, p, "c")
     c.append_output_token_ids(9)
@@ -56,7 +57,7 @@ def test_fork_at_a_block_boundary_needs_no_copy():
 def test_beam_search_sharing_and_freeing_by_ref_count():
     """Thesis Fig. 3.9 in miniature: beams fork, diverge, and dropped beams free exactly
     the blocks no surviving beam references."""
-    m = KVCacheManager(12, 4)
+    m = BlockSpaceManager(12, 4)
     root = prefilled(m, "b0", list(range(8)))          # [0, 1]
     beams = [fork(m, root, f"b{i}") for i in (1, 2, 3)]
     assert refs(m, [0, 1]) == [4, 4]
@@ -66,6 +67,7 @@ def test_beam_search_sharing_and_freeing_by_ref_count():
             new, copies = m.append_slots(b, 1)
             assert copies == []
             b.num_computed_tokens += 1
+            m.cache_blocks(b, b.num_computed_tokens)
     assert [m.get_block_ids(f"b{i}") for i in range(4)] == [[0, 1, 2], [0, 1, 3], [0, 1, 4], [0, 1, 5]]
     survivor = beams[0]
     grand = [fork(m, survivor, f"g{i}") for i in range(2)]
@@ -80,7 +82,7 @@ def test_beam_search_sharing_and_freeing_by_ref_count():
 
 
 def test_allocate_slots_refuses_to_write_a_shared_block():
-    m = KVCacheManager(8, 4)
+    m = BlockSpaceManager(8, 4)
     a = prefilled(m, "a", list(range(7)))
     fork(m, a, "b")
     a.append_output_token_ids(1)
@@ -89,7 +91,7 @@ def test_allocate_slots_refuses_to_write_a_shared_block():
 
 
 def test_append_slots_returns_none_when_the_copy_does_not_fit():
-    m = KVCacheManager(2, 4)
+    m = BlockSpaceManager(2, 4)
     a = prefilled(m, "a", list(range(7)))              # both blocks
     b = fork(m, a, "b")
     b.append_output_token_ids(1)
@@ -100,7 +102,7 @@ def test_append_slots_returns_none_when_the_copy_does_not_fit():
 
 
 def test_fork_errors():
-    m = KVCacheManager(8, 4)
+    m = BlockSpaceManager(8, 4)
     a = prefilled(m, "a", list(range(7)))
     with pytest.raises(ValueError, match="must start where parent"):
         m.fork(a, SimpleRequest("x", list(range(7))))
@@ -122,7 +124,7 @@ def test_copy_on_write_keeps_every_sample_s_kv(backend):
     B = 4
     spec = KVCacheSpec(num_layers=2, block_size=B, num_kv_heads=1, head_dim=2, dtype=torch.float32)
     eng = CacheEngine(spec, num_gpu_blocks=6, backend=backend)
-    m = KVCacheManager(6, B)
+    m = BlockSpaceManager(6, B)
 
     def write(r, pos, value):                       # the token at `pos` gets K = V = value
         block = m.get_block_ids(r.request_id)[pos // B]

@@ -29,6 +29,7 @@ def prefill(m, r):
     new = m.allocate_slots(r, r.num_tokens - n, n, hit)
     assert new is not None
     r.num_computed_tokens = r.num_tokens
+    m.cache_blocks(r, r.num_computed_tokens)           # the forward pass wrote the K/V
     return hit.get_block_ids(), new.get_block_ids()
 
 

@@ -11,11 +11,32 @@ from kvcache import NONE_HASH, SimpleRequest, append_block_hashes, hash_block_to
 def test_chain_covers_parent_tokens_and_extra_keys():
     h0 = hash_block_tokens(None, [1, 2, 3, 4])
     assert h0.parent_hash_value == NONE_HASH and h0.token_ids == (1, 2, 3, 4) and h0.extra_keys is None
-    assert h0.hash_value == hash((NONE_HASH, (1, 2, 3, 4), None))
-    # Same tokens, different parent -> different block (seed 001's "why chaining matters").
-    assert hash_block_tokens(h0.hash_value, [5, 6, 7, 8]) != hash_block_tokens(123, [5, 6, 7, 8])
-    assert hash_block_tokens(h0.hash_value, [5, 6, 7, 8]) == hash_block_tokens(h0.hash_value, (5, 6, 7, 8))
+    assert h0.hash_value == sha256_hash((NONE_HASH, (1, 2, 3, 4), None))      # sha256 is the default
+    # Same tokens, different parent -> a different HASH VALUE (seed 001's "why chaining matters").
+    # (Comparing whole BlockHash tuples would pass even for a hash that ignored the parent: the
+    # tuples differ in their parent field anyway.)
+    assert hash_block_tokens(h0.hash_value, [5, 6, 7, 8]).hash_value != hash_block_tokens(123, [5, 6, 7, 8]).hash_value
+    assert hash_block_tokens(h0.hash_value, [5, 6, 7, 8]).hash_value == \
+        hash_block_tokens(h0.hash_value, (5, 6, 7, 8)).hash_value
     assert hash_block_tokens(None, [1, 2, 3, 4], (("lora", 1),)).hash_value != h0.hash_value
+
+
+def test_the_parent_check_catches_a_hash_that_ignores_the_parent():
+    """The assertion above is falsifiable: a hash function that drops the parent fails it."""
+    def ignores_parent(obj):
+        return sha256_hash(obj[1:])
+    a = hash_block_tokens(1, [5, 6, 7, 8], hash_fn=ignores_parent)
+    b = hash_block_tokens(2, [5, 6, 7, 8], hash_fn=ignores_parent)
+    assert a != b and a.hash_value == b.hash_value
+
+
+def test_default_hash_is_sha256_everywhere():
+    """vLLM's default since CVE-2025-25183: Python's hash of ints/tuples is predictable, so an
+    attacker can construct prompts whose blocks collide with another tenant's."""
+    from kvcache import KVCacheManager
+    assert KVCacheManager(4, 4).hash_fn is sha256_hash
+    r = SimpleRequest("r", list(range(8)))
+    assert hash_request_tokens(4, r) == hash_request_tokens(4, r, sha256_hash)
 
 
 def test_only_full_blocks_are_hashed():
@@ -37,7 +58,7 @@ def test_incremental_extension_equals_one_shot_and_hashes_each_block_once():
 
     def counting_hash(obj):
         calls.append(obj)
-        return hash(obj)
+        return sha256_hash(obj)
 
     r = SimpleRequest("r", list(range(5)))
     hashes = []
@@ -64,15 +85,15 @@ def test_lora_keys_every_block_salt_only_the_first():
 
 
 def test_sha256_is_stable_across_processes_builtin_str_hash_is_not():
-    code = ("from kvcache import SimpleRequest, hash_request_tokens, sha256_hash;"
+    code = ("from kvcache import SimpleRequest, hash_request_tokens;"
             "r = SimpleRequest('r', list(range(8)), cache_salt='s');"
-            "print(hash_request_tokens(4, r)[-1].hash_value, hash_request_tokens(4, r, sha256_hash)[-1].hash_value)")
+            "print(hash_request_tokens(4, r)[-1].hash_value, hash_request_tokens(4, r, hash)[-1].hash_value)")
     outs = []
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
         outs.append(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split())
-    assert outs[0][1] == outs[1][1]            # sha256: same in every process
-    assert outs[0][0] != outs[1][0]            # builtin: str hashing is salted per process
+    assert outs[0][0] == outs[1][0]            # sha256 (the default): same in every process
+    assert outs[0][1] != outs[1][1]            # builtin: the salt string is hashed differently per process
 
 
 def test_bad_block_size():

@@ -21,6 +21,7 @@ def schedule_prefill(m, r):
     new = m.allocate_slots(r, r.num_tokens - n, n, hit)
     if new is not None:
         r.num_computed_tokens = r.num_tokens
+        m.cache_blocks(r, r.num_computed_tokens)   # ... the forward pass writes the K/V: now cache it
     return hit, n, new
 
 
@@ -114,6 +115,7 @@ def test_decode_allocates_a_block_every_block_size_tokens_and_caches_as_blocks_f
         new = m.allocate_slots(r, 1)
         new_ids.append(new.get_block_ids())
         r.num_computed_tokens += 1
+        m.cache_blocks(r, r.num_computed_tokens)
     # tokens 8..13: a new block when token 9 (index 8) and token 13 (index 12) arrive
     assert new_ids == [[], [2], [], [], [], [3]]
     assert m.num_cached_block["r"] == 3 and len(m.req_to_block_hashes["r"]) == 3
@@ -162,24 +164,37 @@ def test_lookahead_slots_are_allocated_but_never_cached():
     m = KVCacheManager(8, B)
     r = req("r", range(8))
     new = m.allocate_slots(r, 8, num_lookahead_tokens=5)     # 13 slots -> 4 blocks
-    assert new.get_block_ids() == [0, 1, 2, 3] and m.num_cached_block["r"] == 2
+    assert new.get_block_ids() == [0, 1, 2, 3]
     r.num_computed_tokens = 8
-    # Next step: 1 verified token + 3 drafts scheduled; only verified tokens (num_tokens) are cached.
+    m.cache_blocks(r, 8)
+    assert m.num_cached_block["r"] == 2
+    # Next step: 1 verified token + 3 drafts scheduled and computed; only verified tokens
+    # (num_tokens) are cached, whatever the caller says was computed.
     r.append_output_token_ids(8)
     new = m.allocate_slots(r, 4)
+    m.cache_blocks(r, 12)
     assert new.get_block_ids() == [] and m.num_cached_block["r"] == 2
     m.check_invariants()
 
 
-def test_delay_cache_blocks_hides_blocks_until_they_are_cached():
+def test_blocks_are_cached_only_once_their_kv_is_computed():
+    """allocate_slots registers nothing: a block allocated for tokens about to be computed (or
+    loaded from a remote prefill) must not be hit before its K/V exists. If the request is
+    freed first (preempted in the step that scheduled it), its blocks go back unhashed."""
     m = KVCacheManager(8, B)
     r = req("r", range(9))
-    m.allocate_slots(r, 9, delay_cache_blocks=True)      # K/V arriving from a remote prefill
+    m.allocate_slots(r, 9)
     assert m.num_cached_block["r"] == 0
     assert m.get_computed_blocks(req("x", range(9)))[1] == 0
-    m.cache_blocks(r, 9)                                 # landed
+    r.num_computed_tokens = 9
+    m.cache_blocks(r, 9)                                 # the forward pass (or the load) landed
     assert m.num_cached_block["r"] == 2
     assert m.get_computed_blocks(req("y", range(9)))[1] == 8
+    s = req("s", range(100, 109))
+    m.allocate_slots(s, 9)
+    m.free(s)                                            # never computed: never hittable
+    assert m.get_computed_blocks(req("z", range(100, 109)))[1] == 0
+    assert not m.block_pool.cached_block_hash_to_block.keys() - {h.hash_value for h in m.req_to_block_hashes["r"]}
     m.check_invariants()
 
 

@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcache import KVCacheManager, RequestTooLargeError, SimpleRequest
+from kvcache import BlockSpaceManager, RequestTooLargeError, SimpleRequest
 from kvcache.cache_engine import CacheEngine, KVCacheSpec
 
 B = 4
@@ -46,7 +46,7 @@ class Driver:
     """Plays an op list against one manager (+ shadow caches); returns the decision trace."""
 
     def __init__(self, num_blocks=8, num_cpu_blocks=6, shadow=True, **manager_kw):
-        self.m = KVCacheManager(num_blocks, B, num_cpu_blocks=num_cpu_blocks, **manager_kw)
+        self.m = BlockSpaceManager(num_blocks, B, num_cpu_blocks=num_cpu_blocks, **manager_kw)
         spec = KVCacheSpec(num_layers=1, block_size=B, num_kv_heads=1, head_dim=1, dtype=torch.float32)
         self.eng = CacheEngine(spec, num_blocks, num_cpu_blocks) if shadow else None
         self.running, self.waiting, self.swapped = [], [], []
@@ -87,6 +87,7 @@ class Driver:
         r.num_computed_tokens = n
         self._write(r, n, r.num_tokens)                # this step computes the rest of the prompt
         r.num_computed_tokens = r.num_tokens
+        self.m.cache_blocks(r, r.num_computed_tokens)   # ... and now its full blocks may be hit
         self.running.append(r)
         return True
 
@@ -121,6 +122,7 @@ class Driver:
                 self.eng.copy(res[1])                  # copy-on-write before writing the new K/V
             self._write(r, r.num_computed_tokens, r.num_computed_tokens + 1)
             r.num_computed_tokens += 1
+            self.m.cache_blocks(r, r.num_computed_tokens)
         elif kind == "fork" and self.running:
             parent = self.running[which % len(self.running)]
             child = SimpleRequest(self._new_id(), list(parent.all_token_ids), num_computed_tokens=parent.num_computed_tokens)
@@ -156,6 +158,7 @@ class Driver:
             if mapping is not None:
                 if self.eng is not None:
                     self.eng.swap_in(mapping)
+                self.m.cache_blocks(r, r.num_computed_tokens)   # the copied-back K/V is there again
                 self.swapped.remove(r)
                 self.running.append(r)
         elif kind == "reset":

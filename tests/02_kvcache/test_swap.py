@@ -3,7 +3,7 @@ prefix re-use on swap-in, and the K/V surviving a round trip through real caches
 import pytest
 import torch
 
-from kvcache import KVCacheManager, RequestTooLargeError, SimpleRequest
+from kvcache import BlockSpaceManager, RequestTooLargeError, SimpleRequest
 from kvcache.cache_engine import CacheEngine, KVCacheSpec
 
 
@@ -12,6 +12,7 @@ def prefilled(m, rid, tokens):
     hit, n = m.get_computed_blocks(r)
     assert m.allocate_slots(r, len(tokens) - n, n, hit) is not None
     r.num_computed_tokens = len(tokens)
+    m.cache_blocks(r, r.num_computed_tokens)
     return r
 
 
@@ -20,7 +21,7 @@ def queue_ids(m):
 
 
 def test_swap_out_moves_computed_blocks_and_frees_device_blocks_tail_first():
-    m = KVCacheManager(8, 4, num_cpu_blocks=4)
+    m = BlockSpaceManager(8, 4, num_cpu_blocks=4)
     r = prefilled(m, "r", list(range(10)))             # blocks [0, 1, 2]
     m.allocate_slots(r, 0, num_lookahead_tokens=6)     # a pre-allocated, still empty block 3
     assert m.get_block_ids("r") == [0, 1, 2, 3]
@@ -34,7 +35,7 @@ def test_swap_out_moves_computed_blocks_and_frees_device_blocks_tail_first():
 
 
 def test_swap_in_reuses_blocks_still_cached_on_the_device():
-    m = KVCacheManager(8, 4, num_cpu_blocks=4)
+    m = BlockSpaceManager(8, 4, num_cpu_blocks=4)
     prefilled(m, "q", [7, 7, 7])                       # holds block 0
     r = prefilled(m, "r", list(range(10)))             # blocks [1, 2, 3]; 1 and 2 cached
     assert m.swap_out(r) == [(1, 0), (2, 1), (3, 2)]
@@ -45,17 +46,19 @@ def test_swap_in_reuses_blocks_still_cached_on_the_device():
     # r's first block is still cached on the device (block 1): touched, not copied back.
     assert m.swap_in(r) == [(1, 2), (2, 3)]
     assert m.get_block_ids("r") == [1, 2, 3] and m.num_free_cpu_blocks == 4
-    assert m.num_cached_block["r"] == 2                # the copied-back full block is cached again
+    assert m.num_cached_block["r"] == 1                # the copied-back block is not cached before it lands...
+    m.cache_blocks(r, r.num_computed_tokens)           # ... the step ran (the swap-in copy came first)
+    assert m.num_cached_block["r"] == 2
     assert m.stats.evictions == 2                      # r's 2nd block, then x's block 3
     m.check_invariants()
 
 
 def test_swap_failures_change_nothing():
-    m = KVCacheManager(4, 4, num_cpu_blocks=2)
+    m = BlockSpaceManager(4, 4, num_cpu_blocks=2)
     r = prefilled(m, "r", list(range(12)))             # 3 blocks, CPU tier holds 2
     with pytest.raises(RequestTooLargeError, match="needs 3 CPU blocks, the tier has 2"):
         m.swap_out(r)
-    m2 = KVCacheManager(4, 4, num_cpu_blocks=3, enable_caching=False)
+    m2 = BlockSpaceManager(4, 4, num_cpu_blocks=3, enable_caching=False)
     a = prefilled(m2, "a", list(range(6)))
     b = prefilled(m2, "b", list(range(50, 56)))
     assert m2.swap_out(a) == [(0, 0), (1, 1)]
@@ -70,7 +73,7 @@ def test_swap_failures_change_nothing():
 
 
 def test_free_of_a_swapped_request_releases_its_cpu_blocks():
-    m = KVCacheManager(8, 4, num_cpu_blocks=4)
+    m = BlockSpaceManager(8, 4, num_cpu_blocks=4)
     r = prefilled(m, "r", list(range(10)))
     m.swap_out(r)
     m.free(r)
@@ -78,12 +81,12 @@ def test_free_of_a_swapped_request_releases_its_cpu_blocks():
     with pytest.raises(ValueError, match="not swapped out"):
         m.swap_in(r)
     with pytest.raises(ValueError, match="no CPU swap tier"):
-        KVCacheManager(8, 4).swap_out(r)
+        BlockSpaceManager(8, 4).swap_out(r)
     m.check_invariants()
 
 
 def test_swap_in_needs_the_same_computed_tokens():
-    m = KVCacheManager(8, 4, num_cpu_blocks=4)
+    m = BlockSpaceManager(8, 4, num_cpu_blocks=4)
     r = prefilled(m, "r", list(range(10)))
     m.swap_out(r)
     r.num_computed_tokens = 0
@@ -96,7 +99,7 @@ def test_kv_survives_a_swap_round_trip(backend):
     spec = KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=4, dtype=torch.float16)
     eng = CacheEngine(spec, num_gpu_blocks=6, num_cpu_blocks=6, backend=backend)
     assert eng.pinned is False                         # no CUDA here: ordinary memory, and it says so
-    m = KVCacheManager(6, 4, num_cpu_blocks=6)
+    m = BlockSpaceManager(6, 4, num_cpu_blocks=6)
     r = prefilled(m, "r", list(range(10)))
     g = torch.Generator().manual_seed(0)
     for c in eng.key_caches + eng.value_caches:

@@ -1,7 +1,7 @@
 """SchedulerConfig validation: bad knobs fail at construction with a message that says why."""
 import pytest
 
-from kvcache import KVCacheManager
+from kvcache import BlockSpaceManager
 from scheduler import Scheduler, SchedulerConfig
 
 
@@ -28,5 +28,5 @@ def test_invalid_configs(kwargs, message):
 def test_swap_preemption_needs_a_cpu_tier():
     config = SchedulerConfig(max_num_batched_tokens=64, max_model_len=64, max_num_seqs=4, preemption_mode="swap")
     with pytest.raises(ValueError, match="CPU tier"):
-        Scheduler(config, KVCacheManager(16, 4))
-    Scheduler(config, KVCacheManager(16, 4, num_cpu_blocks=8))   # fine with one
+        Scheduler(config, BlockSpaceManager(16, 4))
+    Scheduler(config, BlockSpaceManager(16, 4, num_cpu_blocks=8))   # fine with one

@@ -38,7 +38,8 @@ def test_finished_statuses_and_reasons():
     assert reasons == {RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
                        RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
                        RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
-                       RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH}
+                       RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+                       RequestStatus.FINISHED_ERROR: FinishReason.ERROR}
     assert str(FinishReason.STOP) == "stop"
 
 

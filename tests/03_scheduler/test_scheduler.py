@@ -3,13 +3,13 @@ import itertools
 
 import pytest
 
-from kvcache import KVCacheManager
-from scheduler import (FinishReason, MockModelRunner, ModelRunnerOutput, Request, RequestStatus, Scheduler,
+from kvcache import BlockSpaceManager
+from scheduler import (FinishReason, KVConnectorBase, MockModelRunner, ModelRunnerOutput, Request, RequestStatus, Scheduler,
                        SchedulerConfig)
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, max_model_len=64, caching=True, cpu=0, **config):
-    kv = KVCacheManager(num_blocks, block_size, enable_caching=caching, num_cpu_blocks=cpu)
+    kv = BlockSpaceManager(num_blocks, block_size, enable_caching=caching, num_cpu_blocks=cpu)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
                              **config)
     return Scheduler(config, kv), kv
@@ -277,7 +277,7 @@ def test_drafts_are_trimmed_to_max_model_len():
     assert out.scheduled_spec_decode_tokens == {"a": [1, 2]}   # positions up to max_model_len - 2
 
 
-class AsyncConnector:
+class AsyncConnector(KVConnectorBase):
     """A remote prefill worker has computed the whole prompt; the KV arrives asynchronously."""
 
     def __init__(self, num_tokens):
@@ -291,7 +291,7 @@ class AsyncConnector:
 
 
 def test_remote_kv_load_then_decode_table_4_1_disaggregation():
-    kv = KVCacheManager(16, 4)
+    kv = BlockSpaceManager(16, 4)
     connector = AsyncConnector(num_tokens=8)
     s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv, connector=connector)
     r = req("d", 8, first_token=0)
@@ -299,7 +299,7 @@ def test_remote_kv_load_then_decode_table_4_1_disaggregation():
     s.add_request(r)
     out = s.schedule()
     assert out.is_empty and r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert connector.allocated == {"d": ([0, 1], 8)} and r.num_external_computed_tokens == 8
+    assert connector.allocated == {"d": ([0, 1], 8)}
     probe = Request("probe", list(range(8)) + [55, 56], max_tokens=1)
     assert kv.get_computed_blocks(probe)[1] == 0         # not published before the KV has landed
     s.update_from_output(out, ModelRunnerOutput([], [], finished_recving={"d"}))
@@ -311,7 +311,7 @@ def test_remote_kv_load_then_decode_table_4_1_disaggregation():
 
 
 def test_remote_kv_still_loading_is_skipped_not_blocking():
-    kv = KVCacheManager(16, 4)
+    kv = BlockSpaceManager(16, 4)
     s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv,
                   connector=AsyncConnector(num_tokens=7))
     s.add_request(req("remote", 8))
@@ -371,3 +371,69 @@ def test_empty_scheduler_schedules_nothing():
     s, _ = make()
     out = s.schedule()
     assert out.is_empty and out.num_scheduled_tokens == {} and not s.has_unfinished_requests()
+
+
+# ------------------------------------------------------------------------------ caching only what is computed
+def test_a_shared_prefix_being_computed_is_waited_for_not_computed_twice():
+    """B shares A's 8-token prefix and arrives in the same step. A's blocks are cached only
+    after the step computes them, so B cannot hit them in that step: it is skipped (not a
+    blocker: C behind it is admitted) and hits them the next step."""
+    s, kv = make(num_blocks=16, block_size=4)
+    prefix = list(range(500, 508))
+    s.add_request(Request("A", prefix + [1, 2], max_tokens=3, arrival_time=0))
+    s.add_request(Request("B", prefix + [3, 4], max_tokens=3, arrival_time=1))
+    s.add_request(Request("C", [9, 9, 9], max_tokens=3, arrival_time=2))
+    out, _ = step(s)
+    assert set(out.num_scheduled_tokens) == {"A", "C"}
+    assert kv.get_computed_blocks(Request("probe", prefix + [7], max_tokens=1))[1] == 8    # cached after the step
+    out, _ = step(s)
+    assert out.scheduled_new_reqs[0].req_id == "B" and out.scheduled_new_reqs[0].num_computed_tokens == 8
+    assert out.num_scheduled_tokens["B"] == 2
+
+
+def test_a_request_preempted_in_the_step_that_scheduled_it_leaves_nothing_hittable():
+    """Chapter 03's give-back path (no chunking needed): a running streaming request receives
+    8 more prompt tokens (two blocks) and is scheduled for them; a higher-priority running
+    request then needs a block, and the low one — already scheduled — is preempted. Its two new
+    blocks were never computed: after the step nothing about them may be in the prefix cache,
+    and the shadow runner checks every position it attends to when it comes back."""
+    from scheduler import ShadowKVRunner
+    kv = BlockSpaceManager(num_blocks=5, block_size=4)
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, policy="priority")
+    s = Scheduler(config, kv)
+    runner = ShadowKVRunner(5, 4, next_token=lambda r: 7)
+    low = Request("low", list(range(100, 108)), max_tokens=3, arrival_time=0, priority=1, streaming_input=True)
+    s.add_request(low)
+    out = s.schedule()
+    s.update_from_output(out, runner.execute(s.requests, out))          # low: 8 tokens, 2 blocks
+    s.add_request(Request("high", [300, 301, 302, 303], max_tokens=3, arrival_time=1, priority=0))
+    out = s.schedule()
+    s.update_from_output(out, runner.execute(s.requests, out))          # high: 1 block; low idle
+    s.add_prompt_tokens("low", list(range(108, 116)), final=True)       # low wants 2 more blocks
+    out = s.schedule()                                                   # low takes them, high needs 1 more
+    assert "low" in out.preempted_req_ids and "low" not in out.num_scheduled_tokens
+    probe = Request("probe", list(range(100, 116)) + [0], max_tokens=1)
+    assert kv.get_computed_blocks(probe)[1] == 8                         # only what was computed
+    s.update_from_output(out, runner.execute(s.requests, out))
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        s.update_from_output(out, runner.execute(s.requests, out))
+    assert low.num_output_tokens == 3 and runner.num_checked > 0 and kv.num_free_blocks == 5
+
+
+def test_a_connector_claiming_every_token_still_leaves_one_to_compute():
+    """Issue 9, item 6: a connector that reports all remaining tokens as external used to make
+    Δ = 0, and FCFS stopped at the head forever. The scheduler keeps the last token."""
+    class ClaimsEverything(KVConnectorBase):
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            return request.num_tokens - num_computed_tokens, False
+        def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+            self.claimed = num_external_tokens
+    kv = BlockSpaceManager(num_blocks=16, block_size=4)
+    connector = ClaimsEverything()
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv,
+                  connector=connector)
+    s.add_request(Request("a", list(range(10)), max_tokens=2))
+    out, outs = step(s)
+    assert connector.claimed == 9 and out.num_scheduled_tokens == {"a": 1}
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 9 and outs["a"].new_token_ids == [1]

@@ -1,7 +1,10 @@
-"""Property tests: random arrivals, aborts, drafts and a tiny KV cache that forces preemptions,
-under every policy and both preemption modes. After EVERY step:
+"""Property tests: random arrivals, aborts, drafts, streaming input, a KV connector and a tiny
+KV cache that forces preemptions, under every policy and both preemption modes. After EVERY step:
   sum(Δ) <= max_num_batched_tokens, len(running) <= max_num_seqs, no request both waiting and
-  running, 0 <= num_computed_tokens <= num_tokens_with_spec, the KV manager's invariants.
+  running, 0 <= num_computed_tokens <= num_tokens_with_spec, the KV manager's invariants;
+and, through `ShadowKVRunner`, before every forward pass: every position a scheduled request
+attends to holds the K/V of exactly its own prefix (a shadow of every slot, written through the
+runner's own block tables, moved by the swap pairs, loaded by the connector).
 At the end: every admitted request finished (no deadlock, no livelock) and not one KV block,
 CPU block or block hash is left behind.
 """
@@ -10,8 +13,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache import KVCacheManager
-from scheduler import POLICIES, MockModelRunner, Request, RequestStatus, Scheduler, SchedulerConfig
+from kvcache import BlockSpaceManager
+from scheduler import POLICIES, Request, RequestStatus, Scheduler, SchedulerConfig, ShadowKVConnector, ShadowKVRunner
 
 EOS = 2
 SHARED_PREFIX = list(range(100, 140))    # some prompts share a prefix: prefix-cache hits happen
@@ -39,16 +42,19 @@ def test_random_workloads_keep_every_invariant_and_leak_nothing(data):
     block_size = data.draw(st.sampled_from([2, 4, 8]))
     num_blocks = data.draw(st.integers(6, 24))
     max_model_len = 48
-    kv = KVCacheManager(num_blocks, block_size, enable_caching=data.draw(st.booleans()),
-                        num_cpu_blocks=data.draw(st.integers(1, 16)) if mode == "swap" else 0)
+    num_cpu_blocks = data.draw(st.integers(1, 16)) if mode == "swap" else 0
+    kv = BlockSpaceManager(num_blocks, block_size, enable_caching=data.draw(st.booleans()),
+                           num_cpu_blocks=num_cpu_blocks)
     config = SchedulerConfig(max_num_seqs=data.draw(st.integers(1, 6)),
                              max_num_batched_tokens=data.draw(st.integers(max_model_len, 96)),
                              max_model_len=max_model_len, policy=policy, staging_size=data.draw(st.integers(1, 4)),
                              preemption_mode=mode, num_lookahead_tokens=data.draw(st.integers(0, 2)))
-    s = Scheduler(config, kv)
     rng = random.Random(data.draw(st.integers(0, 2**32 - 1)))
-    runner = MockModelRunner(next_token=lambda r: rng.choice([1, 3, 4, 5, EOS]),
-                             num_accepted=lambda r, drafts: rng.randint(0, len(drafts)))
+    connector = ShadowKVConnector(rng) if data.draw(st.booleans(), label="connector") else None
+    s = Scheduler(config, kv, connector=connector)
+    runner = ShadowKVRunner(num_blocks, block_size, num_cpu_blocks, connector=connector,
+                            next_token=lambda r: rng.choice([1, 3, 4, 5, EOS]),
+                            num_accepted=lambda r, drafts: rng.randint(0, len(drafts)))
     admitted, finished = set(), {}
 
     def run_step():
@@ -67,9 +73,17 @@ def test_random_workloads_keep_every_invariant_and_leak_nothing(data):
             rid = f"r{len(admitted)}"
             prefix = SHARED_PREFIX[:rng.choice([0, 0, 8, 16])]
             prompt = prefix + [rng.randrange(200, 300) for _ in range(rng.randint(1, 40 - len(prefix)))]
+            streaming = rng.random() < 0.2
             s.add_request(Request(rid, prompt, max_tokens=rng.randint(1, 16), arrival_time=t + rng.random(),
-                                  priority=rng.randint(0, 2), eos_token_id=EOS))
+                                  priority=rng.randint(0, 2), eos_token_id=EOS, streaming_input=streaming))
             admitted.add(rid)
+        for r in [r for r in s.requests.values() if r.streaming_input]:
+            if rng.random() < 0.5:      # more prompt arrives (Table 4.1, streaming prefill), or it closes
+                more = [rng.randrange(200, 300) for _ in range(rng.randint(0, 6))]
+                if r.num_tokens + len(more) >= max_model_len - 1:
+                    more = []
+                if more or r.num_computed_tokens < r.num_tokens:
+                    s.add_prompt_tokens(r.request_id, more, final=rng.random() < 0.5)
         if admitted and rng.random() < 0.15:
             victim = rng.choice(sorted(admitted))
             if s.abort(victim):
@@ -79,6 +93,8 @@ def test_random_workloads_keep_every_invariant_and_leak_nothing(data):
         s.update_draft_token_ids(drafts)
         run_step()
 
+    for r in [r for r in s.requests.values() if r.streaming_input]:   # the inputs close
+        s.add_prompt_tokens(r.request_id, [] if r.num_computed_tokens < r.num_tokens else [7], final=True)
     for _ in range(2000):                    # no more arrivals: everything must drain
         if not s.has_unfinished_requests():
             break

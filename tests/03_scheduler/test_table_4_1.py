@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache import KVCacheManager
-from scheduler import MockModelRunner, ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerConfig
+from scheduler import KVConnectorBase, MockModelRunner, ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerConfig
 
 MAX_MODEL_LEN = 128
 
@@ -106,7 +106,7 @@ def test_prefix_caching_starts_at_the_cached_length(block_size, L_a, shared, tai
     assert out.num_scheduled_tokens == {"b": len(prompt_b) - L_cached}      # Δ = L_prompt - L_cached
 
 
-class RemotePrefill:
+class RemotePrefill(KVConnectorBase):
     """The prefill worker computed the whole prompt; its K/V is loaded asynchronously."""
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):

@@ -1,15 +1,17 @@
 """Chunked prefill under random load: random arrivals, aborts, drafts, chunk sizes, partial
-prefill limits and a small KV cache. After every step: the budget, max_num_seqs, no request
-both waiting and running, the counters and the KV manager's invariants. At the end: all
-finished, nothing leaked."""
+prefill limits, every policy, both preemption modes, prefix caching on and off, a KV connector
+and a small KV cache. After every step: the budget, max_num_seqs, no request both waiting and
+running, the counters and the KV manager's invariants; before every forward pass (through
+`ShadowKVRunner`): every position a scheduled request attends to holds the K/V of exactly its
+own prefix. At the end: all finished, nothing leaked."""
 import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chunked_prefill import ChunkedPrefillConfig, ChunkedPrefillScheduler
-from kvcache import KVCacheManager
-from scheduler import POLICIES, MockModelRunner, Request
+from kvcache import BlockSpaceManager
+from scheduler import POLICIES, Request, ShadowKVConnector, ShadowKVRunner
 
 EOS = 2
 
@@ -28,18 +30,23 @@ def test_random_chunked_workloads(data):
         long_prefill_token_threshold=data.draw(st.sampled_from([0, 4, 12, 30])),
         num_lookahead_tokens=data.draw(st.integers(0, 2)))
     num_blocks = data.draw(st.integers(8, 30))
-    kv = KVCacheManager(num_blocks, data.draw(st.sampled_from([2, 4, 8])), enable_caching=data.draw(st.booleans()),
-                        num_cpu_blocks=8)
-    s = ChunkedPrefillScheduler(config, kv)
+    block_size = data.draw(st.sampled_from([2, 4, 8]))
+    kv = BlockSpaceManager(num_blocks, block_size, enable_caching=data.draw(st.booleans()), num_cpu_blocks=8)
     rng = random.Random(data.draw(st.integers(0, 2**32 - 1)))
-    runner = MockModelRunner(next_token=lambda r: rng.choice([1, 3, EOS]),
-                             num_accepted=lambda r, drafts: rng.randint(0, len(drafts)))
+    connector = ShadowKVConnector(rng) if data.draw(st.booleans(), label="connector") else None
+    s = ChunkedPrefillScheduler(config, kv, connector=connector)
+    runner = ShadowKVRunner(num_blocks, block_size, 8, connector=connector,
+                            next_token=lambda r: rng.choice([1, 3, EOS]),
+                            num_accepted=lambda r, drafts: rng.randint(0, len(drafts)))
     admitted, finished = set(), set()
 
     def run_step():
         out = s.schedule()
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values()) <= config.max_num_batched_tokens
         assert len(s.running) <= config.max_num_seqs
+        # max_num_partial_prefills holds for every way into RUNNING, swap-ins included.
+        partial = [r for r in s.running if r.num_computed_tokens < r.num_tokens]
+        assert len(partial) <= config.max_num_partial_prefills, partial
         s.check_invariants(in_flight=out)
         kv.check_invariants()
         for o in s.update_from_output(out, runner.execute(s.requests, out)):
@@ -51,7 +58,8 @@ def test_random_chunked_workloads(data):
     for t in range(data.draw(st.integers(1, 30))):
         for _ in range(rng.randint(0, 2)):
             rid = f"r{len(admitted)}"
-            prompt = [rng.randrange(3, 40) for _ in range(rng.randint(1, max_model_len - 2))]
+            shared = list(range(100, 100 + rng.choice([0, 0, 8, 16])))      # prefix-cache hits happen
+            prompt = shared + [rng.randrange(3, 40) for _ in range(rng.randint(1, max_model_len - 2 - len(shared)))]
             s.add_request(Request(rid, prompt, max_tokens=rng.randint(1, 12), arrival_time=t, eos_token_id=EOS,
                                   priority=rng.randint(0, 1)))
             admitted.add(rid)

@@ -1,6 +1,6 @@
 """Fixtures for chapter 07: the real SmolLM2 (converted once), tiny random HF checkpoints, and a
 small test-only paged driver (the engine's real model runner comes later and reuses
-`mini_vllm.input_batch.prepare_inputs`, which this driver also uses)."""
+`mini_vllm.model_inputs.prepare_inputs`, which this driver also uses)."""
 from __future__ import annotations
 
 import random
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mini_vllm.config import ModelConfig
-from mini_vllm.input_batch import prepare_inputs
+from mini_vllm.model_inputs import prepare_inputs
 from mini_vllm.kv_cache import allocate_kv_caches
 from mini_vllm.models.loader import get_model
 from mini_vllm.sampler import Sampler, SamplingMetadata

@@ -152,7 +152,7 @@ def test_qwen2_loads_qkv_bias_and_no_o_bias(tmp_path, tiny_checkpoint):
 
 
 def test_forward_rejects_bad_inputs(llama_dir):
-    from mini_vllm.input_batch import prepare_inputs
+    from mini_vllm.model_inputs import prepare_inputs
     from mini_vllm.kv_cache import allocate_kv_caches
 
     config = ModelConfig.from_pretrained(llama_dir)

@@ -41,7 +41,7 @@ def tiny_model(request, tmp_path_factory, tiny_checkpoint):
 
 
 def forward_logits(model, config):
-    from mini_vllm.input_batch import prepare_inputs
+    from mini_vllm.model_inputs import prepare_inputs
     from mini_vllm.kv_cache import allocate_kv_caches
 
     inputs = prepare_inputs([[5, 17, 99, 3, 250], [300, 2]], [0, 0], [[0, 1], [2]], 4)

@@ -11,7 +11,7 @@ from mini_vllm.config import ModelConfig
 from mini_vllm.cuda_graph import CUDAGraphRunner, DecodeBuffers, padded_batch_size
 from mini_vllm.engine_config import EngineConfig
 from mini_vllm.models.loader import get_model
-from mini_vllm.persistent_batch import CachedRequestState, InputBatch
+from mini_vllm.input_batch import CachedRequestState, InputBatch
 
 
 def test_capture_sizes_and_buckets():

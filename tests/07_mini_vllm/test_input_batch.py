@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mini_vllm.input_batch import prepare_inputs
+from mini_vllm.model_inputs import prepare_inputs
 
 
 def test_mixed_step_exact():

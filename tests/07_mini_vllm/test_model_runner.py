@@ -15,9 +15,9 @@ from scheduler import CachedRequestData, NewRequestData, SchedulerOutput
 
 from mini_vllm.config import ModelConfig
 from mini_vllm.engine_config import EngineConfig
-from mini_vllm.input_batch import prepare_inputs
+from mini_vllm.model_inputs import prepare_inputs
 from mini_vllm.model_runner import ModelRunner
-from mini_vllm.persistent_batch import CachedRequestState, InputBatch
+from mini_vllm.input_batch import CachedRequestState, InputBatch
 from mini_vllm.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -64,7 +64,7 @@ def test_batch_limits_are_errors():
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), block_size=st.sampled_from([1, 3, 4, 16]))
 def test_prepare_inputs_equals_the_list_version(data, block_size):
-    """The persistent batch's vectorized prepare_inputs == input_batch.prepare_inputs rebuilt from
+    """The persistent batch's vectorized prepare_inputs == model_inputs.prepare_inputs rebuilt from
     Python lists (itself tested against a per-token loop), after random holes and a condense."""
     n = data.draw(st.integers(1, 6))
     rng = random.Random(data.draw(st.integers(0, 2**16)))

@@ -4,7 +4,7 @@ as tests/02_kvcache/test_copy_swap_ops.py, with device="cuda". Run with `make te
 import pytest
 import torch
 
-from kvcache import KVCacheManager, SimpleRequest, reference
+from kvcache import BlockSpaceManager, SimpleRequest, reference
 from kvcache.cache_engine import CacheEngine, KVCacheSpec
 from kvcache.ops import copy_blocks, swap_blocks
 
@@ -89,10 +89,11 @@ def test_manager_and_cache_engine_swap_and_cow_on_gpu(backend):
     spec = KVCacheSpec(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float16)
     eng = CacheEngine(spec, num_gpu_blocks=8, num_cpu_blocks=8, device="cuda", backend=backend)
     assert eng.pinned
-    m = KVCacheManager(8, 4, num_cpu_blocks=8)
+    m = BlockSpaceManager(8, 4, num_cpu_blocks=8)
     r = SimpleRequest("r", list(range(10)))
     m.allocate_slots(r, 10)
     r.num_computed_tokens = 10
+    m.cache_blocks(r, 10)
     for c in eng.key_caches + eng.value_caches:
         c.copy_(torch.randn_like(c, dtype=torch.float32).to(c.dtype))
     ids = m.get_block_ids("r")
