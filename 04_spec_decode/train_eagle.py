@@ -31,6 +31,7 @@ import json
 import pathlib
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from kvcache import KVCacheManager
 from spec_decode.eagle import EagleConfig, EagleHead, EagleProposer
 from spec_decode.metrics import SpecDecodingStats
+from spec_decode.ngram_proposer import NgramProposer
 from spec_decode.proposer import DraftRequest
 
 TOPICS = ["rain", "the ocean", "a city at night", "coffee", "mountains", "a lost key", "friendship", "autumn",
@@ -156,6 +158,17 @@ def train(head: EagleHead, model, fs, labels, seqs, prompt_lens, steps: int, bat
     return log
 
 
+@dataclass
+class Replay:
+    stats: SpecDecodingStats
+    passes: int            # target forward passes of the replayed greedy generation
+    tokens: int            # answer tokens they produced
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.tokens / self.passes
+
+
 @torch.no_grad()
 def measure_acceptance(head: EagleHead, model, seqs: list[list[int]], prompt_lens: list[int], k: int,
                        block_size: int = 16) -> SpecDecodingStats:
@@ -170,10 +183,12 @@ def measure_acceptance(head: EagleHead, model, seqs: list[list[int]], prompt_len
                              (torch.zeros(shape), torch.zeros(shape)),
                              KVCacheManager(num_blocks, block_size, enable_caching=False), k, c.hidden_size,
                              c.vocab_size)
-    stats = SpecDecodingStats.new(k)
+    stats, passes, tokens = SpecDecodingStats.new(k), 0, 0            # target passes, tokens they produced
     for r, (s, p0) in enumerate(zip(seqs, prompt_lens)):
         m, given = p0 + 1, 0                                          # prompt + the first answer token verified
+        tokens += len(s) - m
         while m < len(s):
+            passes += 1
             drafts = proposer.propose([DraftRequest(f"r{r}", s[:m], fs[r][given:m - 1], given)])[0]
             drafts = drafts[:len(s) - m]
             a = 0
@@ -184,7 +199,25 @@ def measure_acceptance(head: EagleHead, model, seqs: list[list[int]], prompt_len
             given = m - 1
             m += a + 1
         proposer.remove_requests([f"r{r}"])
-    return stats
+    return Replay(stats, passes, tokens)
+
+
+def replay_ngram(seqs: list[list[int]], prompt_lens: list[int], k: int, lo: int = 2, hi: int = 4) -> SpecDecodingStats:
+    """The same replay with n-gram prompt lookup as the drafter: a model-free baseline."""
+    ngram, stats, passes, tokens = NgramProposer(k, lo, hi), SpecDecodingStats.new(k), 0, 0
+    for s, p0 in zip(seqs, prompt_lens):
+        m = p0 + 1
+        tokens += len(s) - m
+        while m < len(s):
+            passes += 1
+            drafts = ngram.propose_one(s[:m])[:len(s) - m]
+            a = 0
+            while a < len(drafts) and drafts[a] == s[m + a]:
+                a += 1
+            if drafts:
+                stats.observe_draft(len(drafts), a)
+            m += a + 1
+    return Replay(stats, passes, tokens)
 
 
 def default_model_dir() -> str:
@@ -209,6 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ce-weight", type=float, default=0.1)
+    ap.add_argument("--train-sampling", choices=("sample", "greedy"), default="sample",
+                    help="how the target writes the training text: T=0.7 / top-p 0.9 sampling, or greedy")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--data-cache", help="JSON file keeping the generated text between runs (generation is the "
                                          "slow part on a CPU)")
@@ -228,10 +263,12 @@ def main(argv: list[str] | None = None) -> dict:
     eval_prompts = EVAL_PROMPTS[:args.eval_prompts]
     cache = pathlib.Path(args.data_cache) if args.data_cache else None
     key = dict(model=pathlib.Path(model_dir).name, prompts=prompts, eval_prompts=eval_prompts,
-               max_new_tokens=args.max_new_tokens, eval_tokens=args.eval_tokens, seed=args.seed)
+               max_new_tokens=args.max_new_tokens, eval_tokens=args.eval_tokens, seed=args.seed,
+               sampling=args.train_sampling)
     data = json.loads(cache.read_text()) if cache is not None and cache.exists() else None
     if data is None or data["key"] != key:
-        seqs = generate(model, tok, prompts, args.max_new_tokens, args.gen_batch, sample=True, seed=args.seed)
+        seqs = generate(model, tok, prompts, args.max_new_tokens, args.gen_batch,
+                        sample=args.train_sampling == "sample", seed=args.seed)
         eval_seqs = generate(model, tok, eval_prompts, args.eval_tokens, len(eval_prompts), sample=False, seed=args.seed)
         data = dict(key=key, train=seqs, eval=eval_seqs)
         if cache is not None:
@@ -253,18 +290,29 @@ def main(argv: list[str] | None = None) -> dict:
     head.eval()
 
     t2 = time.time()
-    stats = measure_acceptance(head, model, eval_seqs, [len(chat_ids(tok, p)) for p in eval_prompts], args.k)
+    eval_prompt_lens = [len(chat_ids(tok, p)) for p in eval_prompts]
+    replay = measure_acceptance(head, model, eval_seqs, eval_prompt_lens, args.k)
+    stats = replay.stats
+    ngram = replay_ngram(eval_seqs, eval_prompt_lens, args.k)
     timings["eval_s"] = round(time.time() - t2, 1)
     result = dict(acceptance_rate=round(stats.acceptance_rate, 4),
                   mean_acceptance_length=round(stats.mean_acceptance_length, 3),
                   per_position_acceptance=[round(r, 4) for r in stats.per_position_acceptance_rate],
                   num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens, k=args.k,
+                  tokens_per_target_pass=round(replay.tokens_per_pass, 3),
                   eval="greedy answers of the target to %d held-out instructions, %d new tokens max, hidden states "
                        "from HF transformers, drafts from spec_decode.eagle.EagleProposer" % (len(eval_prompts),
                                                                                               args.eval_tokens))
-    print("held-out acceptance:", stats, flush=True)
+    result["ngram_2_4_same_answers"] = dict(acceptance_rate=round(ngram.stats.acceptance_rate, 4),
+                                            mean_acceptance_length=round(ngram.stats.mean_acceptance_length, 3),
+                                            steps_with_drafts=ngram.stats.num_drafts, steps=ngram.passes,
+                                            tokens_per_target_pass=round(ngram.tokens_per_pass, 3))
+    print(f"held-out acceptance: {stats}; {replay.tokens_per_pass:.3f} tokens per target pass", flush=True)
+    print(f"n-gram (2..4) on the same answers: {ngram.stats}; {ngram.tokens_per_pass:.3f} tokens per target pass",
+          flush=True)
     config.extra = dict(data=dict(train_prompts=len(prompts), train_tokens=sum(map(len, seqs)),
-                                  sampling="temperature 0.7, top_p 0.9", max_new_tokens=args.max_new_tokens),
+                                  sampling="temperature 0.7, top_p 0.9" if args.train_sampling == "sample"
+                                  else "greedy", max_new_tokens=args.max_new_tokens),
                         training=dict(steps=args.steps, batch=args.batch, window=args.window, lr=args.lr, ce_weight=args.ce_weight,
                                       seed=args.seed, final=log[-1]),
                         held_out=result, timings=timings,

@@ -146,18 +146,15 @@ def rejection_sample(
     out = torch.empty((batch, max_spec_len + 1), dtype=torch.int32, device=bonus_token_ids.device)
     if batch == 0:
         return out
-    i32 = lambda t: t.to(torch.int32).contiguous()                       # noqa: E731  (Triton reads storage)
-    f32 = lambda t: t.contiguous()                                       # noqa: E731
-    dummy = f32(inv_exponential)
+    bonus = bonus_token_ids.to(torch.int32).contiguous()
+    # Triton reads storage (contiguous copies); an empty tensor (no drafts at all) or an absent
+    # one is replaced by a same-typed dummy that the kernel never dereferences.
+    i32 = lambda t: bonus if t is None or t.numel() == 0 else t.to(torch.int32).contiguous()   # noqa: E731
+    f32 = lambda t: inv_exponential.contiguous() if t is None or t.numel() == 0 else t.contiguous()   # noqa: E731
     _rejection_sample_kernel[(batch,)](
-        out, i32(cu_num_draft_tokens), i32(draft_token_ids),
-        dummy if draft_probs is None else f32(draft_probs),
-        dummy if target_probs is None else f32(target_probs),
-        i32(bonus_token_ids) if target_argmax is None else i32(target_argmax),
-        i32(bonus_token_ids),
-        i32(bonus_token_ids) if is_greedy is None else is_greedy.to(torch.int8).contiguous(),
-        f32(uniform_probs) if uniform_probs.numel() else dummy,
-        dummy, vocab, max_spec_len + 1,
+        out, i32(cu_num_draft_tokens), i32(draft_token_ids), f32(draft_probs), f32(target_probs),
+        i32(target_argmax), bonus, bonus.to(torch.int8) if is_greedy is None else is_greedy.to(torch.int8).contiguous(),
+        f32(uniform_probs), f32(inv_exponential), vocab, max_spec_len + 1,
         NO_DRAFT_PROBS=draft_probs is None, HAS_GREEDY=is_greedy is not None, HAS_RANDOM=target_probs is not None,
         BLOCK_S=triton.next_power_of_2(max_spec_len + 1), BLOCK_V=min(block_v, triton.next_power_of_2(vocab)),
     )
