@@ -17,6 +17,7 @@ views, bad input.
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 import torch
@@ -396,3 +397,64 @@ def test_benchmark_smoke(tmp_path):
     assert result["workload"]["memory_bandwidth_gb_s"] > 0
     assert all(r["ms"] > 0 and r["dram_limit_ms"] > 0 for r in result["rows"])
     assert path.with_suffix(".png").stat().st_size > 0
+
+
+# ------------------------------------------------------------------- address sanitizer
+
+ASAN_HARNESS = r"""
+// 60 random batches (shapes, block sizes, splits, query tiles, thread counts) on caches
+// sized EXACTLY to the blocks in use, with 1<<29 in every block-table padding entry: any
+// read past a request's blocks or past the cache is an AddressSanitizer error. V = 1
+// everywhere, so every output must be 1.
+""" + r"""#include "cpu_attention.h"
+#include <vector>
+#include <random>
+#include <cstdio>
+#include <algorithm>
+using namespace vfs_cpu;
+int main(){
+  std::mt19937 g(1);
+  auto R=[&](int a,int b){ return std::uniform_int_distribution<int>(a,b)(g); };
+  for(int it=0; it<60; ++it){
+    int S=R(1,5), KVH=R(1,3), G=R(1,4), H=KVH*G; int Ds[]={8,16,24,32,64,72,128}; int D=Ds[R(0,6)];
+    int Bs[]={1,2,3,5,16,64}; int B=Bs[R(0,5)];
+    std::vector<int32_t> ql(S), sl(S), qsl(S+1,0);
+    for(int s=0;s<S;s++){ ql[s]=R(1,40); sl[s]=ql[s]+R(0,200); qsl[s+1]=qsl[s]+ql[s]; }
+    int W=0; int NB=0; for(int s=0;s<S;s++){ int nb=(sl[s]+B-1)/B; W=std::max(W,nb); NB+=nb; }
+    W += 2;
+    std::vector<int32_t> bt((size_t)S*W, 1<<29);   // junk padding (huge ids)
+    std::vector<int> perm(NB); for(int i=0;i<NB;i++) perm[i]=i; std::shuffle(perm.begin(),perm.end(),g);
+    int c=0; for(int s=0;s<S;s++){ int nb=(sl[s]+B-1)/B; for(int j=0;j<nb;j++) bt[s*W+j]=perm[c++]; }
+    std::vector<float> k((size_t)NB*B*KVH*D, 1.0f), v(k.size(), 1.0f);
+    int T=qsl[S]; std::vector<float> q((size_t)T*H*D, 0.5f), o(q.size());
+    AttentionParams p{}; p.query=q.data(); p.q_stride_token=H*D; p.q_stride_head=D; p.out=o.data(); p.o_stride_token=H*D; p.o_stride_head=D;
+    p.key_cache=k.data(); p.value_cache=v.data(); p.k_stride_block=p.v_stride_block=(int64_t)B*KVH*D; p.k_stride_token=p.v_stride_token=KVH*D; p.k_stride_head=p.v_stride_head=D;
+    p.block_tables=bt.data(); p.bt_stride=W; p.seq_lens=sl.data(); p.query_start_loc=qsl.data();
+    p.num_seqs=S; p.num_heads=H; p.num_kv_heads=KVH; p.head_dim=D; p.block_size=B; p.scale=0.1f; p.dtype=DType::F32;
+    p.num_threads=R(1,2); p.kv_splits=R(0,4); p.q_tile=R(0,5);
+    unified_attention(p);
+    for(float x: o) if (std::abs(x-1.0f)>1e-5f){ printf("bad value %f at it %d\n", x, it); return 1; }
+  }
+  printf("asan ok\n");
+}
+"""
+
+
+@pytest.mark.slow
+def test_kernel_under_address_sanitizer(tmp_path):
+    """The kernel compiled with -fsanitize=address,undefined (no torch: its C++ interface
+    only) never reads outside the blocks a request uses."""
+    cxx = cpu_ops.compiler()
+    src = tmp_path / "asan.cpp"
+    src.write_text(ASAN_HARNESS)
+    exe = tmp_path / "asan"
+    flags = ["-O0", "-g", "-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-std=c++17", "-fopenmp",
+             *cpu_ops.ISA_FLAGS[cpu_ops.cpu_isa()], f"-I{cpu_ops.CSRC}"]
+    build = subprocess.run([cxx, *flags, str(src), str(cpu_ops.CSRC / "cpu_attention_kernel.cpp"), "-o", str(exe)],
+                           capture_output=True, text=True)
+    if build.returncode and "asan" in build.stderr.lower():
+        pytest.skip(f"no AddressSanitizer runtime: {build.stderr[-300:]}")
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600,
+                         env={"PATH": "/usr/bin:/bin", "ASAN_OPTIONS": "detect_leaks=0"})
+    assert run.returncode == 0 and "asan ok" in run.stdout, run.stdout + run.stderr
