@@ -84,12 +84,12 @@ def rejection_sample_torch(
             if draft_probs is None:   # q one-hot at the draft: max(0, p - q) = p without the draft
                 residual = p.scatter(1, draft[r_rows][:, None], 0.0)
             else:
-                residual = torch.clamp(p - draft_probs[r_rows], min=0.0)
-            w = inv_exponential[r_req]                                                   # [R', V]
-            score = residual * w
-            empty = score.amax(dim=1) <= 0                                               # rounding only: use p
-            score = torch.where(empty[:, None], p * w, score)
-            recovered[rand] = score.argmax(dim=1)
+                residual = (p - draft_probs[r_rows]).clamp_(min=0.0)
+            best, winner = residual.mul_(inv_exponential[r_req]).max(dim=1)              # the race (first on ties)
+            empty = best <= 0                                                            # rounding only: race on p
+            if bool(empty.any()):
+                winner[empty] = (p[empty] * inv_exponential[r_req[empty]]).argmax(dim=1)
+            recovered[rand] = winner
         final[rej] = recovered
 
     # 4. Output rows: accepted drafts, then the recovered or bonus token.

@@ -8,9 +8,10 @@
    49152 (SmolLM2), half greedy: batched torch vs the per-request reference loop (CPU), plus
    the Triton and CUDA kernels on a GPU.
 
-Times are medians of the thread's CPU time (time.thread_time) on CPU — the machines are
-shared, wall time would count other processes — and of CUDA-synchronised wall time on a
-GPU. Contenders are interleaved call by call, so both see the same load.
+Times are medians of the thread's CPU time (time.thread_time) on CPU, with torch limited to
+one thread so that all the work is on the timed thread — the machines are shared, wall time
+would count other processes — and of CUDA-synchronised wall time on a GPU. Contenders are
+interleaved call by call, so both see the same load.
 
     .venv/bin/python -m benchmarks.bench_spec_decode_kernels [--smoke]
         -> benchmarks/results/spec_decode_kernels.{json,png}
@@ -112,6 +113,8 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CI: proves the script runs)")
     ap.add_argument("--out-dir", default=str(RESULTS_DIR))
     args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)          # thread CPU time must see all of torch's work
     lengths = [256, 1024] if args.smoke else [256, 1024, 4096, 16384, 32768]
     batches = [1, 4] if args.smoke else [1, 8, 64]
     vocab = 1000 if args.smoke else 49152
