@@ -30,7 +30,7 @@ with temperature > 0 they are sampled and `propose_with_probs` also returns q.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -61,13 +61,17 @@ class DraftModelProposer:
         target_vocab_size / draft_vocab_size: must agree (and the tokenizers, if given).
         temperature: 0 = greedy drafts (q one-hot); > 0 sample from softmax(logits / T).
         max_model_len: drafts never go past it.
+        metadata_builder: builds the draft's attention metadata from (block_ids, num_computed,
+            num_new, block_size, device=...); chapter 01's build_attention_metadata by default,
+            an engine may pass its own (extra fields its attention backend needs).
     """
 
     def __init__(self, model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  kv_cache_manager: KVCacheManager, num_speculative_tokens: int, target_vocab_size: int,
                  draft_vocab_size: int | None = None, *, target_tokenizer=None, draft_tokenizer=None,
                  temperature: float = 0.0, max_model_len: int | None = None,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None,
+                 metadata_builder: Callable[..., Any] = build_attention_metadata):
         self.num_speculative_tokens = check_num_speculative_tokens(num_speculative_tokens)
         draft_vocab_size = draft_vocab_size if draft_vocab_size is not None else getattr(model, "vocab_size", None)
         if draft_vocab_size is None:
@@ -86,6 +90,7 @@ class DraftModelProposer:
         self.temperature = temperature
         self.max_model_len = max_model_len
         self.generator = generator
+        self.metadata_builder = metadata_builder
         self.requests: dict[str, PagedRequestState] = {}
 
     # ------------------------------------------------------------------ bookkeeping
@@ -118,8 +123,8 @@ class DraftModelProposer:
         block_ids = [self.kv.get_block_ids(s.request_id) for s in states]
         num_new = [len(t) for t in new_tokens]
         device = self.kv_caches[0][0].device
-        md = build_attention_metadata(block_ids, [s.num_computed_tokens for s in states], num_new, self.block_size,
-                                      device=device)
+        md = self.metadata_builder(block_ids, [s.num_computed_tokens for s in states], num_new, self.block_size,
+                                   device=device)
         positions = torch.cat([s.num_computed_tokens + torch.arange(n) for s, n in zip(states, num_new)])
         input_ids = torch.tensor([t for ts in new_tokens for t in ts], dtype=torch.long)
         with torch.no_grad():
