@@ -42,6 +42,9 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_NO_NEW_BLOCKS = KVCacheBlocks([])     # shared, never mutated: allocate_slots' "nothing new" answer
+
+
 class KVCacheManager:
     """Args:
         num_blocks: device (GPU) KV blocks.
@@ -140,6 +143,9 @@ class KVCacheManager:
         fit, ValueError on inconsistent input.
         """
         rid = request.request_id
+        if self._fits_in_held_blocks(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                     num_lookahead_tokens):
+            return _NO_NEW_BLOCKS      # the common decode step: its slot is in a block it holds
         if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(f"token counts must be >= 0, got num_new_tokens={num_new_tokens}, "
                              f"num_new_computed_tokens={num_new_computed_tokens}, num_lookahead_tokens={num_lookahead_tokens}")
@@ -178,6 +184,24 @@ class KVCacheManager:
         ### END SOLUTION
         self._mark_pending(request, num_computed_tokens + num_new_tokens)
         return KVCacheBlocks(new_blocks)
+
+    def _fits_in_held_blocks(self, request: KVCacheRequest, num_new_tokens: int, num_new_computed_tokens: int,
+                             new_computed_blocks: KVCacheBlocks | None, num_lookahead_tokens: int) -> bool:
+        """The fast path of allocate_slots (most calls: a decode token whose slot is in the last,
+        private, partly filled block): nothing to allocate, check or mark. Any other case takes
+        the full path, which validates everything."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is None or num_new_computed_tokens or new_computed_blocks or num_new_tokens < 0 or num_lookahead_tokens:
+            return False
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new_tokens
+        B = self.block_size
+        if end > len(blocks) * B or start > len(blocks) * B or blocks[-1].ref_cnt != 1:
+            return False
+        if self.enable_caching and end // B > self.num_cached_block[request.request_id]:
+            return False                # it completes a block: the full path marks it pending
+        # Every block it writes into is private (ref 1): only the last one can be written
+        # without completing a block, and the full path handles the rest.
+        return start // B == len(blocks) - 1 or all(b.ref_cnt == 1 for b in blocks[start // B:])
 
     def _mark_pending(self, request: KVCacheRequest, num_tokens_after_step: int) -> None:
         """Remember the hashes of full blocks this step will compute (not hittable yet), so that

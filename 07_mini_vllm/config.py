@@ -88,10 +88,6 @@ class ModelConfig:
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype {self.dtype} is not supported; use float32, bfloat16 or float16")
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     @classmethod
     def from_pretrained(cls, model: str | Path, dtype: str | torch.dtype = "auto",
                         max_model_len: int | None = None) -> "ModelConfig":

@@ -116,9 +116,6 @@ class EngineCore:
     def abort_requests(self, request_ids) -> list[str]:
         return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
-    def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
-
     def check_invariants(self) -> None:
         """Raise AssertionError if the pieces disagree (tests call it after steps and at the end):
         the scheduler's and the KV manager's own invariants, the runner knowing no request the

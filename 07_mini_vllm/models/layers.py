@@ -42,6 +42,14 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out]
         return cpu_gemm.linear(x, self.weight, self.bias, self.packed_weight)
 
+    def drop_unpacked_weight(self) -> None:
+        """Once packed, the row-major weight is dead memory: replace it by an empty tensor (vLLM:
+        `dispatch_cpu_unquantized_gemm(remove_weight=True)`). Only the packed copy is read."""
+        if self.packed_weight is None:
+            raise ValueError("drop_unpacked_weight: this Linear has no packed weight to run on")
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device),
+                                   requires_grad=False)
+
 
 class MergedColumnLinear(Linear):
     """Several linears that read the same input, stacked along the output dim: ONE matmul.

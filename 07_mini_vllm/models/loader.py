@@ -119,12 +119,15 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
-def process_weights_after_loading(model: nn.Module, cpu_gemm_backend: str = "auto") -> int:
+def process_weights_after_loading(model: nn.Module, cpu_gemm_backend: str = "auto", remove_weight: bool = True) -> int:
     """Pack every CPU linear weight (and the lm_head) for oneDNN's matmul; returns how many.
 
     vLLM: `model_loader/utils.py: process_weights_after_loading`, which on a CPU reaches
-    `layers/utils.py: dispatch_cpu_unquantized_gemm`. "auto" packs where oneDNN is available,
-    "onednn" insists, "torch" keeps plain F.linear (the readable path; what HF runs).
+    `layers/utils.py: dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`. "auto" packs
+    where oneDNN is available, "onednn" insists, "torch" keeps plain F.linear (the readable
+    path; what HF runs). remove_weight: drop each Linear's unpacked weight once packed — the
+    packed copy is all its matmul reads, and keeping both doubles the weights' memory (SmolLM2
+    fp32: ~+430 MB). The tied lm_head cannot give up its matrix: it is the input embedding too.
     """
     if cpu_gemm_backend not in cpu_gemm.CPU_GEMMS:
         raise ValueError(f"cpu_gemm_backend must be one of {cpu_gemm.CPU_GEMMS}, got {cpu_gemm_backend!r}")
@@ -132,24 +135,28 @@ def process_weights_after_loading(model: nn.Module, cpu_gemm_backend: str = "aut
         return 0
     from mini_vllm.models.layers import Linear
 
-    weights = [m.weight for m in model.modules() if isinstance(m, Linear)]
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is None]
     lm_head = getattr(model, "lm_head", None)
-    if not weights or not all(cpu_gemm.can_pack(w) for w in weights):
+    if not linears and getattr(model, "packed_lm_head", None) is not None:
+        return 0                                         # packed already
+    if not linears or not all(cpu_gemm.can_pack(m.weight) for m in linears):
         if cpu_gemm_backend == "onednn":
             raise ValueError("cpu_gemm_backend='onednn' needs CPU weights in fp32/bf16 and a torch built with "
                              f"oneDNN (mkldnn available: {torch.backends.mkldnn.is_available()})")
         return 0
     packed = 0
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.packed_weight = cpu_gemm.pack_weight(module.weight)
-            packed += 1
+    for module in linears:
+        module.packed_weight = cpu_gemm.pack_weight(module.weight)
+        packed += 1
     if lm_head is not None and hasattr(model, "packed_lm_head"):
         if isinstance(lm_head, Linear):
             model.packed_lm_head = lm_head.packed_weight
         else:                                            # tied: the embedding matrix, packed once more
             model.packed_lm_head = cpu_gemm.pack_weight(lm_head.weight)
             packed += 1
+    if remove_weight:
+        for module in linears:
+            module.drop_unpacked_weight()
     return packed
 
 

@@ -16,24 +16,17 @@ from scheduler import POLICIES, Request, ShadowKVConnector, ShadowKVRunner
 EOS = 2
 
 
-@settings(max_examples=50, deadline=None)
-@given(st.data())
-def test_random_chunked_workloads(data):
+def run_chunked_workload(max_num_seqs, budget, policy, preemption_mode, partial, long_partial, threshold,
+                         lookahead, num_blocks, block_size, caching, seed, with_connector, num_steps):
+    """One random workload, checked after every step; returns nothing, raises on any violation."""
     max_model_len = 64
-    max_num_seqs = data.draw(st.integers(1, 6))
-    partial = data.draw(st.integers(1, 3))
     config = ChunkedPrefillConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=data.draw(st.integers(max(8, max_num_seqs), 40)),
-        max_model_len=max_model_len, policy=data.draw(st.sampled_from(POLICIES)),
-        preemption_mode=data.draw(st.sampled_from(["recompute", "swap"])),
-        max_num_partial_prefills=partial, max_long_partial_prefills=data.draw(st.integers(1, partial)),
-        long_prefill_token_threshold=data.draw(st.sampled_from([0, 4, 12, 30])),
-        num_lookahead_tokens=data.draw(st.integers(0, 2)))
-    num_blocks = data.draw(st.integers(8, 30))
-    block_size = data.draw(st.sampled_from([2, 4, 8]))
-    kv = BlockSpaceManager(num_blocks, block_size, enable_caching=data.draw(st.booleans()), num_cpu_blocks=8)
-    rng = random.Random(data.draw(st.integers(0, 2**32 - 1)))
-    connector = ShadowKVConnector(rng) if data.draw(st.booleans(), label="connector") else None
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len, policy=policy,
+        preemption_mode=preemption_mode, max_num_partial_prefills=partial, max_long_partial_prefills=long_partial,
+        long_prefill_token_threshold=threshold, num_lookahead_tokens=lookahead)
+    kv = BlockSpaceManager(num_blocks, block_size, enable_caching=caching, num_cpu_blocks=8)
+    rng = random.Random(seed)
+    connector = ShadowKVConnector(rng) if with_connector else None
     s = ChunkedPrefillScheduler(config, kv, connector=connector)
     runner = ShadowKVRunner(num_blocks, block_size, 8, connector=connector,
                             next_token=lambda r: rng.choice([1, 3, EOS]),
@@ -44,8 +37,9 @@ def test_random_chunked_workloads(data):
         out = s.schedule()
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values()) <= config.max_num_batched_tokens
         assert len(s.running) <= config.max_num_seqs
-        # max_num_partial_prefills holds for every way into RUNNING, swap-ins included.
-        partial = [r for r in s.running if r.num_computed_tokens < r.num_tokens]
+        # max_num_partial_prefills holds for every way into RUNNING, swap-ins included. (A prefill
+        # is partial while more than one token is left: one left is a decode, as the scheduler counts.)
+        partial = [r for r in s.running if r.num_tokens - r.num_computed_tokens > 1]
         assert len(partial) <= config.max_num_partial_prefills, partial
         s.check_invariants(in_flight=out)
         kv.check_invariants()
@@ -55,7 +49,7 @@ def test_random_chunked_workloads(data):
                 finished.add(o.request_id)
         s.check_invariants()
 
-    for t in range(data.draw(st.integers(1, 30))):
+    for t in range(num_steps):
         for _ in range(rng.randint(0, 2)):
             rid = f"r{len(admitted)}"
             shared = list(range(100, 100 + rng.choice([0, 0, 8, 16])))      # prefix-cache hits happen
@@ -77,3 +71,23 @@ def test_random_chunked_workloads(data):
     assert finished == admitted
     assert kv.num_free_blocks == num_blocks and not kv.req_to_blocks and not kv.swapped_out
     assert kv.num_free_cpu_blocks == 8 and not kv.req_to_block_hashes
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.data())
+def test_random_chunked_workloads(data):
+    max_num_seqs = data.draw(st.integers(1, 6))
+    partial = data.draw(st.integers(1, 3))
+    run_chunked_workload(
+        max_num_seqs, data.draw(st.integers(max(8, max_num_seqs), 40)), data.draw(st.sampled_from(POLICIES)),
+        data.draw(st.sampled_from(["recompute", "swap"])), partial, data.draw(st.integers(1, partial)),
+        data.draw(st.sampled_from([0, 4, 12, 30])), data.draw(st.integers(0, 2)), data.draw(st.integers(8, 30)),
+        data.draw(st.sampled_from([2, 4, 8])), data.draw(st.booleans()), data.draw(st.integers(0, 2**32 - 1)),
+        data.draw(st.booleans(), label="connector"), data.draw(st.integers(1, 30)))
+
+
+def test_swap_ins_respect_max_num_partial_prefills():
+    """Issue 9, item 7, a workload found by the random search on the old code: swap-ins bypassed
+    `_defer_admission`, and 4 prompts were partway through their prefill with
+    max_num_partial_prefills=3. (SRTF, swap preemption, a 10-block pool.)"""
+    run_chunked_workload(5, 14, "srtf", "swap", 3, 1, 30, 0, 10, 4, False, 3384934383, False, 27)

@@ -81,3 +81,22 @@ def test_bad_backends_are_refused(tiny_model):
     with pytest.raises(ValueError, match="needs CPU weights in fp32/bf16"):
         process_weights_after_loading(model, "onednn")
     assert process_weights_after_loading(model, "auto") == 0   # auto: falls back to F.linear, says nothing
+
+
+@needs_onednn
+def test_packing_drops_the_unpacked_weights(tiny_model):
+    """vLLM's remove_weight=True: once packed, a Linear's row-major weight is dead memory. Only
+    the tied lm_head keeps its matrix (it is also the input embedding)."""
+    config = tiny_model
+    kept = get_model(config, cpu_gemm_backend="torch")
+    process_weights_after_loading(kept, "auto", remove_weight=False)
+    dropped = get_model(config, cpu_gemm_backend="auto")                  # the engine's default
+    linears = [m for m in dropped.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight.numel() == 0 and m.packed_weight is not None for m in linears)
+    param_bytes = lambda model: sum(p.numel() * p.element_size() for p in model.parameters())
+    linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in kept.modules() if isinstance(m, Linear))
+    assert param_bytes(kept) - param_bytes(dropped) == linear_bytes > 0
+    assert torch.equal(forward_logits(dropped, config), forward_logits(kept, config))
+    assert process_weights_after_loading(dropped, "auto") == 0            # packed already: nothing to redo
+    with pytest.raises(ValueError, match="no packed weight"):
+        Linear(4, 4).drop_unpacked_weight()

@@ -1,8 +1,8 @@
 """One model forward, ours vs HF transformers, on the same tokens — side by side in one run.
 
-    python -m mini_vllm.bench_model_forward                  # from the repo root (uses benchmarks/common.py)
-    python -m mini_vllm.bench_model_forward --quick          # fewer iterations
-    python -m mini_vllm.bench_model_forward --profile        # + both decode steps' top ops (torch.profiler)
+    python -m benchmarks.bench_model_forward                  # from the repo root
+    python -m benchmarks.bench_model_forward --quick          # fewer iterations
+    python -m benchmarks.bench_model_forward --profile        # + both decode steps' top ops (torch.profiler)
 
 Workloads (SmolLM2-135M-Instruct, fp32, on this machine's CPU or GPU):
   * prefill:  one 256-token prompt.           ours: flat [256] + paged cache.  HF: model(ids[1, 256]).
