@@ -167,7 +167,7 @@ def _top_p_width(probs: torch.Tensor, p: torch.Tensor) -> int:
     result is checked as always (a rounding slip just costs another round)."""
     num_rows = probs.shape[0]
     _, exponent = torch.frexp(probs)                                           # probs = m * 2^e, m in [0.5, 1)
-    bins = torch.where(probs > 0, (-exponent).clamp(max=63), 63).to(torch.int64)       # [R, V] in 0..63
+    bins = torch.where(probs > 0, (-exponent).clamp(0, 63), 63).to(torch.int64)        # [R, V] in 0..63 (1.0: bin 0)
     flat = (bins + 64 * torch.arange(num_rows, device=probs.device)[:, None]).flatten()
     mass = torch.bincount(flat, weights=probs.flatten().double(), minlength=64 * num_rows).view(num_rows, 64)
     count = torch.bincount(flat, minlength=64 * num_rows).view(num_rows, 64)

@@ -16,7 +16,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mini_vllm.sampler import Sampler, SamplingMetadata, draw_uniforms, nonfinite_rows, request_generator
@@ -300,6 +300,7 @@ def _adversarial_logits(g: torch.Generator, rows: int, vocab: int, style: int) -
 @settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 2**16), vocab=st.integers(1, 400), rows=st.integers(1, 6), style=st.integers(0, 3),
        start=st.sampled_from([1, 3, 256]), growth=st.sampled_from([2, 4]))
+@example(seed=0, vocab=2, rows=1, style=2, start=1, growth=2)          # a probability of exactly 1.0 (bin 0)
 def test_fast_top_k_top_p_equals_the_full_sort(seed, vocab, rows, style, start, growth):
     """Same kept set as the reference (same ties rule, same top token), from topk candidates that
     grow only when needed; the candidates carry exactly the reference's kept tokens with the
