@@ -10,8 +10,9 @@ Per row, in vLLM's order:
     greedy rows (temperature < 1e-5, vLLM's _SAMPLING_EPS) -> argmax of the raw logits
     random rows -> logits / temperature -> min-p -> top-k -> top-p -> draw
 
-A temperature below 1e-5 is greedy rather than a division: logits / 1e-30 overflows to +-inf
-and softmax of that is NaN, i.e. garbage tokens (vLLM draws the same line).
+A temperature below 1e-5 is greedy rather than a division (vLLM draws the same line): logits /
+1e-40 overflows to +inf (softmax NaN: garbage tokens), 1e-50 is 0 in an fp32 tensor, and 1e-7
+already turns a 1-ulp near tie into a coin flip where greedy is meant.
 
 What one step costs, and why (SmolLM2's vocabulary, 49152, at 64 rows; see
 `python -m benchmarks.bench_sampler`):

@@ -5,7 +5,7 @@ once in `__post_init__` so that the sampler and the stop checks can trust every 
 bad value fails at `generate()` time with a message naming it — not as a NaN three layers down.
 
     temperature  0 -> greedy (argmax, deterministic); > 0 -> sample from softmax(logits / T);
-                 below 1e-5 (vLLM's _SAMPLING_EPS) is greedy too: logits / 1e-30 would overflow
+                 below 1e-5 (vLLM's _SAMPLING_EPS) is greedy too: logits / 1e-40 would overflow
     top_k        keep the k most likely tokens (-1: all)
     top_p        keep the smallest set of most likely tokens whose probability reaches p (1: all)
     min_p        drop tokens less likely than min_p * (probability of the most likely token) (0: none)
