@@ -4,8 +4,8 @@
     "torch"      torch_ops.py   the same maths vectorized in PyTorch (runs anywhere)
     "triton"     triton_ops.py  Triton kernels: a GPU, or CPU tensors under TRITON_INTERPRET=1
     "cuda"       cuda_ops.py    CUDA C++ kernels (kernels_cuda/): a GPU only
-    ("cpu"       cpu_ops.py     a C++/OpenMP kernel, as vLLM's csrc/cpu — not wired here yet:
-                                add it to BACKENDS and _MODULES when paged_attention.cpu_ops lands)
+    "cpu"        cpu_ops.py     a C++/OpenMP kernel reading K/V in place, as vLLM's csrc/cpu:
+                                CPU tensors, built on first use (needs a C++ compiler and ninja)
 
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values, backend)
     paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, backend, ...)
@@ -26,20 +26,18 @@ from types import ModuleType
 
 import torch
 
-BACKENDS = ("reference", "torch", "triton", "cuda")
+BACKENDS = ("reference", "torch", "triton", "cuda", "cpu")
 _MODULES = {
     "reference": "paged_attention.reference",
     "torch": "paged_attention.torch_ops",
     "triton": "paged_attention.triton_ops",
     "cuda": "paged_attention.cuda_ops",
+    "cpu": "paged_attention.cpu_ops",
 }
-NOT_WIRED = {"cpu": "the C++/OpenMP kernel (paged_attention.cpu_ops) is not wired into this dispatch yet"}
 
 
 def check_backend(backend: str, device: torch.device) -> None:
     """Fail loudly for a backend this machine (or these tensors) cannot run."""
-    if backend in NOT_WIRED:
-        raise NotImplementedError(f"backend={backend!r}: {NOT_WIRED[backend]}; choose one of {BACKENDS}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     if backend == "cuda":
@@ -48,6 +46,12 @@ def check_backend(backend: str, device: torch.device) -> None:
                                "use backend='torch' (or 'triton' with TRITON_INTERPRET=1) on CPU")
         if device.type != "cuda":
             raise ValueError(f"backend='cuda' needs tensors on the GPU, got {device}")
+    if backend == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"backend='cpu' is the C++/OpenMP kernel for CPU tensors, got {device}")
+        from paged_attention import cpu_ops
+        if not cpu_ops.is_available():
+            raise RuntimeError(f"backend='cpu' is unavailable here: {cpu_ops.unavailable_reason()}; use backend='torch'")
     if backend == "triton" and device.type != "cuda":
         from paged_attention.triton_common import interpreting
         if not interpreting():

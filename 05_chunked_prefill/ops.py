@@ -2,9 +2,10 @@
 
 The engine (chapter 07) calls this on every layer of every step; its config picks the
 backend, in the project's one vocabulary (chapter 01's `paged_attention.ops`):
-"reference" (the per-request loop, the oracle), "torch" (vectorized SDPA, the CPU
-default), "triton" (one kernel launch; CUDA, or the Triton interpreter on a CPU).
-(A "cpu" C++ kernel would join here as it joins chapter 01's dispatch.)
+"reference" (the per-request loop, the oracle), "torch" (vectorized SDPA), "triton" (one
+kernel launch; CUDA, or the Triton interpreter on a CPU), "cpu" (chapter 01's C++/OpenMP
+kernel, which already handles the unified varlen case: K/V read in place through the block
+table — the engine's CPU default when it builds).
 All take the same arguments, in the project's one order
 
     (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, ...)
@@ -22,7 +23,7 @@ import torch
 from chunked_prefill import attention_reference, attention_vectorized
 from paged_attention.metadata import AttentionMetadata
 
-BACKENDS = ("reference", "torch", "triton")
+BACKENDS = ("reference", "torch", "triton", "cpu")
 PLANNED_BACKENDS = ("torch",)      # backends whose per-step work build_attention_plan precomputes
 
 
@@ -58,6 +59,9 @@ def unified_attention(
     if backend == "triton":
         from chunked_prefill import triton_ops     # imported lazily: triton is optional for the CPU path
         return triton_ops.unified_attention(*args, **kwargs)
+    if backend == "cpu":
+        from paged_attention import cpu_ops        # chapter 01's kernel: one house, no copy here
+        return cpu_ops.unified_attention(*args, **kwargs)
     return attention_reference.unified_attention(*args, **kwargs)
 
 

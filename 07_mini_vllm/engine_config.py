@@ -27,8 +27,9 @@ from mini_vllm.models.cpu_gemm import CPU_GEMMS
 GiB = 1 << 30
 
 # attention_backend -> what runs (see models/attention.py: ATTENTION_BACKENDS). "auto" picks
-# Triton on a GPU (vLLM's TritonAttentionBackend) and the vectorized torch path on a CPU.
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda", "reference")
+# Triton on a GPU (vLLM's TritonAttentionBackend) and, on a CPU, chapter 01's C++ kernel
+# (vLLM's CPU attention) when it builds here, else the vectorized torch path.
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "cuda", "reference")
 
 
 def _positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -54,7 +55,8 @@ class EngineConfig:
     """'auto' = cuda if available, else cpu."""
 
     attention_backend: str = "auto"
-    """torch (CPU default) | triton (GPU default) | cuda (CUDA cache write + Triton attention) | reference (the loop)."""
+    """auto | cpu (the C++ kernel, CPU default) | torch (vectorized SDPA) | triton (GPU default) |
+    cuda (CUDA cache write + Triton attention) | reference (the loops)."""
 
     max_model_len: int | None = None
     """Longest prompt + output; None = the model's max_position_embeddings (or its sliding window)."""
@@ -152,7 +154,10 @@ class EngineConfig:
     def resolved_attention_backend(self) -> str:
         if self.attention_backend != "auto":
             return self.attention_backend
-        return "triton" if self.resolved_device.type == "cuda" else "torch"
+        if self.resolved_device.type == "cuda":
+            return "triton"
+        from paged_attention import cpu_ops
+        return "cpu" if cpu_ops.is_available() else "torch"
 
     def resolve_max_num_batched_tokens(self, max_model_len: int) -> int:
         if self.max_num_batched_tokens is not None:

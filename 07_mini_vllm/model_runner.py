@@ -29,12 +29,14 @@ the sampler refuses such rows, the runner samples the other rows and reports the
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from chunked_prefill import build_attention_plan
 from kvcache.cache_engine import CacheEngine, KVCacheSpec
 from scheduler import ModelRunnerOutput as SchedulerModelRunnerOutput
 from scheduler import SchedulerOutput
@@ -43,6 +45,7 @@ from mini_vllm.config import ModelConfig
 from mini_vllm.cuda_graph import CUDAGraphRunner
 from mini_vllm.engine_config import EngineConfig
 from mini_vllm.model_inputs import ModelInputs, prepare_inputs
+from mini_vllm.models.attention import ATTENTION_BACKENDS
 from mini_vllm.models.loader import get_model
 from mini_vllm.input_batch import CachedRequestState, InputBatch
 from mini_vllm.sampler import Sampler, SamplerOutput, SamplingMetadata, nonfinite_rows, request_generator
@@ -68,7 +71,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig):
         self.config, self.model_config = config, model_config
         self.device = config.resolved_device
-        self.attn_backend = config.resolved_attention_backend
+        self.attn_backend = self._attention_backend(config, model_config)
         self.block_size = config.block_size
         self.max_model_len = model_config.max_model_len
         self.max_num_reqs = config.max_num_seqs
@@ -91,6 +94,18 @@ class ModelRunner:
         self.last_inputs: ModelInputs | None = None          # the last step's tensors (the notebook traces them)
 
     # ================================================================== set-up
+    @staticmethod
+    def _attention_backend(config: EngineConfig, model_config: ModelConfig) -> str:
+        """The configured backend; "auto" on a CPU is the C++ kernel unless this model's
+        head_dim is not one it supports (a multiple of 8), then the vectorized torch path."""
+        backend = config.resolved_attention_backend
+        if backend == "cpu" and model_config.head_dim % 8:
+            if config.attention_backend == "cpu":
+                raise ValueError(f"attention_backend='cpu' needs head_dim to be a multiple of 8, this model has "
+                                 f"{model_config.head_dim}; use 'torch'")
+            backend = "torch"
+        return backend
+
     def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         """Allocate the device KV cache (and the CPU swap tier) through chapter 02's CacheEngine."""
         copy_backend = "torch" if self.device.type == "cpu" else "triton"
@@ -158,6 +173,7 @@ class ModelRunner:
         try:
             ### BEGIN SOLUTION
             inputs, sample_rows = self.input_batch.prepare_inputs(num_scheduled, self.block_size, self.device, rows)
+            inputs = self._with_attention_plan(inputs)
             self.last_inputs = inputs
             if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(inputs):
                 hidden = self.cuda_graph_runner.run(inputs)                              # [T, hidden]
@@ -174,6 +190,14 @@ class ModelRunner:
             half = len(rows) // 2
             self._execute_rows(rows[:half], num_scheduled[:half], output)
             self._execute_rows(rows[half:], num_scheduled[half:], output)
+
+    def _with_attention_plan(self, inputs: ModelInputs) -> ModelInputs:
+        """The attention backend's per-step precomputation, built once here instead of in each
+        of the model's layers (vLLM: the backend's AttentionMetadataBuilder.build)."""
+        plan = build_attention_plan(inputs.attn_metadata, self.block_size, ATTENTION_BACKENDS[self.attn_backend][1])
+        if plan is None:
+            return inputs
+        return dataclasses.replace(inputs, attn_metadata=dataclasses.replace(inputs.attn_metadata, plan=plan))
 
     def _update_states(self, so: SchedulerOutput) -> dict[str, str]:
         """Apply the scheduler's deltas to `requests` and the persistent batch (vLLM: _update_states).

@@ -26,7 +26,8 @@ from mini_vllm.models.layers import Linear, QKVLinear, RMSNorm, apply_rotary_emb
 
 # attn_backend -> (chapter 01 cache-write backend, chapter 05 unified-attention backend)
 ATTENTION_BACKENDS: dict[str, tuple[str, str]] = {
-    "torch": ("torch", "torch"),            # the CPU default: vectorized SDPA over the gathered blocks
+    "cpu": ("cpu", "cpu"),                  # the CPU default: chapter 01's C++/OpenMP kernel, K/V read in place
+    "torch": ("torch", "torch"),            # vectorized SDPA over the gathered blocks (CPU fallback)
     "reference": ("reference", "reference"),  # the per-token / per-request loops, the oracles (slow, clear)
     "triton": ("triton", "triton"),         # GPU, or CPU under TRITON_INTERPRET=1
     # vLLM's TritonAttentionBackend pairing: CUDA reshape_and_cache_flash + Triton unified_attention.

@@ -51,8 +51,12 @@ def test_backend_errors(case):
     q, kv = case
     with pytest.raises(ValueError, match="unknown backend 'cudnn'"):
         decode(q, kv, "cudnn")
-    with pytest.raises(NotImplementedError, match="backend='cpu': the C\\+\\+/OpenMP kernel"):
-        decode(q, kv, "cpu")
+    from paged_attention import cpu_ops
+    if cpu_ops.is_available():                     # the C++ kernel is wired into the dispatch
+        torch.testing.assert_close(decode(q, kv, "cpu"), decode(q, kv, "reference"), rtol=1e-5, atol=1e-5)
+    else:
+        with pytest.raises(RuntimeError, match="backend='cpu' is unavailable here"):
+            decode(q, kv, "cpu")
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="backend='cuda' needs an NVIDIA GPU"):
             decode(q, kv, "cuda")
