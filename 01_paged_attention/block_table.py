@@ -156,10 +156,12 @@ def build_attention_metadata(
     block_tables = make_block_tables(block_ids, max_num_blocks)
     new = torch.tensor(list(num_new_tokens), dtype=torch.int64)
     computed = torch.tensor(list(num_computed_tokens), dtype=torch.int64)
+    ### BEGIN SOLUTION
     req_indices = torch.repeat_interleave(torch.arange(n), new)                      # [num_tokens]
     query_start_loc = torch.zeros(n + 1, dtype=torch.int64)
     query_start_loc[1:] = torch.cumsum(new, 0)
     positions = computed[req_indices] + torch.arange(int(new.sum())) - query_start_loc[req_indices]
+    ### END SOLUTION
     num_blocks_per_req = torch.tensor([len(ids) for ids in block_ids], dtype=torch.int64)
     slot_mapping = compute_slot_mapping(block_tables, req_indices, positions, block_size,
                                         num_blocks_per_req=num_blocks_per_req)

@@ -277,6 +277,7 @@ class Scheduler:
                     break
                 if self._try_admit(request, step) in ("admitted", "ignored"):
                     self.waiting.remove_request(request)
+        ### BEGIN SOLUTION
         skipped: list[Request] = []
         while self.waiting and self._has_room(step):
             request = self.waiting.peek_request()
@@ -293,6 +294,7 @@ class Scheduler:
                 skipped.append(popped)
         if skipped:
             self.waiting.prepend_requests(skipped)
+        ### END SOLUTION
         if not step.num_scheduled_tokens and not self.running and self.waiting:
             self._release_idle_remote_blocks()
 
@@ -510,6 +512,7 @@ class Scheduler:
         in the prefix cache come back for free.
         swap (thesis §3.4.5): move the blocks to the CPU tier; num_computed_tokens is kept."""
         assert request.status == RequestStatus.RUNNING, f"only running requests can be preempted: {request}"
+        ### BEGIN SOLUTION
         mapping = None
         if self.config.preemption_mode == "swap":
             try:
@@ -524,6 +527,7 @@ class Scheduler:
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.waiting.prepend_request(request)
+        ### END SOLUTION
         return mapping or []
 
     def _swap_in(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]] | None:
