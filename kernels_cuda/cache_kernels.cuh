@@ -26,6 +26,7 @@ __global__ void reshape_and_cache_kernel(
     const int64_t k_cache_block_stride, const int64_t k_cache_token_stride, const int64_t k_cache_head_stride,
     const int64_t v_cache_block_stride, const int64_t v_cache_token_stride, const int64_t v_cache_head_stride) {
   const int64_t token_idx = blockIdx.x;
+  // ### BEGIN SOLUTION
   const int64_t slot = static_cast<int64_t>(slot_mapping[token_idx]);
   if (slot < 0) return;  // padding token (e.g. a CUDA-graph batch padded to a captured size)
   const int64_t block_idx = slot / block_size;
@@ -43,6 +44,7 @@ __global__ void reshape_and_cache_kernel(
     k_dst[head * k_cache_head_stride + d] = k_src[head * key_head_stride + d];
     v_dst[head * v_cache_head_stride + d] = v_src[head * value_head_stride + d];
   }
+  // ### END SOLUTION
 }
 
 }  // namespace vfs

@@ -25,6 +25,7 @@ __global__ void copy_blocks_kernel(const int64_t* __restrict__ src_ptrs,   // [n
                                    int64_t words_per_block) {
   const int64_t pair = blockIdx.x;
   const int cache = blockIdx.y;
+  // ### BEGIN SOLUTION
   const int64_t src_block = block_mapping[2 * pair];
   const int64_t dst_block = block_mapping[2 * pair + 1];
   const Word* src = reinterpret_cast<const Word*>(src_ptrs[cache]) + src_block * words_per_block;
@@ -33,6 +34,7 @@ __global__ void copy_blocks_kernel(const int64_t* __restrict__ src_ptrs,   // [n
   for (int64_t i = threadIdx.x; i < words_per_block; i += blockDim.x) {
     dst[i] = src[i];
   }
+  // ### END SOLUTION
 }
 
 template <typename Word>

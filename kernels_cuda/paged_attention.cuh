@@ -116,6 +116,7 @@ __device__ __forceinline__ void paged_attention_kernel(
   const int token_in_block = lane / THREAD_GROUP_SIZE;
   const int lane_in_group = lane % THREAD_GROUP_SIZE;
 
+  // ### BEGIN SOLUTION
   float qk_max = -FLT_MAX;
   for (int block_idx = start_block_idx + warp_idx; block_idx < end_block_idx; block_idx += NUM_WARPS) {
     const int64_t physical_block = block_table[block_idx];
@@ -224,6 +225,7 @@ __device__ __forceinline__ void paged_attention_kernel(
       out[out_row * HEAD_SIZE + i] = from_float<scalar_t>(sum);
     }
   }
+  // ### END SOLUTION
 }
 
 // v1: grid (num_heads, num_seqs); dynamic shared memory holds the sequence's logits.
@@ -295,6 +297,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_reduce_kernel(
   const float* row_max = max_logits + row * max_num_partitions;
   const float* row_sum = exp_sums + row * max_num_partitions;
 
+  // ### BEGIN SOLUTION
   float m = -FLT_MAX;
   for (int p = threadIdx.x; p < num_partitions; p += NUM_THREADS) m = fmaxf(m, row_max[p]);
   m = block_max<NUM_WARPS>(red_smem, m);
@@ -312,6 +315,7 @@ __global__ void __launch_bounds__(NUM_THREADS) paged_attention_v2_reduce_kernel(
     for (int p = 0; p < num_partitions; ++p) acc += tmp_ptr[p * HEAD_SIZE + i] * weights[p];
     out_ptr[i] = from_float<scalar_t>(acc * inv_total);
   }
+  // ### END SOLUTION
 }
 
 }  // namespace vfs

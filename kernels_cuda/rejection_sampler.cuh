@@ -78,6 +78,7 @@ __global__ void __launch_bounds__(NUM_THREADS) rejection_sample_kernel(
   const int n = cu_num_draft[req] - start;
   const bool greedy = is_greedy != nullptr && is_greedy[req] != 0;
 
+  // ### BEGIN SOLUTION
   // 1. The accept tests, in order, until the first rejection. Every thread walks them (n is
   // at most max_spec_len, each test is three loads that all threads share), so the result is
   // uniform over the block and the branches below never diverge around __syncthreads.
@@ -135,6 +136,7 @@ __global__ void __launch_bounds__(NUM_THREADS) rejection_sample_kernel(
   for (int j = threadIdx.x; j < out_stride; j += NUM_THREADS) {
     out_row[j] = j < num_accepted ? draft_ids[start + j] : (j == num_accepted ? token : kRejectionPlaceholder);
   }
+  // ### END SOLUTION
 }
 
 }  // namespace vfs
