@@ -1,0 +1,74 @@
+"""python -m course {build,grade,proof,check,notebooks,discover} — see README "Course assignments"."""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m course", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("build", help="write the student edition")
+    p.add_argument("chapters", nargs="*", help="chapters to strip (02, ch02, kvcache, cuda...); default: all marked")
+    p.add_argument("--out", default="build/student")
+
+    p = sub.add_parser("grade", help="grade a student tree")
+    p.add_argument("student")
+    p.add_argument("--chapters", nargs="*", default=None)
+    p.add_argument("--task", dest="tasks", action="append", help="grade only this task (repeatable)")
+    p.add_argument("--fast", action="store_true", help="only each task's fast tests (what the CI proof runs)")
+    p.add_argument("--json", default=None, help="report path (default: STUDENT/grade_report.json)")
+
+    p = sub.add_parser("proof", help="prove the assignments: stripped fails, each task alone passes, reference passes")
+    p.add_argument("chapters", nargs="*")
+    p.add_argument("--full", action="store_true", help="all of each task's tests, not the fast subset")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--json", default=None)
+
+    sub.add_parser("check", help="check course/tasks.toml against the marked tree")
+
+    p = sub.add_parser("notebooks", help="execute notebooks/*.ipynb in place")
+    p.add_argument("names", nargs="*")
+
+    p = sub.add_parser("discover", help="instructor tool: which tests run which regions")
+    p.add_argument("chapters", nargs="*")
+    p.add_argument("--out", default="build/discover.json")
+
+    args = parser.parse_args(argv)
+    if args.cmd == "build":
+        from course.build import build
+        info = build(args.chapters, pathlib.Path(args.out))
+        print(f"student edition of {', '.join(info['chapters'])} ({len(info['tasks'])} tasks) -> {args.out}")
+        return 0
+    if args.cmd == "grade":
+        from course.grade import main as grade_main
+        return grade_main(args.student, chapters=args.chapters, task_ids=args.tasks, fast=args.fast,
+                          json_path=args.json)
+    if args.cmd == "proof":
+        from course.proof import proof
+        report = proof(args.chapters, fast=not args.full, jobs=args.jobs,
+                       out_json=pathlib.Path(args.json) if args.json else None)
+        return 0 if report["ok"] else 1
+    if args.cmd == "check":
+        from course.manifest import load, problems
+        errors = problems(load())
+        for e in errors:
+            print(e)
+        print("course/tasks.toml: " + ("consistent with the marked tree" if not errors else f"{len(errors)} problems"))
+        return 1 if errors else 0
+    if args.cmd == "notebooks":
+        from course.notebooks import execute_all
+        report = execute_all(args.names)
+        return 1 if any(isinstance(v, str) for v in report.values()) else 0
+    if args.cmd == "discover":
+        from course.discover import discover
+        data = discover(args.chapters, pathlib.Path(args.out))
+        print(f"{len(data)} tests -> {args.out}")
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""pytest plugin loaded INSIDE a grading process (copied into the grading workspace and
+loaded with `-p _course_grader_plugin`); it imports nothing from the course package.
+
+Jobs:
+  * the reference solution is never imported: the editable install's finder (which maps
+    `kvcache` etc. to the reference folders) is removed from sys.meta_path before any test
+    module is imported, a guard refuses any module whose file lies in a reference chapter
+    folder, and at the end every loaded module is audited (COURSE_REF_DIRS);
+  * results stream to a JSON-lines file (COURSE_RESULTS) as tests run, so a process that
+    hangs or crashes loses only the test it was in;
+  * per-task time limits (COURSE_LIMITS: {test id: [task, seconds left for the task]}): a
+    watchdog thread (faulthandler) ends the process when a task's time runs out inside a
+    test; the parent sees which test was running and scores that task 0;
+  * probes (discovery only): `_course_probe.HITS`, the regions a test ran, are recorded.
+"""
+import faulthandler
+import json
+import os
+import pathlib
+import sys
+import time
+
+import pytest
+
+_RESULTS = os.environ.get("COURSE_RESULTS")
+_REF_DIRS = [pathlib.Path(p).resolve() for p in json.loads(os.environ.get("COURSE_REF_DIRS", "[]"))]
+_LIMITS = json.loads(os.environ.get("COURSE_LIMITS", "{}"))
+_TEST_LIMIT = float(os.environ.get("COURSE_TEST_LIMIT", "0"))   # tests of no task (discovery)
+_stream = open(_RESULTS, "a", buffering=1) if _RESULTS else None
+_outcomes: dict = {}
+_spent: dict = {}
+_started: dict = {}
+
+
+def _emit(**event):
+    if _stream is not None:
+        _stream.write(json.dumps(event) + "\n")
+        _stream.flush()
+        os.fsync(_stream.fileno())
+
+
+def _in_reference(path) -> bool:
+    if not path or not _REF_DIRS:
+        return False
+    p = pathlib.Path(path).resolve()
+    return any(p == d or d in p.parents for d in _REF_DIRS)
+
+
+class _ReferenceGuard:
+    """A meta-path finder placed first: asks the other finders, refuses reference files."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if _in_reference(spec.origin):
+                    raise ImportError(f"grading must not import the reference solution: {fullname} -> {spec.origin}")
+                return spec
+        return None
+
+
+def _install_guard():
+    sys.meta_path[:] = [f for f in sys.meta_path
+                        if "__editable__" not in (getattr(f, "__module__", "") or "")
+                        and "__editable__" not in getattr(f, "__name__", "")]
+    if _REF_DIRS:
+        sys.meta_path.insert(0, _ReferenceGuard())
+
+
+_install_guard()
+
+
+def _task_of(nodeid):
+    for test_id, value in _LIMITS.items():
+        if nodeid == test_id or nodeid.startswith(test_id + "[") or nodeid.startswith(test_id + "::"):
+            return value
+    return None
+
+
+def pytest_collection_finish(session):
+    _emit(event="collected", nodeids=[item.nodeid for item in session.items])
+
+
+def pytest_runtest_logstart(nodeid, location):
+    entry = _task_of(nodeid)
+    limit = None
+    if entry is not None:
+        task, seconds = entry
+        limit = max(0.5, seconds - _spent.get(task, 0.0))
+        faulthandler.dump_traceback_later(limit, exit=True)
+    elif _TEST_LIMIT > 0:
+        limit = _TEST_LIMIT
+        faulthandler.dump_traceback_later(limit, exit=True)
+    _started[nodeid] = time.monotonic()
+    probe = sys.modules.get("_course_probe")
+    if probe is not None:
+        probe.HITS.clear()
+    _emit(event="start", nodeid=nodeid, limit=limit, t=time.time())
+
+
+def pytest_runtest_logreport(report):
+    nodeid = report.nodeid
+    state = _outcomes.setdefault(nodeid, {"outcome": "passed", "message": ""})
+    if report.failed:
+        if state["outcome"] != "failed":
+            state["outcome"] = "failed" if report.when == "call" else "error"
+            text = str(report.longrepr) if report.longrepr is not None else ""
+            lines = [ln for ln in text.splitlines() if ln.strip()]
+            state["message"] = "\n".join(lines[-6:])[-1500:]
+    elif report.skipped and state["outcome"] == "passed":
+        state["outcome"] = "skipped"
+        state["message"] = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else ""
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    faulthandler.cancel_dump_traceback_later()
+    elapsed = time.monotonic() - _started.pop(nodeid, time.monotonic())
+    entry = _task_of(nodeid)
+    if entry is not None:
+        _spent[entry[0]] = _spent.get(entry[0], 0.0) + elapsed
+    state = _outcomes.pop(nodeid, {"outcome": "error", "message": "no report"})
+    probe = sys.modules.get("_course_probe")
+    hits = sorted(probe.HITS) if probe is not None else None
+    _emit(event="done", nodeid=nodeid, duration=round(elapsed, 3), hits=hits, **state)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    leaked = sorted(name for name, module in list(sys.modules.items())
+                    if _in_reference(getattr(module, "__file__", None)))
+    _emit(event="finished", exitstatus=int(exitstatus), reference_modules=leaked)

@@ -1,0 +1,245 @@
+"""Run the instructor's tests against a student tree, in a separate process that can only
+import the student's code.
+
+The grading workspace (a temporary folder):
+
+    ws/01_paged_attention -> STUDENT/01_paged_attention     (every top-level entry of the
+    ws/kernels_cuda       -> STUDENT/kernels_cuda             student tree but tests/)
+    ws/tests/                copied from THIS repository: public + hidden tests
+    ws/_import/kvcache    -> STUDENT/02_kvcache              (import names -> student folders)
+    ws/_course_grader_plugin.py, ws/pytest.ini
+
+pytest runs in ws with PYTHONPATH=ws/_import:ws; the plugin removes the editable install's
+finder (which would map `kvcache` to this repository's 02_kvcache) and guards every import
+(course/grader_plugin.py). Tests that locate files through `__file__` (the CUDA emulators
+find kernels_cuda/ as tests/..) therefore find the student's files.
+
+A process that crashes (a C++ stub throws, a segfault) or runs out of a task's time is
+restarted on the tests it had not run yet; the test it died in is scored as crashed /
+timed out, and a timed-out task gets 0.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+
+from course.layout import ROOT, Chapter, chapters
+
+PLUGIN = pathlib.Path(__file__).with_name("grader_plugin.py")
+
+
+@dataclasses.dataclass
+class TestResult:
+    nodeid: str
+    outcome: str            # passed / failed / error / skipped / crashed / timeout / not run
+    duration: float = 0.0
+    message: str = ""
+    hits: list[str] | None = None
+
+
+@dataclasses.dataclass
+class RunResult:
+    results: dict[str, TestResult]
+    collected: list[str]
+    reference_modules: list[str]
+    timed_out_tasks: set[str]
+    processes: int
+    wall_s: float
+    stderr_tail: str = ""
+
+
+def _ini(extra_markers: list[str]) -> str:
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    opts = data["tool"]["pytest"]["ini_options"]
+    markers = list(opts.get("markers", [])) + extra_markers
+    warnings = list(opts.get("filterwarnings", []))
+    lines = ["[pytest]",
+             "addopts = --import-mode=importlib -ra --strict-markers -p _course_grader_plugin -p no:cacheprovider "
+             "--continue-on-collection-errors",
+             "pythonpath = tests",
+             "markers ="]
+    lines += [f"    {m}" for m in markers]
+    if warnings:
+        lines.append("filterwarnings =")
+        lines += [f"    {w}" for w in warnings]
+    return "\n".join(lines) + "\n"
+
+
+def make_workspace(student: pathlib.Path, ws: pathlib.Path, *, tests_src: pathlib.Path = ROOT / "tests",
+                   markers: list[str] = (), chs: list[Chapter] | None = None) -> pathlib.Path:
+    student = student.resolve()
+    chs = chs or chapters()
+    ws.mkdir(parents=True, exist_ok=True)
+    for entry in sorted(student.iterdir()):
+        if entry.name in ("tests", ".git", "conftest.py", "pytest.ini") or entry.name.startswith(".pytest"):
+            continue
+        (ws / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+    shutil.copytree(tests_src, ws / "tests", symlinks=False,
+                    ignore=shutil.ignore_patterns("__pycache__", ".hypothesis", "*.pyc"))
+    imports = ws / "_import"
+    imports.mkdir()
+    for ch in chs:
+        if (student / ch.folder).is_dir():
+            (imports / ch.package).symlink_to((student / ch.folder).resolve(), target_is_directory=True)
+    shutil.copy(PLUGIN, ws / "_course_grader_plugin.py")
+    (ws / "pytest.ini").write_text(_ini(list(markers)))
+    return ws
+
+
+def _extension_dir(student: pathlib.Path) -> str:
+    """torch.utils.cpp_extension build folder keyed by the student's C++ sources: trees with
+    the same sources share one build, and a student build never evicts the repository's."""
+    digest = hashlib.sha256()
+    for p in sorted(student.resolve().glob("*/csrc/*")):
+        if p.is_file():
+            digest.update(p.name.encode() + p.read_bytes())
+    base = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache"))
+    return str(base / "vllm_from_scratch" / "course_extensions" / digest.hexdigest()[:16])
+
+
+def _reference_dirs(chs: list[Chapter]) -> list[str]:
+    return [str((ROOT / ch.folder).resolve()) for ch in chs if (ROOT / ch.folder).is_dir()]
+
+
+def _matches(nodeid: str, test_id: str) -> bool:
+    return nodeid == test_id or nodeid.startswith(test_id + "[") or nodeid.startswith(test_id + "::")
+
+
+def _read_events(path: pathlib.Path) -> list[dict]:
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass            # a line cut by a kill
+    return events
+
+
+def run_tests(ws: pathlib.Path, test_args: list[str], *, task_limits: dict[str, tuple[str, float]] | None = None,
+              extra_env: dict[str, str] | None = None, student: pathlib.Path | None = None,
+              startup_s: float = 180.0, quiet: bool = True, chs: list[Chapter] | None = None) -> RunResult:
+    """Run pytest in `ws` on `test_args` (node ids or paths) until every collected test has a
+    result. task_limits: {test id: (task, seconds for the whole task)}."""
+    chs = chs or chapters()
+    task_limits = dict(task_limits or {})
+    results: dict[str, TestResult] = {}
+    collected: list[str] | None = None
+    spent: dict[str, float] = {}
+    timed_out: set[str] = set()
+    leaked: list[str] = []
+    processes, t0, stderr_tail = 0, time.monotonic(), ""
+    pending = list(test_args)
+    env = dict(os.environ)
+    env.update({
+        "PYTHONPATH": os.pathsep.join([str(ws / "_import"), str(ws)]),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "COURSE_REF_DIRS": json.dumps(_reference_dirs(chs)),
+        "TORCH_EXTENSIONS_DIR": _extension_dir(student or ws),
+    })
+    env.pop("PYTEST_ADDOPTS", None)
+    env.update(extra_env or {})
+    task_of_test = {t: task for t, (task, _) in task_limits.items()}
+    limit_of_task = {task: s for _, (task, s) in task_limits.items()}
+
+    def task_for(nodeid):
+        for test_id, task in task_of_test.items():
+            if _matches(nodeid, test_id):
+                return task
+        return None
+
+    while pending:
+        processes += 1
+        results_file = ws / f".results.{processes}.jsonl"
+        left = {t: [task, max(0.5, limit_of_task[task] - spent.get(task, 0.0))] for t, task in task_of_test.items()
+                if task not in timed_out}
+        env["COURSE_RESULTS"] = str(results_file)
+        env["COURSE_LIMITS"] = json.dumps(left)
+        budget = startup_s + sum({task: s for task, s in left.values()}.values()) if left else None
+        args_file = ws / f".args.{processes}"
+        args_file.write_text("\n".join(pending))
+        cmd = [sys.executable, "-m", "pytest", "-c", str(ws / "pytest.ini"), "--rootdir", str(ws), "-q",
+               "-p", "no:randomly", f"@{args_file}"]
+        proc = subprocess.Popen(cmd, cwd=ws, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True, text=True, errors="replace")
+        try:
+            out, _ = proc.communicate(timeout=budget)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        stderr_tail = (out or "")[-4000:]
+        if not quiet:
+            print(out)
+        events = _read_events(results_file)
+        started = None
+        for ev in events:
+            kind = ev.get("event")
+            if kind == "collected" and collected is None:
+                collected = ev["nodeids"]
+            elif kind == "start":
+                started = ev
+            elif kind == "done":
+                results[ev["nodeid"]] = TestResult(ev["nodeid"], ev["outcome"], ev["duration"], ev["message"],
+                                                   ev.get("hits"))
+                task = task_for(ev["nodeid"])
+                if task:
+                    spent[task] = spent.get(task, 0.0) + ev["duration"]
+                started = None
+            elif kind == "finished":
+                leaked = sorted(set(leaked) | set(ev.get("reference_modules", [])))
+        if collected is None:
+            # Died (or hung) before collecting: nothing more can be learnt by retrying.
+            for arg in pending:
+                results.setdefault(arg, TestResult(arg, "error", 0.0, "pytest did not collect:\n" + stderr_tail[-1500:]))
+            break
+        if started is not None and started["nodeid"] not in results:
+            nodeid = started["nodeid"]
+            elapsed = time.time() - started["t"]
+            task = task_for(nodeid)
+            if started.get("limit") is not None and elapsed >= started["limit"] - 0.5:
+                results[nodeid] = TestResult(nodeid, "timeout", elapsed, f"task {task} ran out of time in this test")
+                if task:
+                    timed_out.add(task)
+            else:
+                results[nodeid] = TestResult(nodeid, "crashed", elapsed,
+                                             f"the test process died (exit {proc.returncode}):\n{stderr_tail[-1500:]}")
+        remaining = [n for n in collected if n not in results and task_for(n) not in timed_out]
+        if remaining and remaining == pending:
+            for n in remaining:     # no progress: give up on these
+                results[n] = TestResult(n, "error", 0.0, f"pytest made no progress (exit {proc.returncode})")
+            break
+        pending = remaining
+    for n in collected or []:
+        if n not in results:
+            results[n] = TestResult(n, "not run", 0.0, "its task ran out of time")
+    return RunResult(results, collected or [], leaked, timed_out, processes, time.monotonic() - t0, stderr_tail)
+
+
+class Workspace:
+    """A temporary grading workspace for `student` (removed on exit unless keep=True)."""
+
+    def __init__(self, student: pathlib.Path, *, markers: list[str] = (), keep: bool = False,
+                 parent: pathlib.Path | None = None):
+        self.student = pathlib.Path(student)
+        self.markers = list(markers)
+        self.keep = keep
+        self.parent = parent
+
+    def __enter__(self) -> pathlib.Path:
+        self.path = pathlib.Path(tempfile.mkdtemp(prefix="course-grade-", dir=self.parent))
+        return make_workspace(self.student, self.path / "ws", markers=self.markers)
+
+    def __exit__(self, *exc):
+        if not self.keep:
+            shutil.rmtree(self.path, ignore_errors=True)
