@@ -86,12 +86,14 @@ def score(tasks: list[Task], run: RunResult, fast: bool) -> list[TaskGrade]:
 
 def grade_tree(student: pathlib.Path, tasks: list[Task], *, fast: bool = False,
                workspace_parent: pathlib.Path | None = None) -> tuple[list[TaskGrade], RunResult]:
-    limits = {}
+    limits, standins = {}, {}
     for task in tasks:
         for test_id in test_ids(task, fast):
             limits[test_id] = (task.id, task.fast_timeout_s if fast else task.timeout_s)
+            if task.standins:
+                standins[test_id] = task.standins
     with Workspace(student, parent=workspace_parent) as ws:
-        run = run_tests(ws, list(limits), task_limits=limits, student=student)
+        run = run_tests(ws, list(limits), task_limits=limits, student=student, standins=standins)
     return score(tasks, run, fast), run
 
 

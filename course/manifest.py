@@ -40,6 +40,7 @@ class Task:
     timeout_s: float = DEFAULT_TIMEOUT_S
     fast_timeout_s: float = FAST_TIMEOUT_S
     notes: str = ""
+    standins: list[str] = dataclasses.field(default_factory=list)   # files under tests/course/ (apply(monkeypatch))
 
     @property
     def tests(self) -> list[str]:
@@ -81,7 +82,8 @@ def load(path: pathlib.Path = MANIFEST) -> Manifest:
             id=raw["id"], title=raw["title"], chapter=ch.folder if ch else "?", regions=regions,
             public=list(raw.get("public", [])), hidden=list(raw.get("hidden", [])), fast=list(raw.get("fast", [])),
             timeout_s=float(raw.get("timeout_s", DEFAULT_TIMEOUT_S)),
-            fast_timeout_s=float(raw.get("fast_timeout_s", FAST_TIMEOUT_S)), notes=raw.get("notes", "")))
+            fast_timeout_s=float(raw.get("fast_timeout_s", FAST_TIMEOUT_S)), notes=raw.get("notes", ""),
+            standins=list(raw.get("standins", []))))
     return Manifest(tasks)
 
 
@@ -136,6 +138,9 @@ def problems(manifest: Manifest, root: pathlib.Path = ROOT, folders: list[str] |
         for test in t.tests:
             if not (root / test.split("::")[0]).is_file():
                 out.append(f"{t.id}: test file of {test} does not exist")
+        for path in t.standins:
+            if not path.startswith("tests/course/") or not (root / path).is_file():
+                out.append(f"{t.id}: stand-in {path} must be a file under tests/course/")
         for test in t.hidden:
             if "[" in test:
                 out.append(f"{t.id}: hidden test {test} must name a whole function, class or file")

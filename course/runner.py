@@ -129,7 +129,8 @@ def _read_events(path: pathlib.Path) -> list[dict]:
 
 def run_tests(ws: pathlib.Path, test_args: list[str], *, task_limits: dict[str, tuple[str, float]] | None = None,
               extra_env: dict[str, str] | None = None, student: pathlib.Path | None = None,
-              startup_s: float = 180.0, quiet: bool = True, chs: list[Chapter] | None = None) -> RunResult:
+              startup_s: float = 180.0, quiet: bool = True, chs: list[Chapter] | None = None,
+              standins: dict[str, list[str]] | None = None) -> RunResult:
     """Run pytest in `ws` on `test_args` (node ids or paths) until every collected test has a
     result. task_limits: {test id: (task, seconds for the whole task)}."""
     chs = chs or chapters()
@@ -148,6 +149,7 @@ def run_tests(ws: pathlib.Path, test_args: list[str], *, task_limits: dict[str, 
         "COURSE_REF_DIRS": json.dumps(_reference_dirs(chs)),
         "TORCH_EXTENSIONS_DIR": _extension_dir(student or ws),
     })
+    env["COURSE_STANDINS"] = json.dumps(standins or {})
     env.pop("PYTEST_ADDOPTS", None)
     env.update(extra_env or {})
     task_of_test = {t: task for t, (task, _) in task_limits.items()}
