@@ -13,6 +13,15 @@ With an asynchronous load the request waits in `WAITING_FOR_REMOTE_KVS`, owning 
 being filled. Nothing is published in the prefix cache until it has landed: the scheduler
 registers a request's blocks only after a step in which it ran (`KVCacheManager.cache_blocks`).
 
+A load can FAIL (the remote node died, timed out, sent bytes that fail their checksum): the
+worker reports the blocks it could not fill in `ModelRunnerOutput.invalid_block_ids`, and the
+scheduler applies the connector's `kv_load_failure_policy` (vLLM's names): "recompute" rewinds
+`num_computed_tokens` to the first invalid block (at most the local hit, for a connector that
+reports all of a failed load's blocks) and lets the request compute the rest itself, in the
+blocks it already owns; "fail" finishes it with an error. Either way the invalid blocks never
+enter the prefix cache, and `request_load_failed` tells the connector not to offer that
+request remote K/V again (a dead node must not make it fail in a loop).
+
 The scheduler always keeps at least the last token to compute — even if a connector could
 load every token, the logits of the next token come from a forward pass over the last one.
 """
@@ -25,7 +34,12 @@ from scheduler.request import Request
 
 class KVConnectorBase:
     """The scheduler-side connector interface. Subclasses implement the two matching methods;
-    the other two default to "nothing to tell the workers" and "free the blocks now"."""
+    the others default to "nothing to tell the workers", "free the blocks now" and "nothing
+    to remember about a failed load"."""
+
+    # What the scheduler does with a request whose asynchronous load failed (vLLM:
+    # KVTransferConfig.kv_load_failure_policy): "recompute" or "fail".
+    kv_load_failure_policy: str = "recompute"
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """How many tokens AFTER the local prefix-cache hit (`num_computed_tokens`) can be loaded
@@ -42,6 +56,11 @@ class KVConnectorBase:
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         """What the worker-side connector must do this step (loads to start, blocks to save)."""
         return None
+
+    def request_load_failed(self, request: Request) -> None:
+        """The worker reported this request's load as failed and the scheduler recomputes it
+        (policy "recompute"). From now on `get_num_new_matched_tokens` should answer 0 for it:
+        it is asked again if the request is ever reset to zero computed tokens (preemption)."""
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         """The request finished. True: its blocks are still being read (sent to another node):

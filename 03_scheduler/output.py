@@ -94,6 +94,10 @@ class ModelRunnerOutput:
     # and finished requests whose K/V finished sending (their blocks can be freed now).
     finished_recving: set[str] = field(default_factory=set)
     finished_sending: set[str] = field(default_factory=set)
+    # KV connector: blocks whose asynchronous load FAILED (vLLM: KVConnectorOutput.invalid_block_ids).
+    # Their request is never reported in finished_recving; the scheduler recomputes from the
+    # first invalid block (kv_load_failure_policy "recompute") or fails the request ("fail").
+    invalid_block_ids: set[int] = field(default_factory=set)
     req_id_to_index: dict[str, int] = field(init=False)
 
     def __post_init__(self) -> None:

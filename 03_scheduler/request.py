@@ -90,6 +90,7 @@ class Request:
         cache_salt: str | None = None,
         streaming_input: bool = False,
         sampling_params: Any = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -107,6 +108,13 @@ class Request:
         self.stop_token_ids = frozenset(stop_token_ids)
         self.cache_salt = cache_salt      # part of the first block's hash: isolates tenants' prefix caches
         self.sampling_params = sampling_params
+        # What a KV connector needs to know about THIS request (vLLM's name, chapter 06): on a
+        # prefill node {"do_remote_decode": True}; on a decode node the prefill node's answer
+        # (where its K/V is). Opaque to the scheduler: only the connector reads it.
+        if kv_transfer_params is not None and not isinstance(kv_transfer_params, dict):
+            raise ValueError(f"request {request_id}: kv_transfer_params must be a dict or None, "
+                             f"got {type(kv_transfer_params).__name__}")
+        self.kv_transfer_params = kv_transfer_params
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None   # the stop token id, or a message (FINISHED_IGNORED / _ERROR)

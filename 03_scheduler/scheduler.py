@@ -615,9 +615,52 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(req_id, generated, num_cached_tokens=max(request.num_cached_tokens, 0)))
         if stopped_running:
             self.running = [r for r in self.running if id(r) not in stopped_running]
+        outputs += self._update_requests_with_invalid_blocks(model_runner_output.invalid_block_ids)
         self.finished_recving_kv_req_ids |= {r for r in model_runner_output.finished_recving if r in self.requests}
         for req_id in model_runner_output.finished_sending:
             self._free_delayed(req_id)
+        return outputs
+
+    def _update_requests_with_invalid_blocks(self, invalid_block_ids: set[int]) -> list[EngineCoreOutput]:
+        """Asynchronous loads that failed (vLLM: `_update_requests_with_invalid_blocks` under
+        `kv_load_failure_policy`). For each request waiting for remote KV that owns an invalid
+        block — its K/V there is missing or wrong — either:
+          "recompute": num_computed_tokens <- the tokens before its first invalid block (its local
+                       prefix hit, for a connector that reports all of a failed load's blocks).
+                       With some left, it keeps its blocks and is admitted next step to compute
+                       the rest into them; with none, it gives them back and starts over as a new
+                       request (finding its local prefix hit again). Nothing is uncached: blocks
+                       enter the prefix cache only after a step computed them.
+          "fail":      finished with FINISHED_ERROR and the reason; its blocks freed.
+        Returns the outputs of failed requests. (Only asynchronous loads are reported here: a
+        synchronous one would have fed its step's forward pass wrong K/V already.)"""
+        if not invalid_block_ids:
+            return []
+        outputs: list[EngineCoreOutput] = []
+        for request in [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]:
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+            first_invalid = next((i for i, b in enumerate(block_ids) if b in invalid_block_ids), None)
+            if first_invalid is None:
+                continue
+            ### BEGIN SOLUTION
+            if self.connector.kv_load_failure_policy == "fail":
+                message = (f"loading remote KV failed (block {block_ids[first_invalid]}) and "
+                           "kv_load_failure_policy='fail'")
+                self.waiting.remove_request(request)
+                self._free_request(request, RequestStatus.FINISHED_ERROR, owns_kv=True, message=message)
+                outputs.append(EngineCoreOutput(request.request_id, [], request.get_finished_reason(), message,
+                                                max(request.num_cached_tokens, 0)))
+                continue
+            request.num_computed_tokens = min(request.num_computed_tokens, first_invalid * self.block_size)
+            if request.num_computed_tokens > 0:
+                # It holds its blocks and has nothing left to wait for: admitted first next step.
+                self.finished_recving_kv_req_ids.add(request.request_id)
+            else:
+                self.kv_cache_manager.free(request)
+                self.finished_recving_kv_req_ids.discard(request.request_id)
+                request.status = RequestStatus.WAITING
+            self.connector.request_load_failed(request)
+            ### END SOLUTION
         return outputs
 
     # ================================================================== freeing

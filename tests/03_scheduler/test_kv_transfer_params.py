@@ -1,0 +1,34 @@
+"""`Request.kv_transfer_params` (vLLM's name): what a KV connector needs to know about one
+request, carried by the request and read only by the connector."""
+import pytest
+
+from kvcache import BlockSpaceManager
+from scheduler import KVConnectorBase, Request, Scheduler, SchedulerConfig
+
+
+def test_default_none_dict_kept_and_bad_type_refused():
+    assert Request("a", [1, 2], 1).kv_transfer_params is None
+    params = {"do_remote_decode": True}
+    assert Request("b", [1, 2], 1, kv_transfer_params=params).kv_transfer_params is params
+    with pytest.raises(ValueError, match="kv_transfer_params must be a dict"):
+        Request("c", [1, 2], 1, kv_transfer_params="do_remote_decode")
+
+
+def test_the_connector_sees_them_and_the_scheduler_ignores_them():
+    seen = {}
+
+    class Reader(KVConnectorBase):
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            seen[request.request_id] = request.kv_transfer_params
+            return 0, False
+
+        def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+            raise AssertionError("nothing was matched")
+
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=32),
+                  BlockSpaceManager(8, 4), connector=Reader())
+    s.add_request(Request("p", [1, 2, 3], 1, kv_transfer_params={"do_remote_decode": True}))
+    s.add_request(Request("q", [4, 5, 6], 1))
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"p": 3, "q": 3}
+    assert seen == {"p": {"do_remote_decode": True}, "q": None}
