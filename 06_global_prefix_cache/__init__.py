@@ -21,7 +21,6 @@ _EXPORTS = {
     "KVConnectorRole": "connector", "GlobalPrefixCacheConnectorMetadata": "connector", "create_connector": "connector",
     "LoadError": "layers", "ScratchLayer": "layers",
     "MooncakeMaster": "mooncake_layer", "MooncakeEngine": "mooncake_layer", "MooncakeLayer": "mooncake_layer",
-    "recover_failed_loads": "recovery",
     "KVNode": "node", "NodeProcess": "node", "FakeKVModel": "node",
 }
 

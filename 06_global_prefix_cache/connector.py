@@ -23,13 +23,17 @@ Two ways K/V arrive, one code path in the scheduler (thesis §4.4: a remote pref
     P pushes, D does not pull), contiguous blocks grouped into one transfer per layer.
 
 Every load is asynchronous (the request waits in WAITING_FOR_REMOTE_KVS) and has a deadline;
-a failed or late load is reported by `get_failed_loads()` so the engine can recompute
-(`recover_failed_loads`), and its blocks are never written after it was given up.
+a failed or late load is reported by `get_block_ids_with_load_errors()` (the model runner puts
+them in `ModelRunnerOutput.invalid_block_ids`, and chapter 03's scheduler recomputes the request
+under `kv_load_failure_policy`), and its blocks are never written after it was given up.
 """
 from __future__ import annotations
 
 import enum
 import itertools
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 import os
 import threading
 import time
@@ -46,6 +50,7 @@ from global_prefix_cache.kv_layout import BlockSegment, KVLayout, NodeSpec
 from global_prefix_cache.layers import LoadError, PoolHit, ScratchLayer, classify, hit_node_id
 from global_prefix_cache.rpc import RpcClient, RpcError, RpcServer
 from kvcache.hashing import BlockHash, append_block_hashes, sha256_hash
+from scheduler.kv_connector import KVConnectorBase
 
 
 def cdiv(a: int, b: int) -> int:
@@ -119,10 +124,12 @@ class _Staged:
     sent: bool = False
 
 
-class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
-    """The surface the engine drives (vLLM's KVConnectorBase_V1). Subclasses pick a layer."""
+class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
+    """The surface the engine drives (vLLM's KVConnectorBase_V1): chapter 03's scheduler-side
+    interface plus the worker side. Subclasses pick a layer."""
 
     layer_name = ""
+    MAX_FAILURE_HISTORY = 1024
 
     def __init__(self, config: KVTransferConfig | dict, block_size: int, node_id: str | None = None) -> None:
         self.config = KVTransferConfig.from_dict(config)
@@ -146,7 +153,8 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
         self._pool_down_until = 0.0
         self.finished_request_ids: set[str] = set()  # request_finished seen (the engine calls it once)
         self._params_out: dict[str, dict] = {}
-        self.external_tokens: dict[str, int] = {}    # request -> tokens planned to load (stats)
+        self.external_tokens: dict[str, int] = {}    # live request -> tokens planned to load (stats)
+        self.load_failures: OrderedDict[str, str] = OrderedDict()   # request -> why its load failed (recent)
         self.load_seconds: list[float] = []          # wall time of each successful load (benchmarks)
         # worker side
         self._meta = GlobalPrefixCacheConnectorMetadata()
@@ -167,6 +175,35 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
 
     def _make_layer(self):
         raise NotImplementedError
+
+    @property
+    def kv_load_failure_policy(self) -> str:
+        """Read by chapter 03's scheduler when a load fails: "recompute" or "fail"."""
+        return self.config.kv_load_failure_policy
+
+    def validate_kv_transfer_params(self, params: dict | None) -> None:
+        """ValueError, before a request is queued, if this node cannot do what its
+        kv_transfer_params ask: a role that cannot (a consumer asked to send, a producer asked
+        to load), missing fields, or a prefill node whose K/V is not interchangeable with ours
+        (another model, block size, layer count, KV heads, head_dim or dtype)."""
+        if not params:
+            return
+        if not isinstance(params, dict):
+            raise ValueError(f"kv_transfer_params must be a dict, got {type(params).__name__}")
+        if params.get("do_remote_decode"):
+            self.config.require("save")
+        if params.get("do_remote_prefill"):
+            self.config.require("load")
+            missing = [k for k in ("remote_session", "remote_request_id", "num_tokens", "spec") if k not in params]
+            if missing:
+                raise ValueError(f"kv_transfer_params with do_remote_prefill needs {missing} "
+                                 "(pass the prefill node's returned kv_transfer_params unchanged)")
+            try:
+                remote = NodeSpec(**params["spec"])
+            except TypeError as e:
+                raise ValueError(f"kv_transfer_params['spec'] is not a node spec: {e}") from None
+            if self.spec is not None:
+                self.spec.check_compatible(remote, "the prefill node")
 
     # ================================================================ worker: setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -330,6 +367,7 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
         if job is not None:           # finished (aborted) while loading: its blocks are being freed
             job.cancel(self.layer.engine)
         self._no_remote.discard(rid)
+        self.external_tokens.pop(rid, None)
         params = getattr(request, "kv_transfer_params", None) or {}
         if params.get("do_remote_decode"):
             self.config.require("save")
@@ -351,6 +389,11 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
         """After a failed load: this request computes its K/V locally from now on."""
         self._no_remote.add(request_id)
         self._matched.pop(request_id, None)
+
+    def request_load_failed(self, request) -> None:
+        """Chapter 03's scheduler recomputes a request whose load failed: never offer it
+        remote K/V again (a dead node must not make it fail in a loop)."""
+        self.mark_no_remote(request.request_id)
 
     # ================================================================ worker side: loads
     def bind_connector_metadata(self, meta: GlobalPrefixCacheConnectorMetadata) -> None:
@@ -429,7 +472,11 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
     def _fail(self, job: _LoadJob, err: BaseException) -> None:
         reason = err.reason if isinstance(err, LoadError) else classify(str(err))
         self._count_failure(reason)
-        self._failed[job.spec.request_id] = str(err) if isinstance(err, LoadError) else f"{reason}: {err}"
+        message = str(err) if isinstance(err, LoadError) else f"{reason}: {err}"
+        self._failed[job.spec.request_id] = message
+        self.load_failures[job.spec.request_id] = message
+        while len(self.load_failures) > self.MAX_FAILURE_HISTORY:
+            self.load_failures.popitem(last=False)
         self._failed_block_ids.update(job.spec.block_ids)
         if reason == "unreachable" and job.spec.mode == "pool":
             for node in {hit_node_id(h) for h in job.spec.hits} - {None}:
@@ -460,6 +507,32 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
 
     def has_pending_loads(self) -> bool:
         return bool(self._jobs)
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Block until one of the loads in flight finishes, or `timeout` s: an engine with
+        nothing to compute but remote K/V on its way waits here instead of spinning (and
+        leaves the GIL to the threads doing the transfer)."""
+        futures = [job.future for job in self._jobs.values() if job.future is not None]
+        if futures:
+            wait_futures(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def discard_saves(self, request_ids) -> None:
+        """Requests the forward pass failed (their K/V may be half written): publish and stage
+        none of their blocks this step. Call before wait_for_save."""
+        drop = set(request_ids)
+        if not drop or not self._meta.saves:
+            return
+        self._meta.saves = [s for s in self._meta.saves if s.request_id not in drop]
+        if self._save_handles is not None:           # save_kv_layer already reserved room for them
+            keep = []
+            for save, handle, slots in self._save_handles:
+                if save.request_id in drop:
+                    self.layer.pool_abort_save(handle)
+                    if slots:
+                        self.send_segment.free(slots)
+                else:
+                    keep.append((save, handle, slots))
+            self._save_handles = keep
 
     # ================================================================ worker side: saves
     def _begin_saves(self) -> list[tuple[SaveSpec, Any, list[int]]]:

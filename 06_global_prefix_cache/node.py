@@ -11,8 +11,9 @@ One `KVNode.step()`:
     out  = scheduler.schedule()
     meta = connector.build_connector_meta(out); bind; start_load_kv()
     forward: per layer, write K/V of the scheduled tokens by slot, then save_kv_layer(layer)
-    wait_for_save(); get_finished() -> finished_recving; get_failed_loads() -> recover
-    scheduler.update_from_output(out, ModelRunnerOutput(..., finished_recving))
+    wait_for_save(); get_finished() -> finished_recving; get_block_ids_with_load_errors()
+    scheduler.update_from_output(out, ModelRunnerOutput(..., finished_recving, invalid_block_ids))
+        (chapter 03's scheduler recomputes a request whose load failed)
     request_finished(...) for requests that finished
 
 `NodeProcess` runs a KVNode in a child process behind a pipe: tests and the demo use two
@@ -33,7 +34,6 @@ import torch
 
 from global_prefix_cache.connector import KVConnectorBase_V1, create_connector
 from global_prefix_cache.kv_layout import kv_caches_from_cache_engine
-from global_prefix_cache.recovery import recover_failed_loads
 from kvcache import KVCacheManager
 from kvcache.cache_engine import CacheEngine, KVCacheSpec
 from scheduler import ModelRunnerOutput, Request, Scheduler, SchedulerConfig
@@ -138,17 +138,18 @@ class KVNode:
                                             out.num_scheduled_tokens.get(rid, 0)))
         sampled = self._forward(out)
         recving: set[str] = set()
+        invalid: set[int] = set()
         if c is not None:
             c.wait_for_save()
             _, recving = c.get_finished(out.finished_req_ids)
-            failed = c.get_failed_loads()
-            for rid, reason in failed.items():
+            for rid, reason in c.get_failed_loads().items():
                 if rid in self.records:
                     self.records[rid].failed_load = reason
-            recover_failed_loads(self.scheduler, c, failed)
+            invalid = c.get_block_ids_with_load_errors()
             c.clear_connector_metadata()
         req_ids = list(out.num_scheduled_tokens)
-        runner_out = ModelRunnerOutput(req_ids, [sampled.get(r, []) for r in req_ids], finished_recving=recving)
+        runner_out = ModelRunnerOutput(req_ids, [sampled.get(r, []) for r in req_ids], finished_recving=recving,
+                                       invalid_block_ids=invalid)
         for o in self.scheduler.update_from_output(out, runner_out):
             record = self.records[o.request_id]
             if o.new_token_ids and not record.output_token_ids:
