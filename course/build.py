@@ -181,7 +181,7 @@ def build(names: list[str], out: pathlib.Path, *, minimal: bool = False, restore
     if minimal:
         files = code_files()
     else:
-        files = [f for f in repo_files() if not _excluded(f) and not (f in hidden and hidden[f] is None)]
+        files = [f for f in repo_files(untracked=True) if not _excluded(f) and not (f in hidden and hidden[f] is None)]
     notebooks = [f for f in files if f.endswith(".ipynb")]
     write_tree(out, [f for f in files if f not in notebooks], transform, link_big=minimal)
     for nb in notebooks:

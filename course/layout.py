@@ -50,11 +50,13 @@ def find_chapter(name: str, chs: list[Chapter]) -> Chapter:
     raise SystemExit(f"unknown chapter {name!r}; chapters: {', '.join(c.short for c in chs)}")
 
 
-def repo_files(root: pathlib.Path = ROOT) -> list[str]:
-    """Files of the working tree that git would ship (tracked + new, not ignored); without git
+def repo_files(root: pathlib.Path = ROOT, untracked: bool = False) -> list[str]:
+    """Files git tracks (what a clone and CI see: the regions the manifest must cover), plus
+    with untracked=True the new files git would add (trees are built from the working tree as
+    it is, so that it imports while others' new files are not committed yet); without git
     (a student tree), every file outside the usual caches."""
     if (root / ".git").exists():
-        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        out = subprocess.run(["git", "ls-files", "--cached", "-z"] + (["--others", "--exclude-standard"] if untracked else []),
                              cwd=root, capture_output=True, check=True).stdout.decode()
         return sorted(p for p in out.split("\0") if p and (root / p).is_file())
     files = []

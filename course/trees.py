@@ -39,7 +39,7 @@ def code_files(chs: list[Chapter] | None = None, root: pathlib.Path = ROOT) -> l
     """The files a grading run needs besides tests: the chapter folders and benchmarks/."""
     chs = chs or chapters(root)
     tops = {c.folder for c in chs} | {"benchmarks", "pyproject.toml"}
-    return [f for f in repo_files(root) if pathlib.PurePosixPath(f).parts[0] in tops]
+    return [f for f in repo_files(root, untracked=True) if pathlib.PurePosixPath(f).parts[0] in tops]
 
 
 PROBE_MODULE = '''"""Discovery probes: which solution regions a test runs."""
