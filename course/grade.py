@@ -86,15 +86,32 @@ def score(tasks: list[Task], run: RunResult, fast: bool) -> list[TaskGrade]:
 
 def grade_tree(student: pathlib.Path, tasks: list[Task], *, fast: bool = False,
                workspace_parent: pathlib.Path | None = None) -> tuple[list[TaskGrade], RunResult]:
-    limits, standins = {}, {}
-    for task in tasks:
-        for test_id in test_ids(task, fast):
-            limits[test_id] = (task.id, task.fast_timeout_s if fast else task.timeout_s)
-            if task.standins:
-                standins[test_id] = task.standins
+    groups: dict[tuple, list[Task]] = {}
+    for task in tasks:                      # tasks graded with stand-ins get a process of their own
+        groups.setdefault(tuple(task.standins), []).append(task)
+    runs = []
     with Workspace(student, parent=workspace_parent) as ws:
-        run = run_tests(ws, list(limits), task_limits=limits, student=student, standins=standins)
+        for standins, group in groups.items():
+            limits = {t: (task.id, task.fast_timeout_s if fast else task.timeout_s)
+                      for task in group for t in test_ids(task, fast)}
+            runs.append(run_tests(ws, list(limits), task_limits=limits, student=student, standins=list(standins)))
+    run = _merge(runs)
     return score(tasks, run, fast), run
+
+
+def _merge(runs: list[RunResult]) -> RunResult:
+    if len(runs) == 1:
+        return runs[0]
+    merged = RunResult({}, [], [], set(), 0, 0.0, "")
+    for r in runs:
+        merged.results.update(r.results)
+        merged.collected += r.collected
+        merged.reference_modules = sorted(set(merged.reference_modules) | set(r.reference_modules))
+        merged.timed_out_tasks |= r.timed_out_tasks
+        merged.processes += r.processes
+        merged.wall_s += r.wall_s
+        merged.stderr_tail = r.stderr_tail
+    return merged
 
 
 def report_json(student: pathlib.Path, grades: list[TaskGrade], run: RunResult, fast: bool) -> dict:

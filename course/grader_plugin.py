@@ -11,9 +11,10 @@ Jobs:
   * per-task time limits (COURSE_LIMITS: {test id: [task, seconds left for the task]}): a
     watchdog thread (faulthandler) ends the process when a task's time runs out inside a
     test; the parent sees which test was running and scores that task 0;
-  * stand-ins (COURSE_STANDINS: {test id: [stand-in files]}): while a task is graded, the
-    pieces other tasks implement can be replaced by the instructor's simple stand-ins (each
-    file defines apply(monkeypatch)), so that no task's grade depends on another's solution;
+  * stand-ins (COURSE_STANDINS: [stand-in files]): while a task is graded, the pieces other
+    tasks implement can be replaced by the instructor's simple stand-ins (each file defines
+    apply(monkeypatch)), so that no task's grade depends on another's solution; the grader
+    runs such tasks in a process of their own;
   * probes (discovery only): `_course_probe.HITS`, the regions a test ran, are recorded.
 """
 import faulthandler
@@ -28,8 +29,8 @@ import pytest
 _RESULTS = os.environ.get("COURSE_RESULTS")
 _REF_DIRS = [pathlib.Path(p).resolve() for p in json.loads(os.environ.get("COURSE_REF_DIRS", "[]"))]
 _LIMITS = json.loads(os.environ.get("COURSE_LIMITS", "{}"))
-_STANDINS = json.loads(os.environ.get("COURSE_STANDINS", "{}"))
-_standin_modules: dict = {}
+_STANDINS = json.loads(os.environ.get("COURSE_STANDINS", "[]"))   # stand-in files for this whole process
+_standin_patch = pytest.MonkeyPatch()
 _TEST_LIMIT = float(os.environ.get("COURSE_TEST_LIMIT", "0"))   # tests of no task (discovery)
 _stream = open(_RESULTS, "a", buffering=1) if _RESULTS else None
 _outcomes: dict = {}
@@ -137,23 +138,13 @@ def pytest_sessionfinish(session, exitstatus):
     _emit(event="finished", exitstatus=int(exitstatus), reference_modules=leaked)
 
 
-def _standins_of(nodeid):
-    for test_id, files in _STANDINS.items():
-        if nodeid == test_id or nodeid.startswith(test_id + "[") or nodeid.startswith(test_id + "::"):
-            return files
-    return []
 
-
-@pytest.fixture(autouse=True)
-def _course_standins(request, monkeypatch):
+def pytest_sessionstart(session):
+    """Stand-ins apply to the whole process (the grader runs the tasks that use them in a
+    process of their own), before any test module is imported or fixture is built."""
     import importlib.util
-    for path in _standins_of(request.node.nodeid):
-        module = _standin_modules.get(path)
-        if module is None:
-            spec = importlib.util.spec_from_file_location(f"_course_standin_{len(_standin_modules)}",
-                                                          pathlib.Path(request.config.rootpath) / path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            _standin_modules[path] = module
-        module.apply(monkeypatch)
-    yield
+    for i, path in enumerate(_STANDINS):
+        spec = importlib.util.spec_from_file_location(f"_course_standin_{i}", pathlib.Path(session.config.rootpath) / path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.apply(_standin_patch)

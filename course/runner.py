@@ -130,7 +130,7 @@ def _read_events(path: pathlib.Path) -> list[dict]:
 def run_tests(ws: pathlib.Path, test_args: list[str], *, task_limits: dict[str, tuple[str, float]] | None = None,
               extra_env: dict[str, str] | None = None, student: pathlib.Path | None = None,
               startup_s: float = 180.0, quiet: bool = True, chs: list[Chapter] | None = None,
-              standins: dict[str, list[str]] | None = None) -> RunResult:
+              standins: list[str] | None = None) -> RunResult:
     """Run pytest in `ws` on `test_args` (node ids or paths) until every collected test has a
     result. task_limits: {test id: (task, seconds for the whole task)}."""
     chs = chs or chapters()
@@ -142,6 +142,7 @@ def run_tests(ws: pathlib.Path, test_args: list[str], *, task_limits: dict[str, 
     leaked: list[str] = []
     processes, t0, stderr_tail = 0, time.monotonic(), ""
     pending = list(test_args)
+    token = os.urandom(4).hex()              # one workspace may serve several runs
     env = dict(os.environ)
     env.update({
         "PYTHONPATH": os.pathsep.join([str(ws / "_import"), str(ws)]),
@@ -149,7 +150,7 @@ def run_tests(ws: pathlib.Path, test_args: list[str], *, task_limits: dict[str, 
         "COURSE_REF_DIRS": json.dumps(_reference_dirs(chs)),
         "TORCH_EXTENSIONS_DIR": _extension_dir(student or ws),
     })
-    env["COURSE_STANDINS"] = json.dumps(standins or {})
+    env["COURSE_STANDINS"] = json.dumps(list(standins or []))
     env.pop("PYTEST_ADDOPTS", None)
     env.update(extra_env or {})
     task_of_test = {t: task for t, (task, _) in task_limits.items()}
@@ -163,13 +164,13 @@ def run_tests(ws: pathlib.Path, test_args: list[str], *, task_limits: dict[str, 
 
     while pending:
         processes += 1
-        results_file = ws / f".results.{processes}.jsonl"
+        results_file = ws / f".results.{token}.{processes}.jsonl"
         left = {t: [task, max(0.5, limit_of_task[task] - spent.get(task, 0.0))] for t, task in task_of_test.items()
                 if task not in timed_out}
         env["COURSE_RESULTS"] = str(results_file)
         env["COURSE_LIMITS"] = json.dumps(left)
         budget = startup_s + sum({task: s for task, s in left.values()}.values()) if left else None
-        args_file = ws / f".args.{processes}"
+        args_file = ws / f".args.{token}.{processes}"
         args_file.write_text("\n".join(pending))
         cmd = [sys.executable, "-m", "pytest", "-c", str(ws / "pytest.ini"), "--rootdir", str(ws), "-q",
                "-p", "no:randomly", f"@{args_file}"]

@@ -1,0 +1,20 @@
+"""Stand-in for chapter 07's CPU-linear task (oneDNN prepacking), used by the grader while it
+grades the model-runner task: the "packed" weight is the weight itself and the matmul is
+F.linear — correct, just not prepacked. Patched into the functions' code so that every
+reference already bound to them (`from ... import pack_weight`) sees it too."""
+import torch.nn.functional as F
+
+from mini_vllm.models import cpu_gemm
+
+
+def _pack_weight(weight):
+    return weight.detach().contiguous()
+
+
+def _packed_linear(x, packed_weight, bias):
+    return F.linear(x, packed_weight, bias)
+
+
+def apply(monkeypatch):
+    monkeypatch.setattr(cpu_gemm.pack_weight, "__code__", _pack_weight.__code__)
+    monkeypatch.setattr(cpu_gemm.packed_linear, "__code__", _packed_linear.__code__)
