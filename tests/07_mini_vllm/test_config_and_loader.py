@@ -165,5 +165,5 @@ def test_forward_rejects_bad_inputs(llama_dir):
         model(inputs.input_ids[:2], inputs.positions[:2], caches, inputs.attn_metadata)
     with pytest.raises(ValueError, match=r"one \(key_cache, value_cache\) per layer \(2\), got 1"):
         model(inputs.input_ids, inputs.positions, caches[:1], inputs.attn_metadata)
-    with pytest.raises(ValueError, match="attention backend 'flash' is not supported; supported: torch, reference, triton, cuda"):
+    with pytest.raises(ValueError, match="attention backend 'flash' is not supported; supported: cpu, torch, reference, triton, cuda"):
         get_model(config, attn_backend="flash")
