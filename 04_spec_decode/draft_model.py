@@ -37,7 +37,7 @@ import torch
 from kvcache import KVCacheManager, RequestTooLargeError
 from paged_attention.block_table import build_attention_metadata
 from spec_decode.proposer import (DraftRequest, check_num_speculative_tokens, check_same_vocabulary,
-                                  validate_draft_token_ids)
+                                  draft_budget, validate_draft_token_ids)
 
 
 @dataclass
@@ -147,7 +147,7 @@ class DraftModelProposer:
         ### BEGIN SOLUTION
         for i, r in enumerate(requests):
             tokens = [int(t) for t in r.token_ids]
-            n = k if self.max_model_len is None else min(k, self.max_model_len - len(tokens))
+            n = draft_budget(r, k, self.max_model_len)
             if n <= 0 or not tokens:
                 continue
             state = self.requests.setdefault(r.req_id, PagedRequestState(r.req_id))

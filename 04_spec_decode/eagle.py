@@ -37,7 +37,7 @@ from kvcache import KVCacheManager, RequestTooLargeError
 from paged_attention.block_table import build_attention_metadata
 from spec_decode.draft_model import PagedRequestState
 from spec_decode.layers import DecoderLayer, RMSNorm, RotaryEmbedding
-from spec_decode.proposer import DraftRequest, check_num_speculative_tokens, validate_draft_token_ids
+from spec_decode.proposer import DraftRequest, check_num_speculative_tokens, draft_budget, validate_draft_token_ids
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 
@@ -158,69 +158,89 @@ class EagleProposer:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.requests: dict[str, PagedRequestState] = {}
+        self.offsets: dict[str, int] = {}              # request -> position of its head row 0
 
     def remove_requests(self, req_ids: Sequence[str]) -> None:
         for rid in req_ids:
             state = self.requests.pop(rid, None)
+            self.offsets.pop(rid, None)
             if state is not None and rid in self.kv.req_to_blocks:
                 self.kv.free(state)
 
-    def _run(self, states, row_tokens, row_hidden, row_start) -> torch.Tensor:
-        """One batched head pass: request j gets rows row_start[j] .. + len(row_tokens[j]).
-        Returns the predicted features at each request's last row [num_requests, H]."""
+    def consumed_position(self, req_id: str) -> int:
+        """Positions before this one have been consumed as real features (an engine may drop
+        the target's hidden states for them); 0 for a request the head does not know."""
+        state = self.requests.get(req_id)
+        return 0 if state is None else self.offsets.get(req_id, 0) + state.num_computed_tokens
+
+    def _run(self, states, row_tokens, row_hidden, row_start, offsets) -> torch.Tensor:
+        """One batched head pass: request j gets rows row_start[j] .. + len(row_tokens[j]) of its
+        head cache, at positions offsets[j] + row (a request may start its head context late,
+        see `propose`). Returns the predicted features at each request's last row [num_requests, H]."""
         device = self.kv_cache[0].device
         num_new = [len(t) for t in row_tokens]
         md = build_attention_metadata([self.kv.get_block_ids(s.request_id) for s in states], list(row_start), num_new,
                                       self.block_size, device=device)
         ids = torch.tensor([t for ts in row_tokens for t in ts], dtype=torch.long, device=device)
-        positions = torch.cat([start + torch.arange(n) for start, n in zip(row_start, num_new)]).to(device)
+        positions = torch.cat([o + start + torch.arange(n)
+                               for o, start, n in zip(offsets, row_start, num_new)]).to(device)
         with torch.no_grad():
             g = self.head(self.embed_tokens(ids), torch.cat(row_hidden).to(device), positions, self.kv_cache, md)
         return g[md.query_start_loc[1:].long() - 1]
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        """Head rows live in the head's own paged cache. Row r of a request is position
+        offset + r: the offset is 0 unless the request's first hidden states start later — the
+        target never computed the positions it found in its prefix cache, so there are no
+        features for them, and the head's context simply begins where the features do (its
+        drafts are then guesses from less context; verification keeps the output exact)."""
         k = self.num_speculative_tokens
         drafts: list[list[int]] = [[] for _ in requests]
-        active, states, rows_tok, rows_hid, rows_start, budget = [], [], [], [], [], []
+        active, states, rows_tok, rows_hid, rows_start, offsets, budget = [], [], [], [], [], [], []
         for i, r in enumerate(requests):
             tokens = [int(t) for t in r.token_ids]
-            n = len(tokens) - 1                               # rows 0 .. n-1 can use real features
+            new = r.req_id not in self.requests
+            offset = r.hidden_start if new and r.hidden_states is not None else self.offsets.get(r.req_id, 0)
+            n = len(tokens) - 1 - offset                      # rows 0 .. n-1 can use real features
             if n < 1:
                 continue
-            state = self.requests.setdefault(r.req_id, PagedRequestState(r.req_id))
+            state = self.requests.get(r.req_id) or PagedRequestState(r.req_id)
             start = min(state.num_computed_tokens, n)         # rows already computed with real features
             hid = r.hidden_states
-            if hid is None or r.hidden_start > start or r.hidden_start + hid.shape[0] < n:
+            if hid is None or r.hidden_start > offset + start or r.hidden_start + hid.shape[0] < offset + n:
                 have = "none" if hid is None else f"[{r.hidden_start}, {r.hidden_start + hid.shape[0]})"
                 raise ValueError(f"request {r.req_id}: the EAGLE head needs the target's hidden states for positions "
-                                 f"[{start}, {n}), got {have}")
+                                 f"[{offset + start}, {offset + n}), got {have}")
             if hid.shape[-1] != self.head.config.hidden_size:
                 raise ValueError(f"request {r.req_id}: target hidden states of size {hid.shape[-1]}, the EAGLE head "
                                  f"is for {self.head.config.hidden_size}")
-            budget_i = k if self.max_model_len is None else min(k, self.max_model_len - len(tokens))
+            budget_i = draft_budget(r, k, self.max_model_len)
             if budget_i <= 0:
                 continue
+            self.requests[r.req_id], self.offsets[r.req_id] = state, offset
             state.num_computed_tokens = start
-            state.all_token_ids = tokens
+            state.all_token_ids = tokens[offset:]
             try:
                 ok = self.kv.allocate_slots(state, n - start + budget_i - 1) is not None
             except RequestTooLargeError:
                 ok = False
             if not ok:
                 continue
+            h0 = offset + start - r.hidden_start
             active.append(i)
             states.append(state)
-            rows_tok.append(tokens[start + 1:n + 1])          # row i takes x_{i+1} ...
-            rows_hid.append(hid[start - r.hidden_start:n - r.hidden_start])   # ... and f_i
+            rows_tok.append(tokens[offset + start + 1:offset + n + 1])   # row i takes x_{i+1} ...
+            rows_hid.append(hid[h0:h0 + n - start])                     # ... and f_i
             rows_start.append(start)
+            offsets.append(offset)
             budget.append(budget_i)
         if not active:
             return drafts
         ### BEGIN SOLUTION
-        g = self._run(states, rows_tok, rows_hid, rows_start)                  # [A, H] = g_{n-1}
+        g = self._run(states, rows_tok, rows_hid, rows_start, offsets)         # [A, H] = g_{n-1}
         for s in states:
             s.num_computed_tokens = len(s.all_token_ids) - 1                   # real rows: 0 .. n-1
-        positions = [len(s.all_token_ids) - 1 for s in states]                 # next row: n
+        next_row = [len(s.all_token_ids) - 1 for s in states]                  # next row: n
         live = list(range(len(active)))
         for step in range(k):
             tok = self.compute_logits(g).argmax(-1)                            # [A'] d_{step+1}
@@ -231,6 +251,6 @@ class EagleProposer:
                 break
             live = [live[m] for m in keep]
             g = self._run([states[j] for j in live], [[drafts[active[j]][-1]] for j in live],
-                          [g[m:m + 1] for m in keep], [positions[j] + step for j in live])
+                          [g[m:m + 1] for m in keep], [next_row[j] + step for j in live], [offsets[j] for j in live])
         ### END SOLUTION
         return validate_draft_token_ids(drafts, self.vocab_size, k, "EAGLE head")

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from spec_decode.proposer import DraftRequest, check_num_speculative_tokens
+from spec_decode.proposer import DraftRequest, check_num_speculative_tokens, draft_budget
 
 
 def _check_lookup(min_n: int, max_n: int) -> None:
@@ -98,12 +98,15 @@ class NgramProposer:
         self.max_n = prompt_lookup_max
         self.max_model_len = max_model_len
 
-    def propose_one(self, token_ids: Sequence[int] | np.ndarray) -> list[int]:
+    def propose_one(self, token_ids: Sequence[int] | np.ndarray, k: int | None = None) -> list[int]:
         tokens = np.asarray(token_ids, dtype=np.int64)
-        return find_ngram(tokens, self.min_n, self.max_n, self.num_speculative_tokens, self.max_model_len).tolist()
+        k = self.num_speculative_tokens if k is None else min(k, self.num_speculative_tokens)
+        if k <= 0:
+            return []
+        return find_ngram(tokens, self.min_n, self.max_n, k, self.max_model_len).tolist()
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        return [self.propose_one(r.token_ids) for r in requests]
+        return [self.propose_one(r.token_ids, draft_budget(r, self.num_speculative_tokens)) for r in requests]
 
     def propose_batch(self, token_ids_cpu: np.ndarray, num_tokens: np.ndarray) -> list[list[int]]:
         """vLLM's layout: the persistent batch's [batch, max_model_len] token table and each

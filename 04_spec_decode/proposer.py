@@ -9,6 +9,8 @@ per request carries all of them, and a proposer reads what it needs:
     token_ids      prompt + verified output, INCLUDING the token sampled this step
     hidden_states  (EAGLE only) the target's last hidden states for positions
                    [hidden_start, hidden_start + len) — the ones computed and accepted this step
+    max_num_drafts at most this many drafts for this request (None: num_speculative_tokens) —
+                   how an engine turns speculation down per request (spec_decode.adaptive)
 
 The engine's flow (vLLM's, see README): after the target's step is sampled and verified,
 `propose` runs, and its drafts go to `Scheduler.update_draft_token_ids` so that the NEXT
@@ -28,6 +30,7 @@ class DraftRequest:
     token_ids: Sequence[int]
     hidden_states: torch.Tensor | None = None   # [num_positions, hidden] (EAGLE)
     hidden_start: int = 0                       # position of hidden_states[0]
+    max_num_drafts: int | None = None           # per-request cap on the drafts (None: k)
 
 
 class Proposer(Protocol):
@@ -46,6 +49,17 @@ def check_num_speculative_tokens(k: int) -> int:
     if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
         raise ValueError(f"num_speculative_tokens must be a positive int (k >= 1 drafts per step), got {k!r}")
     return k
+
+
+def draft_budget(request: DraftRequest, num_speculative_tokens: int, max_model_len: int | None = None) -> int:
+    """How many drafts `request` may get: k, the request's own cap, and never a draft at a
+    position >= max_model_len (the verified tokens plus the drafts must fit)."""
+    k = num_speculative_tokens
+    if request.max_num_drafts is not None:
+        k = min(k, request.max_num_drafts)
+    if max_model_len is not None:
+        k = min(k, max_model_len - len(request.token_ids))
+    return max(0, k)
 
 
 def validate_draft_token_ids(drafts: Sequence[Sequence[int]], vocab_size: int, max_drafts: int,

@@ -22,6 +22,7 @@ _EXPORTS = {
     "LoadError": "layers", "ScratchLayer": "layers",
     "MooncakeMaster": "mooncake_layer", "MooncakeEngine": "mooncake_layer", "MooncakeLayer": "mooncake_layer",
     "KVNode": "node", "NodeProcess": "node", "FakeKVModel": "node",
+    "EngineProcess": "engine_node", "run_requests": "engine_node", "engine_stats": "engine_node",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import zlib
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -156,6 +157,12 @@ class MooncakeEngine:
         self._registered.clear()
 
 
+@dataclass
+class MooncakeFaults:
+    """Fault injection for tests and demos (Mooncake has none we can reach from Python)."""
+    load_delay_s: float = 0.0      # wait before reading pool blocks: a slow store, or time for a race
+
+
 class MooncakeLayer:
     """The pool on Mooncake Store: one object per block, key = namespace + chained hash."""
 
@@ -169,6 +176,7 @@ class MooncakeLayer:
         if not port_answers(extra["master_server"], extra["rpc_timeout_s"]):
             raise ConnectionError(f"mooncake_master at {extra['master_server']} does not answer")
         self.config, self.node_id = config, node_id
+        self.faults = MooncakeFaults()
         self.engine = MooncakeEngine(extra["protocol"])
         from mooncake.store import MooncakeDistributedStore
         self.store = MooncakeDistributedStore()
@@ -232,6 +240,8 @@ class MooncakeLayer:
                   timeout: float, cancelled: threading.Event | None = None) -> int:
         num_bytes = 0
         expected = _HEADER + layout.bytes_per_block
+        if self.faults.load_delay_s and cancelled is not None:
+            cancelled.wait(self.faults.load_delay_s)
         for hit, dst in zip(hits, dst_block_ids):
             value = self.store.get(hit.location)
             if len(value) != expected:

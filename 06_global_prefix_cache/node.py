@@ -250,27 +250,38 @@ class KVNode:
 
 
 # ==================================================================== a node in its own process
-def _node_main(conn, kwargs: dict) -> None:
-    node = None
+def serve_commands(conn, make, commands: dict, close) -> None:
+    """The child's loop: build the object (`make()`), report ("ok", info), then answer
+    (cmd, args) messages with commands[cmd](obj, *args) until "stop". Exceptions are sent to
+    the parent (raised there); `close(obj)` always runs."""
+    obj = None
     try:
-        node = KVNode(**kwargs)
-        conn.send(("ok", {"pid": os.getpid(), "side_channel": getattr(node.connector, "side_channel", None)
-                          and node.connector.side_channel.address}))
+        obj, info = make()
+        conn.send(("ok", info))
         while True:
             cmd, args = conn.recv()
             try:
                 if cmd == "stop":
                     break
-                result = _COMMANDS[cmd](node, *args)
-                conn.send(("ok", result))
+                conn.send(("ok", commands[cmd](obj, *args)))
             except Exception as e:       # noqa: BLE001 - sent back to the parent, raised there
                 conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     except Exception as e:               # noqa: BLE001
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
-        if node is not None:
-            node.close()
+        if obj is not None:
+            close(obj)
         conn.close()
+
+
+def _make_node(kwargs: dict):
+    node = KVNode(**kwargs)
+    return node, {"pid": os.getpid(), "side_channel": getattr(node.connector, "side_channel", None)
+                  and node.connector.side_channel.address}
+
+
+def _node_main(conn, kwargs: dict) -> None:
+    serve_commands(conn, lambda: _make_node(kwargs), _COMMANDS, KVNode.close)
 
 
 def _cmd_run(node: KVNode, rid, prompt, max_tokens, params, timeout) -> dict:
@@ -306,49 +317,70 @@ def _cmd_publish_fill(node: KVNode, rid_prefix: str, num_prompts: int, length: i
 _COMMANDS = {"run": _cmd_run, "set_faults": _cmd_set_faults, "stats": _cmd_stats, "check": _cmd_check,
              "publish_fill": _cmd_publish_fill}
 
+# Engine processes (engine_node.py) fork from the same server: chapter 07's engine module is
+# preloaded there too, which saves each engine process seconds of imports (torch models,
+# transformers). It is a name in a list, imported only by that server process.
+_PRELOAD = ["global_prefix_cache.node", "mini_vllm.llm_engine"]
+
 
 def _mp_context():
     # forkserver: one clean server process imports torch once; each node is then a fast
     # fork of it (spawn would re-import torch per node, ~3 s each on a loaded 2-core box).
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["global_prefix_cache.node"])
+    ctx.set_forkserver_preload(_PRELOAD)
     return ctx
 
 
-class NodeProcess:
-    """A KVNode in a child process. Every call has a timeout; `close()` always reaps it
-    (stop -> terminate -> kill), so a test can never leave it behind."""
+class ChildProcess:
+    """Something (a KVNode, an engine) in a child process behind a pipe. Every call has a
+    timeout; `close()` always reaps it (stop -> terminate -> kill), so a test can never leave
+    it behind."""
 
-    def __init__(self, start_timeout: float = 60.0, **node_kwargs) -> None:
+    def __init__(self, target, kwargs: dict, start_timeout: float, wait: bool = True) -> None:
         ctx = _mp_context()
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_node_main, args=(child, node_kwargs), daemon=True)
+        self.proc = ctx.Process(target=target, args=(child, kwargs), daemon=True)
         self.proc.start()
         child.close()
-        info = self._recv(start_timeout, "start")
-        self.pid, self.side_channel = info["pid"], info["side_channel"]
+        self.pid = self.proc.pid
+        self.info: dict | None = None
+        self._start_timeout = start_timeout
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> dict:
+        """Block until the child has built its object (start it with wait=False to do
+        something else meanwhile, e.g. build another engine); returns what it reported."""
+        if self.info is None:
+            try:
+                self.info = self._recv(self._start_timeout, "start")
+            except BaseException:
+                self.close()
+                raise
+            self._started()
+        return self.info
+
+    def _started(self) -> None:
+        """Subclasses read `self.info` here."""
 
     def _recv(self, timeout: float, what: str):
         if not self._conn.poll(timeout):
-            raise TimeoutError(f"node process: no answer to {what!r} within {timeout} s")
+            raise TimeoutError(f"child process: no answer to {what!r} within {timeout} s")
         try:
             status, value = self._conn.recv()
         except EOFError:
-            raise RuntimeError(f"node process died during {what!r} (exit code {self.proc.exitcode})") from None
+            raise RuntimeError(f"child process died during {what!r} (exit code {self.proc.exitcode})") from None
         if status != "ok":
-            raise RuntimeError(f"node process failed {what!r}: {value}")
+            raise RuntimeError(f"child process failed {what!r}: {value}")
         return value
 
     def call(self, cmd: str, *args, timeout: float = 60.0):
+        self.wait_ready()
         self._conn.send((cmd, args))
         return self._recv(timeout, cmd)
 
-    def run(self, rid: str, prompt: list[int], max_tokens: int = 1, kv_transfer_params: dict | None = None,
-            timeout: float = 30.0) -> dict:
-        return self.call("run", rid, prompt, max_tokens, kv_transfer_params, timeout, timeout=timeout + 10)
-
     def kill(self) -> None:
-        """SIGKILL: the node dies the way a crashed machine does (no goodbye)."""
+        """SIGKILL: the process dies the way a crashed machine does (no goodbye)."""
         if self.proc.is_alive():
             os.kill(self.proc.pid, signal.SIGKILL)
             self.proc.join(10)
@@ -360,7 +392,7 @@ class NodeProcess:
         os.kill(self.proc.pid, signal.SIGCONT)
 
     def request_stop(self) -> None:
-        """Ask the node to shut down (closing its connector) without waiting for it."""
+        """Ask the child to shut down (closing its connector) without waiting for it."""
         if self.proc.is_alive():
             try:
                 os.kill(self.proc.pid, signal.SIGCONT)
@@ -380,8 +412,22 @@ class NodeProcess:
             self.proc.join(5)
         self._conn.close()
 
-    def __enter__(self) -> "NodeProcess":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class NodeProcess(ChildProcess):
+    """A KVNode in a child process."""
+
+    def __init__(self, start_timeout: float = 60.0, **node_kwargs) -> None:
+        super().__init__(_node_main, node_kwargs, start_timeout)
+
+    def _started(self) -> None:
+        self.side_channel = self.info["side_channel"]
+
+    def run(self, rid: str, prompt: list[int], max_tokens: int = 1, kv_transfer_params: dict | None = None,
+            timeout: float = 30.0) -> dict:
+        return self.call("run", rid, prompt, max_tokens, kv_transfer_params, timeout, timeout=timeout + 10)

@@ -10,9 +10,15 @@ the LLMEngine's processor and output processor).
 
 Start-up sizes the KV cache (`kv_memory.py`), allocates it, captures CUDA graphs, and only
 then builds the KV cache manager (chapter 02) with that many blocks and the scheduler on top.
+
+With `kv_transfer_config` (chapter 06) a KV connector is created from it (vLLM's
+KVConnectorFactory), handed the KV cache (`register_kv_caches`, through the model runner) and
+given to the scheduler: one object plays vLLM's scheduler-side and worker-side connectors.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,6 +34,7 @@ from mini_vllm.model_inputs import ModelInputs
 from mini_vllm.kv_memory import (DEFAULT_CPU_KV_CACHE_MEMORY, GPUMemorySnapshot, KVCacheReport,
                                  check_enough_kv_cache_memory, gpu_kv_cache_bytes, num_blocks_for_bytes)
 from mini_vllm.model_runner import ModelRunner
+from mini_vllm.spec_decode_worker import SpecDecodeEngineStats, SpecDecodeStepStats
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +45,11 @@ class EngineCoreStep:
     reads scheduler_output and model_inputs to trace a request."""
     scheduler_output: SchedulerOutput
     outputs: list[EngineCoreOutput]
-    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)   # per emitted token
     errors: dict[str, str] = field(default_factory=dict)     # requests that failed this step: the reason
     model_inputs: ModelInputs | None = None
     start_time: float = 0.0                                   # time.monotonic() when the step began
+    spec_decode: SpecDecodeStepStats | None = None            # speculative decoding: drafts verified, times
 
 
 class EngineCore:
@@ -74,13 +82,61 @@ class EngineCore:
         else:
             self.kv_cache_manager = KVCacheManager(self.kv_cache_report.num_blocks, config.block_size,
                                                    enable_caching=config.enable_prefix_caching)
+        self.kv_connector = self._make_kv_connector()
         scheduler_config = config.scheduler_config(model_config.max_model_len)
         if config.enable_chunked_prefill:
             from chunked_prefill import ChunkedPrefillScheduler
-            self.scheduler: Scheduler = ChunkedPrefillScheduler(scheduler_config, self.kv_cache_manager)
+            self.scheduler: Scheduler = ChunkedPrefillScheduler(scheduler_config, self.kv_cache_manager,
+                                                                connector=self.kv_connector)
         else:
-            self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager)
+            self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, connector=self.kv_connector)
         logger.info("%s", self.kv_cache_report)
+
+    # ------------------------------------------------------------------ KV connector (chapter 06)
+    def _make_kv_connector(self):
+        """vLLM's KVConnectorFactory: the config's connector name picks the class. The K/V of two
+        engines is interchangeable only for the same model, so the connector's node spec names
+        it (directory name + a hash of config.json) unless kv_connector_extra_config["model"] does."""
+        kv_config = self.config.kv_transfer_config
+        if kv_config is None:
+            return None
+        from global_prefix_cache.connector import create_connector
+        extra = dict(kv_config.kv_connector_extra_config)
+        if not extra.get("model"):
+            config_json = self.model_config.model / "config.json"
+            digest = hashlib.sha256(config_json.read_bytes()).hexdigest()[:12] if config_json.exists() else "?"
+            extra["model"] = f"{self.model_config.model.name}@{digest}"
+        connector = create_connector(dataclasses.replace(kv_config, kv_connector_extra_config=extra),
+                                     self.config.block_size)
+        try:
+            self.model_runner.register_kv_connector(connector)   # joins the pool / opens the side channel
+        except BaseException:
+            connector.shutdown()
+            raise
+        return connector
+
+    def validate_kv_transfer_params(self, params: dict | None) -> None:
+        """ValueError if this engine cannot do what a request's kv_transfer_params ask (no
+        connector, a role that cannot, a prefill node of another model or block size)."""
+        if params is None:
+            return
+        if self.kv_connector is None:
+            raise ValueError("kv_transfer_params given, but this engine has no kv_transfer_config "
+                             "(LLM(..., kv_transfer_config={'kv_connector': ..., 'kv_role': ...}))")
+        self.kv_connector.validate_kv_transfer_params(params)
+
+    def take_kv_transfer_params(self, request_id: str) -> dict | None:
+        """What a finished request produced for another engine (a prefill node's: where its K/V
+        waits for the decode node), once."""
+        if self.kv_connector is None:
+            return None
+        return self.kv_connector.take_kv_transfer_params(request_id)
+
+    def shutdown(self) -> None:
+        """Stop the connector's servers and threads (leaves the pool); the engine is unusable after."""
+        if getattr(self, "kv_connector", None) is not None:
+            self.kv_connector.shutdown()
+            self.kv_connector = None
 
     def _determine_kv_cache_size(self, baseline: GPUMemorySnapshot | None) -> KVCacheReport:
         config = self.config
@@ -111,10 +167,34 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[str]:
-        return self.scheduler.finish_requests(request_ids, status)
+        finished = self.scheduler.finish_requests(request_ids, status)
+        self._release_drafter_state(finished)
+        return finished
 
     def abort_requests(self, request_ids) -> list[str]:
-        return self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    # ------------------------------------------------------------------ speculative decoding (chapter 04)
+    @property
+    def spec_decoding_stats(self) -> SpecDecodeEngineStats | None:
+        """Acceptance rate, mean acceptance length, per-position acceptance, drafting and
+        verification time over the engine's life (None without speculative_config)."""
+        worker = self.model_runner.spec_decode
+        return worker.engine_stats if worker is not None else None
+
+    def _release_drafter_state(self, req_ids) -> None:
+        """The drafter frees a finished request's draft KV now, not at the next step."""
+        if self.model_runner.spec_decode is not None and req_ids:
+            self.model_runner.spec_decode.remove_requests(req_ids)
+
+    def _update_draft_token_ids(self, outputs: list[EngineCoreOutput]) -> None:
+        """After update_from_output (vLLM: EngineCore.post_step): the drafts proposed this step
+        go to the scheduler, which schedules them next step as Δ = 1 + k (stale ones — finished,
+        preempted, still prefilling — it drops)."""
+        if self.model_runner.spec_decode is None:
+            return
+        self._release_drafter_state([o.request_id for o in outputs if o.finish_reason is not None])
+        self.scheduler.update_draft_token_ids(self.model_runner.take_draft_token_ids())
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the pieces disagree (tests call it after steps and at the end):
@@ -130,6 +210,10 @@ class EngineCore:
             assert kv.num_free_blocks == kv.num_blocks, f"{kv.num_blocks - kv.num_free_blocks} KV blocks leaked"
             cpu = kv.cpu_block_pool
             assert cpu is None or kv.num_free_cpu_blocks == cpu.num_blocks, "CPU swap blocks leaked"
+            if self.kv_connector is not None:
+                assert not self.kv_connector.has_pending_loads(), "remote K/V still loading for no request"
+            if self.model_runner.spec_decode is not None:
+                self.model_runner.spec_decode.check_idle()
 
     # ------------------------------------------------------------------ the step
     def step(self) -> EngineCoreStep:
@@ -140,7 +224,11 @@ class EngineCore:
         start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute_model(scheduler_output)
+        if scheduler_output.is_empty and self.kv_connector is not None:
+            # Nothing to compute, remote K/V on its way: wait for it (bounded) instead of spinning.
+            self.kv_connector.wait_for_loads(timeout=0.01)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self._update_draft_token_ids(outputs)
         errors: dict[str, str] = {}
         for output in outputs:
             # FINISHED_ERROR (the runner failed it) and FINISHED_IGNORED (chapter 03: can never fit;
@@ -150,8 +238,10 @@ class EngineCore:
                 errors[output.request_id] = output.stop_reason
         if (scheduler_output.is_empty and not scheduler_output.preempted_req_ids and not outputs
                 and not self.scheduler.running and self.scheduler.has_unfinished_requests()
-                and not any(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.scheduler.waiting)):
+                and not any(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.scheduler.waiting)
+                and not runner_output.invalid_block_ids):     # a failed remote load just went back to waiting
             raise RuntimeError(f"the scheduler could schedule none of {self.scheduler.get_num_unfinished_requests()} "
                                "waiting requests with an idle engine: this is a bug, not a full cache")
         return EngineCoreStep(scheduler_output, outputs, runner_output.logprobs, errors,
-                              self.model_runner.last_inputs if not scheduler_output.is_empty else None, start)
+                              self.model_runner.last_inputs if not scheduler_output.is_empty else None, start,
+                              runner_output.spec_decode)

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from typing import Any
 
 import torch
 
 from scheduler import POLICIES, SchedulerConfig
 
 from mini_vllm.models.cpu_gemm import CPU_GEMMS
+from mini_vllm.speculative_config import SpeculativeConfig
 
 GiB = 1 << 30
 
@@ -110,6 +113,17 @@ class EngineConfig:
     seed: int = 0
     """Seeds the random stream shared by sampled requests that bring no seed of their own."""
 
+    kv_transfer_config: dict | Any | None = None
+    """Remote K/V (chapter 06), vLLM's dict: {"kv_connector": "GlobalKVPoolConnector" (from scratch)
+    | "MooncakeConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
+    "kv_connector_extra_config": {...}} (keys: global_prefix_cache/config.py), or a
+    global_prefix_cache.KVTransferConfig. None: off. CPU only (the layers move host memory)."""
+
+    speculative_config: dict | SpeculativeConfig | None = None
+    """Speculative decoding (chapter 04), vLLM's dict: {"method": "ngram" | "draft_model" | "eagle" |
+    "layer_skip", "num_speculative_tokens": k, "prompt_lookup_min": m, "prompt_lookup_max": n,
+    "model": path, ...} (all keys: mini_vllm/speculative_config.py). None: off."""
+
     def __post_init__(self):
         if self.model is not None and not isinstance(self.model, (str, Path)):
             raise ValueError(f"model must be a path (str or Path) or None, got {self.model!r}")
@@ -142,6 +156,14 @@ class EngineConfig:
                 raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive ints, got {self.cuda_graph_sizes!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.kv_transfer_config is not None:
+            from global_prefix_cache.config import KVTransferConfig
+            self.kv_transfer_config = KVTransferConfig.from_dict(self.kv_transfer_config)
+            if self.resolved_device.type != "cpu":
+                raise ValueError(f"kv_transfer_config needs device='cpu' (chapter 06 moves host memory; GPU K/V "
+                                 f"would need GPUDirect RDMA or a staging copy), got {self.device!r}")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -170,11 +192,18 @@ class EngineConfig:
         kwargs = dict(max_num_seqs=self.max_num_seqs,
                       max_num_batched_tokens=self.resolve_max_num_batched_tokens(max_model_len),
                       max_model_len=max_model_len, policy=self.scheduling_policy,
-                      preemption_mode=self.preemption_mode)
+                      preemption_mode=self.preemption_mode,
+                      # Room for the next step's drafts (vLLM reserves them for EAGLE): a request
+                      # that gets k drafts needs k more slots than its plain decode step.
+                      num_lookahead_tokens=self.num_speculative_tokens)
         if self.enable_chunked_prefill:
             from chunked_prefill import ChunkedPrefillConfig
             return ChunkedPrefillConfig(**kwargs)
         return SchedulerConfig(**kwargs)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative_config.num_speculative_tokens if self.speculative_config is not None else 0
 
     def capture_sizes(self) -> list[int]:
         """Decode batch sizes with a CUDA graph, ascending (vLLM: cudagraph_capture_sizes)."""

@@ -21,6 +21,12 @@ The arrays are numpy on the CPU (cheap single-element writes, no torch dispatch 
 one step's input tensors are gathered from them with a few vectorized ops
 (`InputBatch.prepare_inputs`; `model_inputs.prepare_inputs` is the same result rebuilt from
 Python lists, the readable version the tests compare it with).
+
+Speculative decoding (chapter 04) needs nothing else: a request's drafts for this step are
+written into its row right after its last verified token (`set_draft_token_ids`), so the step's
+flat batch is `[... t_last, d_1 .. d_k ...]` for it — ordinary input ids and positions whose K/V
+is written like any other token's (vLLM: `token_ids_cpu` holds the spec tokens past
+`num_tokens_no_spec`). Sampling writes the emitted tokens over them.
 """
 from __future__ import annotations
 
@@ -67,6 +73,7 @@ class InputBatch:
         self.max_num_blocks_per_req = max_num_blocks_per_req
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)       # prompt + output
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)                       # valid entries of token_ids
+        self.num_draft_tokens = np.zeros(max_num_reqs, dtype=np.int64)                 # drafts after them, this step
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)                       # valid entries of block_table
@@ -101,6 +108,7 @@ class InputBatch:
         self.token_ids[row, :n_prompt] = state.prompt_token_ids
         self.token_ids[row, n_prompt:n] = state.output_token_ids
         self.num_tokens[row] = n
+        self.num_draft_tokens[row] = 0
         self.num_computed_tokens[row] = state.num_computed_tokens
         self.num_blocks[row] = len(state.block_ids)
         self.block_table[row, :len(state.block_ids)] = state.block_ids
@@ -131,10 +139,10 @@ class InputBatch:
 
     def _move_row(self, src: int, dst: int) -> None:
         req_id = self.req_ids[src]
-        n, nb = self.num_tokens[src], self.num_blocks[src]
+        n, nb = self.num_tokens[src] + self.num_draft_tokens[src], self.num_blocks[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         self.block_table[dst, :nb] = self.block_table[src, :nb]
-        for array in (self.num_tokens, self.num_computed_tokens, self.num_blocks):
+        for array in (self.num_tokens, self.num_draft_tokens, self.num_computed_tokens, self.num_blocks):
             array[dst] = array[src]
         self.req_ids[dst], self.states[dst] = req_id, self.states[src]
         self.req_ids[src], self.states[src] = None, None
@@ -147,6 +155,15 @@ class InputBatch:
             raise ValueError(f"row {row}: {nb + len(block_ids)} blocks > {self.max_num_blocks_per_req}")
         self.block_table[row, nb:nb + len(block_ids)] = block_ids
         self.num_blocks[row] = nb + len(block_ids)
+
+    def set_draft_token_ids(self, row: int, draft_token_ids: list[int]) -> None:
+        """This step's drafts of the request in `row`, right after its verified tokens (they are
+        scheduled tokens; they become the request's tokens only if verification accepts them)."""
+        n, k = self.num_tokens[row], len(draft_token_ids)
+        if n + k > self.max_model_len:
+            raise ValueError(f"row {row}: {n} tokens + {k} drafts > max_model_len {self.max_model_len}")
+        self.token_ids[row, n:n + k] = draft_token_ids
+        self.num_draft_tokens[row] = k
 
     def append_token(self, row: int, token_id: int) -> None:
         n = self.num_tokens[row]
@@ -163,6 +180,8 @@ class InputBatch:
 
         Returns (inputs, sample_rows): the rows whose tokens reach the end of what the request
         has this step — only they sample, so logits_indices holds their last token's row only.
+        A row with drafts runs up to its last draft and samples (its other logits rows are the
+        runner's business: spec_decode.calc_spec_decode_metadata over these last-token rows).
         """
         rows = np.arange(self.num_reqs) if rows is None else np.asarray(rows, dtype=np.int64)
         n = len(rows)
@@ -181,7 +200,7 @@ class InputBatch:
         sample_rows = np.flatnonzero(seq_lens >= num_tokens)                       # reach the end: sample
         logits_indices = cu_num_tokens[sample_rows] - 1
         ### END SOLUTION
-        overrun = np.flatnonzero(seq_lens > num_tokens)
+        overrun = np.flatnonzero(seq_lens > num_tokens + self.num_draft_tokens[rows])
         if overrun.size:
             raise RuntimeError(f"scheduled past the tokens the runner has for {[self.req_ids[rows[i]] for i in overrun]}: "
                                "scheduler and runner disagree")

@@ -53,9 +53,18 @@ class LLM:
         return self.llm_engine.engine_core.kv_cache_manager.reset_prefix_cache()
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 kv_transfer_params: Mapping | Sequence[Mapping | None] | None = None) -> list[RequestOutput]:
+        """kv_transfer_params (needs kv_transfer_config): one dict for every prompt, or one per
+        prompt — {"do_remote_decode": True} on a prefill engine; on a decode engine the
+        `kv_transfer_params` of the prefill engine's RequestOutput."""
         prompt_list = _as_prompt_list(prompts)
-        return self._run(prompt_list, [None] * len(prompt_list), sampling_params, use_tqdm, priority)
+        return self._run(prompt_list, [None] * len(prompt_list), sampling_params, use_tqdm, priority,
+                         kv_transfer_params)
+
+    def shutdown(self) -> None:
+        """Stop the engine's KV connector (servers, threads); nothing else needs it."""
+        self.llm_engine.shutdown()
 
     def chat(self, messages: Sequence[Mapping] | Sequence[Sequence[Mapping]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
@@ -68,8 +77,15 @@ class LLM:
                          use_tqdm, None)
 
     # ------------------------------------------------------------------ internals
-    def _run(self, prompts: list, token_ids: list, sampling_params, use_tqdm: bool, priority) -> list[RequestOutput]:
+    def _run(self, prompts: list, token_ids: list, sampling_params, use_tqdm: bool, priority,
+             kv_transfer_params=None) -> list[RequestOutput]:
         n = len(prompts)
+        if kv_transfer_params is None or isinstance(kv_transfer_params, Mapping):
+            kv_params_list = [dict(kv_transfer_params) if kv_transfer_params else None] * n
+        else:
+            kv_params_list = list(kv_transfer_params)
+            if len(kv_params_list) != n:
+                raise ValueError(f"{len(kv_params_list)} kv_transfer_params for {n} prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * n
         else:
@@ -88,11 +104,13 @@ class LLM:
                 text = prompt
             # One output per request, when it finishes (vLLM's LLM does the same).
             params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-            requests.append((f"{next(self._request_counter)}", text, ids, params, priority[i] if priority else 0))
+            requests.append((f"{next(self._request_counter)}", text, ids, params, priority[i] if priority else 0,
+                             kv_params_list[i]))
         added: list[str] = []
         try:
-            for request_id, text, ids, params, prio in requests:
-                engine.add_request(request_id, text, params, priority=prio, prompt_token_ids=ids)
+            for request_id, text, ids, params, prio, kv_params in requests:
+                engine.add_request(request_id, text, params, priority=prio, prompt_token_ids=ids,
+                                   kv_transfer_params=kv_params)
                 added.append(request_id)
         except BaseException:
             engine.abort_request(added)

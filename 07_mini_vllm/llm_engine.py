@@ -12,6 +12,10 @@ plain object, so a step is a function call — same division of labour, no IPC.
         for out in engine.step():                # CUMULATIVE by default: the text so far, every step
             print(out.request_id, out.outputs[0].text)
 
+Remote K/V (chapter 06): with `kv_transfer_config` a request may carry `kv_transfer_params`
+(vLLM's name) — {"do_remote_decode": True} on a prefill node, whose finished RequestOutput
+then carries the params for the decode node's request.
+
 Bad input raises in `add_request` before any state changes. A request that fails inside a
 step (non-finite logits, can never fit in the KV cache) comes back finished with
 finish_reason "error" while the others continue.
@@ -67,7 +71,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
                     arrival_time: float | None = None, priority: int = 0,
-                    prompt_token_ids: list[int] | None = None) -> None:
+                    prompt_token_ids: list[int] | None = None, kv_transfer_params: dict | None = None) -> None:
         """Validate, tokenize and queue one request. Raises (changing nothing) on bad input.
 
         prompt_token_ids: the ids of `prompt` when the caller tokenized it already (LLM.generate
@@ -81,6 +85,7 @@ class LLMEngine:
             prompt, prompt_token_ids = self.processor.process_inputs(prompt, params)
         else:   # ids from a caller: validated like any other prompt (one bad id would fail every step)
             prompt_token_ids = self.processor.validate(prompt_token_ids, params)
+        self.engine_core.validate_kv_transfer_params(kv_transfer_params)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         eos_ids = self.model_config.eos_token_ids
         request = Request(
@@ -89,7 +94,7 @@ class LLMEngine:
             # Chat models list more than one EOS (generation_config.json): all of them stop, as in HF
             # generate and vLLM — unless ignore_eos.
             stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_ids[1:])),
-            sampling_params=params)
+            sampling_params=params, kv_transfer_params=kv_transfer_params)
         self.engine_core.add_request(request)
         self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None,
                                           prompt_token_ids, params, arrival_time)
@@ -99,6 +104,8 @@ class LLMEngine:
         request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self.engine_core.abort_requests(request_ids)
         self.output_processor.abort_requests(request_ids)
+        for request_id in request_ids:
+            self.engine_core.take_kv_transfer_params(request_id)     # nobody will ask for them
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
@@ -115,7 +122,14 @@ class LLMEngine:
         outputs, reqs_to_stop = self.output_processor.process_outputs(step)
         if reqs_to_stop:                                     # stop strings: the scheduler frees them now
             self.engine_core.finish_requests(reqs_to_stop, RequestStatus.FINISHED_STOPPED)
+        for output in outputs:
+            if output.finished:
+                output.kv_transfer_params = self.engine_core.take_kv_transfer_params(output.request_id)
         return outputs
+
+    def shutdown(self) -> None:
+        """Release what outlives a step: the KV connector's servers and threads."""
+        self.engine_core.shutdown()
 
     def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
                             chat_template_kwargs: Mapping | None = None) -> tuple[str, list[int]]:

@@ -23,6 +23,20 @@ A row samples only when this step's tokens reach the end of what the request has
 chunk that stops short gets no logits at all (for SmolLM2 the 49152 x 576 vocabulary projection
 is the largest matmul of a decode step).
 
+Speculative decoding (chapter 04; `spec_decode_worker.py` owns its pieces): a request's drafts
+are written into its row after its last token, so the flat batch carries them as ordinary
+tokens; a step with drafts computes logits at every draft position plus one (vLLM's
+SpecDecodeMetadata.logits_indices), samples the bonus rows with the Sampler and verifies the
+drafts with the rejection sampler (`_sample_with_drafts`); after sampling the drafter proposes
+the next step's drafts (`_propose_draft_token_ids`), which EngineCore hands to the scheduler.
+
+A KV connector (chapter 06), when the engine has one, is driven around the step in vLLM's
+order: `bind_connector_metadata` + `start_load_kv` after the block moves (its loads are
+asynchronous: their requests are not in this forward), `wait_for_save` + `get_finished` after
+the forward, and what they report goes into ModelRunnerOutput (`finished_recving`,
+`finished_sending`, `invalid_block_ids`). The model itself is untouched: the pool copies a
+step's blocks once the whole forward is done (`wait_for_save`), not layer by layer.
+
 A request whose logits are not finite (NaN, +inf, or all -inf) does not take the batch down:
 the sampler refuses such rows, the runner samples the other rows and reports the bad one in
 `failed`, and the engine finishes it with an error.
@@ -31,12 +45,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from chunked_prefill import build_attention_plan
+from global_prefix_cache.kv_layout import kv_caches_from_cache_engine
 from kvcache.cache_engine import CacheEngine, KVCacheSpec
 from scheduler import ModelRunnerOutput as SchedulerModelRunnerOutput
 from scheduler import SchedulerOutput
@@ -48,10 +64,16 @@ from mini_vllm.model_inputs import ModelInputs, prepare_inputs
 from mini_vllm.models.attention import ATTENTION_BACKENDS
 from mini_vllm.models.loader import get_model
 from mini_vllm.input_batch import CachedRequestState, InputBatch
-from mini_vllm.sampler import Sampler, SamplerOutput, SamplingMetadata, nonfinite_rows, request_generator
+from mini_vllm.sampler import (Sampler, SamplerOutput, SamplingMetadata, compute_logprobs, nonfinite_rows,
+                              request_generator)
 from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.spec_decode_worker import SpecDecodeStepStats, SpecDecodeWorker
 
 logger = logging.getLogger(__name__)
+
+
+NONFINITE_LOGITS = ("non-finite logits (NaN or +inf, or no finite value): the model's output overflowed "
+                    "or its weights are corrupt (fp16 overflow? try bfloat16 or float32)")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -63,8 +85,10 @@ class ModelRunnerOutput(SchedulerModelRunnerOutput):
     """Chapter 03's ModelRunnerOutput (what update_from_output reads, including `failed`) plus
     what only the engine's output processor needs (vLLM's ModelRunnerOutput carries logprobs
     the same way)."""
-    # req_id -> ([sampled, top-1, ..., top-k] token ids, their logprobs, the sampled token's rank)
-    logprobs: dict[str, tuple[list[int], list[float], int]] = field(default_factory=dict)
+    # req_id -> one entry per emitted token (several with speculative decoding):
+    # ([sampled, top-1, ..., top-k] token ids, their logprobs, the sampled token's rank)
+    logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
+    spec_decode: SpecDecodeStepStats | None = None      # what speculation did this step (chapter 04)
 
 
 class ModelRunner:
@@ -82,6 +106,12 @@ class ModelRunner:
                                cpu_gemm_backend=config.cpu_gemm_backend)
         # The stream of unseeded random rows, seeded by the engine's seed: runs are reproducible.
         self.sampler = Sampler(generator=torch.Generator(device=self.device).manual_seed(config.seed))
+        self.spec_decode: SpecDecodeWorker | None = None
+        if config.speculative_config is not None:
+            self.spec_decode = SpecDecodeWorker(
+                config.speculative_config, model_config, self.model, device=self.device, block_size=self.block_size,
+                attn_backend=self.attn_backend, cpu_gemm_backend=config.cpu_gemm_backend,
+                generator=self.sampler.generator, tokenizer_path=config.tokenizer)
 
         self.requests: dict[str, CachedRequestState] = {}    # every request the runner knows, by id
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req)
@@ -92,6 +122,7 @@ class ModelRunner:
         self.cuda_graph_runner: CUDAGraphRunner | None = None
         self._sampling_metadata: tuple[tuple[str, ...], SamplingMetadata] | None = None   # (row ids, metadata)
         self.last_inputs: ModelInputs | None = None          # the last step's tensors (the notebook traces them)
+        self.kv_connector = None                              # chapter 06's worker side (register_kv_connector)
 
     # ================================================================== set-up
     @staticmethod
@@ -112,6 +143,14 @@ class ModelRunner:
         self.cache_engine = CacheEngine(self.kv_cache_spec, num_blocks, num_cpu_blocks, device=self.device,
                                         backend=copy_backend)
         self.kv_caches = list(zip(self.cache_engine.key_caches, self.cache_engine.value_caches))
+        if self.spec_decode is not None:
+            self.spec_decode.initialize_kv_cache(num_blocks)
+
+    def register_kv_connector(self, connector) -> None:
+        """Give a KV connector this runner's K/V tensors (vLLM: register_kv_caches), as
+        {"layers.{i}.k_cache" / "v_cache": [num_blocks, block_size, kv_heads, head_dim]}."""
+        connector.register_kv_caches(kv_caches_from_cache_engine(self.cache_engine))
+        self.kv_connector = connector
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -147,22 +186,40 @@ class ModelRunner:
     # ================================================================== one step
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if scheduler_output.scheduled_spec_decode_tokens:
-            raise NotImplementedError("speculative decoding (chapter 04) is not composed into this engine")
+        if scheduler_output.scheduled_spec_decode_tokens and self.spec_decode is None:
+            raise ValueError("drafts were scheduled, but this engine has no speculative_config (chapter 04): "
+                             "the scheduler only schedules drafts the runner proposed")
         failed = self._update_states(scheduler_output)
         # Block moves BEFORE the forward, in this order: a block a swap-out frees may be written
         # by this very step (chapter 02).
         so = scheduler_output
         if so.blocks_to_swap_out or so.blocks_to_swap_in or so.blocks_to_copy:
             self.cache_engine.execute(so.blocks_to_swap_out, so.blocks_to_swap_in, so.blocks_to_copy)
+        self._kv_connector_start(so)          # after the moves: a load may fill a block a swap-out freed
         batch = self.input_batch
         output = ModelRunnerOutput(list(batch.req_ids), [[] for _ in range(batch.num_reqs)], failed=failed)
         if batch.num_reqs == 0:
-            return output
+            return self._kv_connector_finish(so, output)
         num_scheduled = np.fromiter((so.num_scheduled_tokens[r] for r in batch.req_ids), dtype=np.int64,
                                     count=batch.num_reqs)
+        if self.spec_decode is None:
+            self._execute_rows(np.arange(batch.num_reqs), num_scheduled, output)
+        else:
+            self._execute_and_propose(num_scheduled, output)
+        return self._kv_connector_finish(so, output)
+
+    def _execute_and_propose(self, num_scheduled: np.ndarray, output: ModelRunnerOutput) -> None:
+        """A step of a speculative engine: run (and verify) the batch, then propose the next
+        step's drafts for the requests that emitted tokens — after sampling, as vLLM does."""
+        worker, batch = self.spec_decode, self.input_batch
+        worker.begin_step()
+        has_drafts = bool(batch.num_draft_tokens[:batch.num_reqs].any())
+        t0 = time.perf_counter()
         self._execute_rows(np.arange(batch.num_reqs), num_scheduled, output)
-        return output
+        if has_drafts:
+            worker.step_stats.verification_time = time.perf_counter() - t0
+        self._propose_draft_token_ids(output)
+        output.spec_decode = worker.end_step()
 
     def _execute_rows(self, rows: np.ndarray, num_scheduled: np.ndarray, output: ModelRunnerOutput) -> None:
         """Forward + sample `rows` of the persistent batch. One request must never take the
@@ -179,7 +236,11 @@ class ModelRunner:
                 hidden = self.cuda_graph_runner.run(inputs)                              # [T, hidden]
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-            self._sample(hidden, inputs.logits_indices, sample_rows, output)
+            if self.spec_decode is None:
+                self._sample(hidden, inputs.logits_indices, sample_rows, output)
+            else:
+                self._sample_with_drafts(hidden, inputs, sample_rows, output)
+                self._keep_hidden_for_drafter(hidden, rows, num_scheduled, output)
             ### END SOLUTION
         except Exception as error:      # noqa: BLE001 — isolating per-request faults is the point
             if len(rows) == 1:
@@ -190,6 +251,31 @@ class ModelRunner:
             half = len(rows) // 2
             self._execute_rows(rows[:half], num_scheduled[:half], output)
             self._execute_rows(rows[half:], num_scheduled[half:], output)
+
+    def _kv_connector_start(self, so: SchedulerOutput) -> None:
+        """Before the forward (vLLM: bind_connector_metadata, start_load_kv): this step's loads
+        start in the background, into blocks of requests waiting for them."""
+        connector = self.kv_connector
+        if connector is not None:
+            connector.bind_connector_metadata(so.kv_connector_metadata)
+            connector.start_load_kv()
+
+    def _kv_connector_finish(self, so: SchedulerOutput, output: ModelRunnerOutput) -> ModelRunnerOutput:
+        """After the forward (vLLM: wait_for_save, get_finished, get_block_ids_with_load_errors):
+        publish / stage what this step computed — never the blocks of a request that failed in
+        it — and report finished sends and loads, and the blocks of failed loads."""
+        connector = self.kv_connector
+        if connector is None:
+            return output
+        if output.failed:
+            connector.discard_saves(output.failed)
+        connector.wait_for_save()
+        output.finished_sending, output.finished_recving = connector.get_finished(so.finished_req_ids)
+        for req_id, reason in connector.get_failed_loads().items():
+            logger.warning("request %s: loading its remote K/V failed (%s); it is computed here", req_id, reason)
+        output.invalid_block_ids = connector.get_block_ids_with_load_errors()
+        connector.clear_connector_metadata()
+        return output
 
     def _with_attention_plan(self, inputs: ModelInputs) -> ModelInputs:
         """The attention backend's per-step precomputation, built once here instead of in each
@@ -234,12 +320,31 @@ class ModelRunner:
                                             cached.resumed_token_ids.get(req_id))
             except Exception as error:    # noqa: BLE001
                 failed[req_id] = self._state_error(req_id, error)
+        self._write_draft_token_ids(so, failed)
         batch.condense()
         ### END SOLUTION
         if batch.num_reqs != len(scheduled) - len(failed):
             raise RuntimeError(f"the persistent batch holds {batch.num_reqs} requests but "
                                f"{len(scheduled) - len(failed)} are scheduled")
         return failed
+
+    def _write_draft_token_ids(self, so: SchedulerOutput, failed: dict[str, str]) -> None:
+        """This step's drafts into their requests' rows (none left over from the last step); the
+        drafter forgets finished requests and drops the draft KV of preempted ones."""
+        batch = self.input_batch
+        batch.num_draft_tokens[:len(batch.req_ids)] = 0
+        if self.spec_decode is None:
+            return
+        self.spec_decode.remove_requests(so.finished_req_ids)
+        self.spec_decode.preempt_requests(so.preempted_req_ids)
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                continue                                 # failed above
+            try:
+                batch.set_draft_token_ids(row, drafts)
+            except Exception as error:    # noqa: BLE001
+                failed[req_id] = self._state_error(req_id, error)
 
     def _update_cached_request(self, req_id: str, resumed: bool, new_block_ids: list[int], num_computed: int,
                                resumed_token_ids: list[int] | None) -> None:
@@ -292,9 +397,7 @@ class ModelRunner:
             # Fail only the offending rows (before drawing anything, so no random stream has
             # advanced), then sample the others.
             for i in rows[bad]:
-                output.failed[self.input_batch.req_ids[i]] = (
-                    "non-finite logits (NaN or +inf, or no finite value): the model's output overflowed "
-                    "or its weights are corrupt (fp16 overflow? try bfloat16 or float32)")
+                output.failed[self.input_batch.req_ids[i]] = NONFINITE_LOGITS
             rows, logits = rows[~bad], logits[torch.from_numpy(~bad).to(logits.device)]
             if len(rows) == 0:
                 return
@@ -307,16 +410,119 @@ class ModelRunner:
         read out before anything is appended, so a failure here leaves the batch as it was."""
         batch = self.input_batch
         tokens = result.sampled_token_ids.tolist()
-        logprobs: dict[str, tuple[list[int], list[float], int]] = {}
+        logprobs: dict[str, list[tuple[list[int], list[float], int]]] = {}
         lp = result.logprobs_tensors
         if lp is not None:
             ids, values, ranks = lp.logprob_token_ids.tolist(), lp.logprobs.tolist(), lp.selected_token_ranks.tolist()
             for j, i in enumerate(rows.tolist()):
                 k = batch.states[i].sampling_params.logprobs
                 if k is not None:
-                    logprobs[batch.req_ids[i]] = (ids[j][:k + 1], values[j][:k + 1], ranks[j])
+                    logprobs[batch.req_ids[i]] = [(ids[j][:k + 1], values[j][:k + 1], ranks[j])]
         for i, token in zip(rows.tolist(), tokens):
             output.sampled_token_ids[i].append(token)
             batch.states[i].output_token_ids.append(token)
             batch.append_token(i, token)
         output.logprobs.update(logprobs)
+
+    # ================================================================== speculative decoding (chapter 04)
+    def _sample_with_drafts(self, hidden: torch.Tensor, inputs: ModelInputs, sample_rows: np.ndarray,
+                            output: ModelRunnerOutput) -> None:
+        """A speculative engine's sampling (vLLM: GPUModelRunner._sample with spec_decode_metadata).
+
+        A sampling row with k drafts owns its last k + 1 positions: logits at all of them
+        (`SpecDecodeMetadata.logits_indices`); the Sampler draws the bonus token of every row
+        from its last one (for rows without drafts that is simply its token), then the rejection
+        sampler verifies the drafts against the others. Rows without drafts cost what `_sample`
+        costs."""
+        batch = self.input_batch
+        if len(sample_rows) == 0:
+            return
+        num_draft = batch.num_draft_tokens[sample_rows]                                 # [b]
+        if not num_draft.any():
+            self._sample(hidden, inputs.logits_indices, sample_rows, output)
+            return
+        worker = self.spec_decode
+        md = worker.metadata(num_draft, inputs.logits_indices, inputs.input_ids)
+        logits = self.model.compute_logits(hidden[md.logits_indices.long()])           # [n + b, V] fp32
+        # A request with a non-finite logits row anywhere fails alone (before any random draw).
+        bad_row = nonfinite_rows(logits).cpu().numpy()                                  # [n + b]
+        bad = np.add.reduceat(bad_row, np.concatenate(([0], np.cumsum(num_draft + 1)[:-1]))) > 0   # [b]
+        if bad.any():
+            for i in sample_rows[bad]:
+                output.failed[batch.req_ids[i]] = NONFINITE_LOGITS
+            keep = np.repeat(~bad, num_draft + 1)
+            sample_rows, num_draft = sample_rows[~bad], num_draft[~bad]
+            if len(sample_rows) == 0:
+                return
+            logits = logits[torch.from_numpy(keep).to(logits.device)]
+            md = worker.metadata(num_draft, inputs.logits_indices[torch.from_numpy(~bad)], inputs.input_ids)
+        sm = self._sampling_metadata_for(sample_rows)
+        bonus = self.sampler(logits[md.bonus_logits_indices.long()], sm)                # [b]: the normal sampler
+        emitted = worker.verify(md, logits, bonus.sampled_token_ids, sm)                # b lists of 1..k+1 tokens
+        logprobs = self._emitted_logprobs(logits, md, emitted, sample_rows, sm.max_num_logprobs)
+        for i, k, tokens in zip(sample_rows.tolist(), num_draft.tolist(), emitted):
+            if k:
+                worker.observe_verified(batch.req_ids[i], k, len(tokens) - 1)
+        self._append_emitted(sample_rows, emitted, logprobs, output)
+
+    def _emitted_logprobs(self, logits: torch.Tensor, md, emitted: list[list[int]], rows: np.ndarray,
+                          num_logprobs: int | None) -> dict[str, list[tuple[list[int], list[float], int]]]:
+        """Logprobs of every emitted token, from the logits row that produced it: the j-th
+        emitted token of a request came from its j-th sampled position (accepted drafts, then
+        the recovered or bonus token), so they are the logprobs plain decoding would report."""
+        if num_logprobs is None:
+            return {}
+        batch = self.input_batch
+        starts = (md.cu_num_sampled_tokens.long() - torch.tensor(md.num_draft_tokens) - 1).tolist()   # [b]
+        index = [s + j for s, tokens in zip(starts, emitted) for j in range(len(tokens))]
+        flat = torch.tensor([t for tokens in emitted for t in tokens], dtype=torch.int64, device=logits.device)
+        lp = compute_logprobs(logits[torch.tensor(index, device=logits.device)], flat, num_logprobs)
+        ids, values, ranks = lp.logprob_token_ids.tolist(), lp.logprobs.tolist(), lp.selected_token_ranks.tolist()
+        out, pos = {}, 0
+        for i, tokens in zip(rows.tolist(), emitted):
+            k = batch.states[i].sampling_params.logprobs
+            if k is not None:
+                out[batch.req_ids[i]] = [(ids[p][:k + 1], values[p][:k + 1], ranks[p])
+                                         for p in range(pos, pos + len(tokens))]
+            pos += len(tokens)
+        return out
+
+    def _append_emitted(self, rows: np.ndarray, emitted: list[list[int]], logprobs: dict,
+                        output: ModelRunnerOutput) -> None:
+        """Append each request's emitted tokens (they overwrite its drafts in the batch row)."""
+        batch = self.input_batch
+        for i, tokens in zip(rows.tolist(), emitted):
+            output.sampled_token_ids[i].extend(tokens)
+            batch.states[i].output_token_ids.extend(tokens)
+            for token in tokens:
+                batch.append_token(i, token)
+        output.logprobs.update(logprobs)
+
+    def _keep_hidden_for_drafter(self, hidden: torch.Tensor, rows: np.ndarray, num_scheduled: np.ndarray,
+                                 output: ModelRunnerOutput) -> None:
+        """EAGLE drafts from the target's hidden states: hand it those of every position whose
+        K/V this step computed AND kept — a prefill chunk's tokens, or a decode's last token
+        plus its accepted drafts (rejected drafts' states are of an abandoned sequence)."""
+        worker = self.spec_decode
+        if not worker.needs_hidden_states:
+            return
+        batch = self.input_batch
+        starts = np.concatenate(([0], np.cumsum(num_scheduled)[:-1]))
+        for i, start, n in zip(rows.tolist(), starts.tolist(), num_scheduled.tolist()):
+            req_id = batch.req_ids[i]
+            if req_id in output.failed:
+                continue
+            emitted = output.sampled_token_ids[i]
+            kept = n - int(batch.num_draft_tokens[i]) + len(emitted) - 1 if emitted else n
+            worker.observe_hidden(req_id, int(batch.num_computed_tokens[i]), hidden[start:start + kept])
+
+    def _propose_draft_token_ids(self, output: ModelRunnerOutput) -> None:
+        """After sampling, the drafter guesses the next step's tokens of every request that just
+        emitted some (vLLM: propose_draft_token_ids); EngineCore passes them to the scheduler."""
+        batch = self.input_batch
+        rows = [i for i, tokens in enumerate(output.sampled_token_ids)
+                if tokens and batch.req_ids[i] not in output.failed]
+        self.spec_decode.propose(batch, rows)
+
+    def take_draft_token_ids(self) -> dict[str, list[int]]:
+        return self.spec_decode.take_draft_token_ids() if self.spec_decode is not None else {}

@@ -12,12 +12,20 @@ holds its detokenizer, its tokens, its logprobs and its timestamps. Each step it
 
 Finish reasons: chapter 03's FinishReason (stop / length / abort) as vLLM's strings, plus
 "error" for the requests the engine core failed (non-finite logits, can never fit).
+
+With speculative decoding a step may bring several tokens for a request. The output must be
+the one plain decoding gives, so a request with stop strings is detokenized token by token and
+cut at the first token that completes one (the tokens after it were computed, but plain
+decoding would never have produced them). Each step's draft counts and times go into the
+request's `RequestMetrics.spec_decoding`.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from spec_decode import SpecDecodingStats
 
 from mini_vllm.core import EngineCoreStep
 from mini_vllm.detokenizer import IncrementalDetokenizer
@@ -73,6 +81,8 @@ class OutputProcessor:
             state = self.request_states.get(new.req_id)
             if state is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = step.start_time
+        if step.spec_decode is not None:
+            self._observe_spec_decode(step)
         request_outputs: list[RequestOutput] = []
         reqs_to_stop: list[str] = []
         for core_output in step.outputs:
@@ -85,10 +95,11 @@ class OutputProcessor:
             stop_reason = core_output.stop_reason
             stop_str = None
             if new_ids:
-                self._append_tokens(state, new_ids, step.logprobs.get(core_output.request_id), now)
                 if state.detokenizer is not None:
                     # EOS / a stop token ended it (the scheduler said "stop"): no stop-string search.
-                    stop_str = state.detokenizer.update(new_ids, finish_reason == "stop")
+                    new_ids, stop_str = self._detokenize(state, new_ids, finish_reason == "stop")
+                self._append_tokens(state, new_ids, step.logprobs.get(core_output.request_id), now)
+                if state.detokenizer is not None:
                     if stop_str is not None:
                         if finish_reason is None:       # still running in the scheduler: finish it there
                             reqs_to_stop.append(core_output.request_id)
@@ -112,6 +123,37 @@ class OutputProcessor:
                 request_outputs.append(self._make_request_output(state, "error", message))
         return request_outputs, reqs_to_stop
 
+    @staticmethod
+    def _detokenize(state: RequestState, new_ids: list[int], stop_terminated: bool) -> tuple[list[int], str | None]:
+        """Feed the step's tokens to the detokenizer -> (the tokens kept, the stop string hit or None).
+        Several tokens at once (speculative decoding) with stop strings go one at a time, so the
+        request ends at the token that completes a stop string, exactly as in plain decoding."""
+        if len(new_ids) == 1 or not state.detokenizer.stop:
+            return new_ids, state.detokenizer.update(new_ids, stop_terminated)
+        for n, token_id in enumerate(new_ids, 1):
+            stop_str = state.detokenizer.update([token_id], stop_terminated and n == len(new_ids))
+            if stop_str is not None:
+                return new_ids[:n], stop_str
+        return new_ids, None
+
+    def _observe_spec_decode(self, step: EngineCoreStep) -> None:
+        """Per request: the drafts verified this step, and the step's drafting / verification
+        time for the requests that took part."""
+        spec = step.spec_decode
+        for req_id, (num_draft, num_accepted) in spec.num_draft_tokens.items():
+            state = self.request_states.get(req_id)
+            if state is None:
+                continue
+            metrics = state.metrics
+            if metrics.spec_decoding is None:
+                metrics.spec_decoding = SpecDecodingStats.new(spec.num_spec_tokens)
+            metrics.spec_decoding.observe_draft(num_draft, num_accepted)
+            metrics.spec_verification_time += spec.verification_time
+        for req_id in spec.drafted_req_ids:
+            state = self.request_states.get(req_id)
+            if state is not None:
+                state.metrics.spec_drafting_time += spec.drafting_time
+
     def _append_tokens(self, state: RequestState, new_ids: list[int], logprobs, now: float) -> None:
         metrics = state.metrics
         if metrics.first_token_time is None:
@@ -120,13 +162,14 @@ class OutputProcessor:
         metrics.token_times.extend([now] * len(new_ids))
         state.output_token_ids.extend(new_ids)
         if state.logprobs is not None and logprobs is not None:
-            ids, values, sampled_rank = logprobs
-            # Column 0 is the sampled token, then the top-k most likely (rank 1..k).
-            entry = {ids[0]: Logprob(values[0], sampled_rank, self._decode_one(state, ids[0]))}
-            for rank, (token_id, value) in enumerate(zip(ids[1:], values[1:]), 1):
-                entry.setdefault(token_id, Logprob(value, rank, self._decode_one(state, token_id)))
-            state.logprobs.append(entry)
-            state.cumulative_logprob += values[0]
+            # One entry per emitted token (zip: tokens cut after a stop are dropped with theirs).
+            for _, (ids, values, sampled_rank) in zip(new_ids, logprobs):
+                # Column 0 is the sampled token, then the top-k most likely (rank 1..k).
+                entry = {ids[0]: Logprob(values[0], sampled_rank, self._decode_one(state, ids[0]))}
+                for rank, (token_id, value) in enumerate(zip(ids[1:], values[1:]), 1):
+                    entry.setdefault(token_id, Logprob(value, rank, self._decode_one(state, token_id)))
+                state.logprobs.append(entry)
+                state.cumulative_logprob += values[0]
 
     def _decode_one(self, state: RequestState, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if state.params.detokenize else None

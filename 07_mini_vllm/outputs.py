@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from spec_decode import SpecDecodingStats
+
 
 @dataclass
 class Logprob:
@@ -51,6 +53,12 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     token_times: list[float] = field(default_factory=list)   # when each output token reached the engine
+    # Speculative decoding (None without it): this request's drafts — acceptance rate, mean
+    # acceptance length, per position (vLLM's SpecDecodingStats formulas) — and the wall time of
+    # the batched drafting calls and verification steps it took part in.
+    spec_decoding: SpecDecodingStats | None = None
+    spec_drafting_time: float = 0.0
+    spec_verification_time: float = 0.0
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -75,6 +83,18 @@ class RequestMetrics:
         return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
 
     @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted drafts / proposed drafts (None: no drafts were verified)."""
+        s = self.spec_decoding
+        return None if s is None or not s.num_draft_tokens else s.acceptance_rate
+
+    @property
+    def spec_mean_acceptance_length(self) -> float | None:
+        """Tokens per target pass in the steps that verified drafts (accepted drafts + 1)."""
+        s = self.spec_decoding
+        return None if s is None or not s.num_drafts else s.mean_acceptance_length
+
+    @property
     def e2e_latency(self) -> float | None:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
@@ -88,6 +108,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
+    # KV transfer (chapter 06, vLLM's field): what a finished request hands to another engine —
+    # on a prefill node, where its K/V waits for the decode node (pass it as that request's params).
+    kv_transfer_params: dict | None = None
 
     def __repr__(self) -> str:
         o = self.outputs[0]

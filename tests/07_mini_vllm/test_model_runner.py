@@ -208,6 +208,6 @@ def test_nonfinite_logits_fail_only_their_request(runner, monkeypatch):
     r.execute_model(step(num_scheduled={}, finished_req_ids={"a", "b", "c"}))
 
 
-def test_speculative_tokens_are_refused(runner):
-    with pytest.raises(NotImplementedError, match="chapter 04"):
+def test_drafts_are_refused_without_a_speculative_config(runner):
+    with pytest.raises(ValueError, match="no speculative_config"):
         fresh(runner).execute_model(step(num_scheduled={"a": 2}, scheduled_spec_decode_tokens={"a": [1]}))

@@ -1,0 +1,383 @@
+"""SpecDecodeWorker: the model runner's speculative-decoding half (chapter 04 in the engine).
+
+Mirrors what vLLM v1 spreads over `vllm/v1/worker/gpu_model_runner.py` (`_calc_spec_decode_metadata`,
+the rejection sampler call in `_sample`, `propose_draft_token_ids`, `take_draft_token_ids`) and
+`vllm/v1/spec_decode/` (the proposers, `metrics.py`). The runner keeps the step's structure;
+this object owns everything that exists only because of drafts:
+
+    construction    the drafter from `speculative_config` (n-gram, a draft checkpoint, the
+                    target's own first layers, an EAGLE head), checked against the target
+                    (vocabulary, tokenizer, hidden size) — bad input fails inside LLM(...)
+    metadata        where each request's drafts sit in the flat batch and which logits rows
+                    verify them (spec_decode.calc_spec_decode_metadata)
+    verify          the rejection sampler over the target logits at the draft positions, with
+                    the bonus tokens the engine's own Sampler drew (chapter 04)
+    propose         after sampling: one DraftRequest per request that just emitted tokens
+                    (EAGLE: plus the target's hidden states of the positions verified since
+                    the last call), capped per request by the adaptive draft length and by
+                    max_tokens; off above `disable_by_batch_size` running requests. A drafter
+                    that raises or proposes ids outside the vocabulary costs only its own
+                    request its drafts (the batch is retried one request at a time).
+    stats           SpecDecodingStats (acceptance rate, mean acceptance length, per position),
+                    drafting and verification time — per step (for RequestOutput metrics) and
+                    for the engine's lifetime
+
+The drafts reach the scheduler through `take_draft_token_ids()` -> `Scheduler.update_draft_token_ids`
+(EngineCore.step, after update_from_output), so the NEXT step schedules them as Δ = 1 + k tokens.
+Every drafter keeps its own paged KV (its own chapter 02 KVCacheManager, caching off), sized
+like the target's pool in blocks: draft K/V is never a prefix-cache hit.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvcache import KVCacheManager
+from kvcache.cache_engine import KVCacheSpec
+from spec_decode import (DraftModelProposer, DraftRequest, EagleHead, EagleProposer, LayerSkipDraftModel,
+                         NgramProposer, RejectionSampler, SpecDecodeMetadata, SpecDecodingStats,
+                         calc_spec_decode_metadata, check_same_vocabulary, validate_draft_token_ids)
+from spec_decode.adaptive import AdaptiveDraftLength
+from spec_decode.sampling import SpecSamplingMetadata
+
+from mini_vllm.config import ModelConfig
+from mini_vllm.sampling_params import _SAMPLING_EPS
+from mini_vllm.speculative_config import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
+
+# The EAGLE head trained for SmolLM2-135M-Instruct (python -m spec_decode.train_eagle), used when
+# speculative_config has method "eagle" and no "model".
+DEFAULT_EAGLE_HEAD = Path(__import__("spec_decode").__file__).parent / "eagle_smollm2"
+
+
+@dataclass
+class SpecDecodeStepStats:
+    """What one step's speculation did (ModelRunnerOutput -> EngineCoreStep -> RequestMetrics)."""
+    num_spec_tokens: int                                   # k
+    # req_id -> (drafts verified this step, drafts accepted); only requests that had drafts
+    num_draft_tokens: dict[str, tuple[int, int]] = field(default_factory=dict)
+    drafted_req_ids: list[str] = field(default_factory=list)   # requests that got drafts for the next step
+    verification_time: float = 0.0                        # s: forward + sampling + rejection of a step with drafts
+    drafting_time: float = 0.0                             # s: the proposer's call after sampling
+
+
+@dataclass
+class SpecDecodeEngineStats:
+    """The engine's lifetime totals (EngineCore.spec_decoding_stats)."""
+    stats: SpecDecodingStats
+    num_steps: int = 0                  # steps that ran the model
+    num_verification_steps: int = 0     # ... of which verified at least one draft
+    num_disabled_steps: int = 0         # steps where disable_by_batch_size turned drafting off
+    num_drafter_faults: int = 0         # requests that lost their drafts to a drafter error
+    verification_time: float = 0.0
+    drafting_time: float = 0.0
+
+    def observe_step(self, step: SpecDecodeStepStats) -> None:
+        self.num_steps += 1
+        self.num_verification_steps += bool(step.num_draft_tokens)
+        for num_draft, num_accepted in step.num_draft_tokens.values():
+            self.stats.observe_draft(num_draft, num_accepted)
+        self.verification_time += step.verification_time
+        self.drafting_time += step.drafting_time
+
+    def __str__(self) -> str:
+        return (f"{self.stats}; {self.num_verification_steps}/{self.num_steps} steps verified drafts, drafting "
+                f"{self.drafting_time:.3f} s, verification steps {self.verification_time:.3f} s")
+
+
+class _HiddenBuffer:
+    """The target's hidden states of one request's consecutive positions [start, end), waiting
+    for the EAGLE head (it consumes them when the request is next proposed for)."""
+
+    def __init__(self, start: int):
+        self.start = start
+        self.chunks: list[torch.Tensor] = []
+        self.length = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def tensor(self) -> torch.Tensor:
+        if len(self.chunks) > 1:
+            self.chunks = [torch.cat(self.chunks)]
+        return self.chunks[0]
+
+    def put(self, position: int, rows: torch.Tensor) -> "_HiddenBuffer":
+        """Rows for positions [position, position + len(rows)). Positions computed again (after
+        a recompute preemption) replace what was there; a gap starts the buffer over."""
+        if not self.length or position < self.start or position > self.end:
+            buf = _HiddenBuffer(position)
+        else:
+            buf = self
+            if position < self.end:
+                buf.chunks, buf.length = [self.tensor()[:position - self.start]], position - self.start
+        buf.chunks.append(rows.clone())          # the step's hidden states are freed with the step
+        buf.length += rows.shape[0]
+        return buf
+
+    def drop_before(self, position: int) -> None:
+        if position <= self.start:
+            return
+        keep = self.tensor()[min(position, self.end) - self.start:]
+        self.start, self.chunks, self.length = min(position, self.end), [keep], keep.shape[0]
+
+
+class SpecDecodeWorker:
+    def __init__(self, config: SpeculativeConfig, model_config: ModelConfig, target_model, *, device: torch.device,
+                 block_size: int, attn_backend: str, cpu_gemm_backend: str, generator: torch.Generator | None,
+                 tokenizer_path: str | Path | None = None):
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.method = config.method
+        self.model_config = model_config
+        self.target = target_model
+        self.device = device
+        self.block_size = block_size
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = model_config.max_model_len
+        backend = config.rejection_sampler
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "torch"
+        self.rejection_sampler = RejectionSampler(backend, generator=generator)
+        self.adaptive = AdaptiveDraftLength(self.k, config.min_draft_acceptance) if config.adaptive else None
+        self.needs_hidden_states = self.method == "eagle"
+        # Loaded and checked now (inside LLM(...)); the proposer itself is built once the KV
+        # pool's size is known (initialize_kv_cache).
+        self._draft_model = None           # the model a DraftModelProposer drives
+        self._draft_kv_spec: KVCacheSpec | None = None
+        self._eagle_head: EagleHead | None = None
+        self._draft_tokenizers = None
+        self._load_drafter(model_config, attn_backend, cpu_gemm_backend, tokenizer_path)
+        self.proposer = None
+        if self.method == "ngram":
+            self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max,
+                                          max_model_len=self.max_model_len)
+        self.draft_kv_cache_manager: KVCacheManager | None = None
+        self._hidden: dict[str, _HiddenBuffer] = {}
+        self._draft_token_ids: dict[str, list[int]] = {}
+        self.step_stats = SpecDecodeStepStats(self.k)
+        self.engine_stats = SpecDecodeEngineStats(SpecDecodingStats.new(self.k))
+        self._spec_sampling: tuple[object, SpecSamplingMetadata] | None = None
+
+    # ================================================================== construction
+    def _load_drafter(self, mc: ModelConfig, attn_backend: str, cpu_gemm_backend: str, tokenizer_path) -> None:
+        """Load what the drafter needs and check it fits the target (clear errors, before any request)."""
+        cfg = self.config
+        if self.method == "draft_model":
+            from mini_vllm.models.loader import get_model
+            try:
+                draft_config = ModelConfig.from_pretrained(cfg.model, dtype=mc.dtype, max_model_len=mc.max_model_len)
+            except ValueError as error:
+                raise ValueError(f"speculative_config: the draft model {cfg.model} cannot serve this engine: "
+                                 f"{error}") from error
+            self._check_draft_tokenizer(draft_config, tokenizer_path or mc.model)
+            self._draft_model = get_model(draft_config, device=self.device, attn_backend=attn_backend,
+                                          cpu_gemm_backend=cpu_gemm_backend)
+            self._draft_kv_spec = KVCacheSpec(draft_config.num_hidden_layers, self.block_size,
+                                              draft_config.num_key_value_heads, draft_config.head_dim, draft_config.dtype)
+        elif self.method == "layer_skip":
+            num_target_layers = len(self.target.model.layers)
+            n = cfg.num_layers if cfg.num_layers is not None else max(1, num_target_layers // 4)
+            if n >= num_target_layers:
+                raise ValueError(f"speculative_config: layer_skip num_layers={n} must be fewer than the target's "
+                                 f"{num_target_layers} layers")
+            self._draft_model = LayerSkipDraftModel(self.target, n)
+            self._draft_kv_spec = KVCacheSpec(n, self.block_size, mc.num_key_value_heads, mc.head_dim, mc.dtype)
+        elif self.method == "eagle":
+            path = Path(cfg.model) if cfg.model is not None else DEFAULT_EAGLE_HEAD
+            head = EagleHead.from_pretrained(path, dtype=mc.dtype)
+            if head.config.hidden_size != mc.hidden_size:
+                raise ValueError(f"speculative_config: the EAGLE head in {path} was trained for hidden size "
+                                 f"{head.config.hidden_size}; this model's is {mc.hidden_size}")
+            if head.config.vocab_size != mc.vocab_size:
+                raise ValueError(f"speculative_config: the EAGLE head in {path} is for a {head.config.vocab_size}-"
+                                 f"token vocabulary; this model has {mc.vocab_size}")
+            self._eagle_head = head.to(self.device).eval()
+            c = head.config
+            self._draft_kv_spec = KVCacheSpec(1, self.block_size, c.num_key_value_heads, c.head_dim, mc.dtype)
+
+    def _check_draft_tokenizer(self, draft_config: ModelConfig, target_tokenizer_path) -> None:
+        """A draft model must speak the target's tokens: same vocabulary size and, when both have
+        a tokenizer, the same token -> id map and special tokens (spec_decode.check_same_vocabulary)."""
+        from transformers import AutoTokenizer
+
+        def load(path):
+            try:
+                return AutoTokenizer.from_pretrained(path)
+            except (OSError, ValueError):
+                return None
+        target_tok, draft_tok = load(target_tokenizer_path), load(draft_config.model)
+        try:
+            check_same_vocabulary(self.vocab_size, draft_config.vocab_size, target_tok, draft_tok)
+        except ValueError as error:
+            raise ValueError(f"speculative_config: draft model {draft_config.model}: {error}") from error
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """The drafter's own paged KV: as many blocks as the target's pool (of its own, smaller,
+        layer count), handed out by its own chapter 02 manager with caching off."""
+        if self._draft_kv_spec is None:
+            return
+        self.draft_kv_cache_manager = KVCacheManager(num_blocks, self.block_size, enable_caching=False)
+        keys, values = self._draft_kv_spec.allocate(num_blocks, self.device)
+        if self.method == "eagle":
+            self.proposer = EagleProposer(self._eagle_head, self.target.model.embed_tokens, self.target.compute_logits,
+                                          (keys[0], values[0]), self.draft_kv_cache_manager, self.k,
+                                          self.model_config.hidden_size, self.vocab_size, self.max_model_len)
+        else:
+            self.proposer = DraftModelProposer(self._draft_model, list(zip(keys, values)), self.draft_kv_cache_manager,
+                                               self.k, self.vocab_size,
+                                               getattr(self._draft_model, "vocab_size", None) or self.vocab_size,
+                                               max_model_len=self.max_model_len)
+
+    # ================================================================== one step: verification
+    def metadata(self, num_draft_tokens: np.ndarray, last_token_indices: torch.Tensor,
+                 input_ids: torch.Tensor) -> SpecDecodeMetadata:
+        """num_draft_tokens [b] of the sampling rows, the flat index of each one's last token [b]
+        (its last draft) -> where its logits rows are. A request's sampled positions are its last
+        num_draft + 1 tokens, so prefill chunks and plain decodes mix freely with drafts."""
+        return calc_spec_decode_metadata(num_draft_tokens.tolist(), (last_token_indices + 1).tolist(), input_ids)
+
+    def _spec_sampling_metadata(self, sm) -> SpecSamplingMetadata:
+        """The engine's SamplingMetadata as the rejection sampler reads it: temperatures below
+        vLLM's _SAMPLING_EPS are greedy (0) — as in the engine's Sampler — not a division."""
+        if self._spec_sampling is None or self._spec_sampling[0] is not sm:
+            t = torch.where(sm.temperature < _SAMPLING_EPS, 0.0, sm.temperature)
+            self._spec_sampling = (sm, SpecSamplingMetadata(t, sm.top_k, sm.top_p, sm.min_p, dict(sm.generators)))
+        return self._spec_sampling[1]
+
+    def verify(self, md: SpecDecodeMetadata, logits: torch.Tensor, bonus_token_ids: torch.Tensor,
+               sampling_metadata) -> list[list[int]]:
+        """logits [num_draft_total + b, V] at md.logits_indices; bonus [b] drawn by the engine's
+        Sampler from logits[md.bonus_logits_indices] -> per request its accepted drafts + one
+        token (recovered at the first rejection, else the bonus)."""
+        out = self.rejection_sampler(md, None, logits[md.target_logits_indices.long()], bonus_token_ids,
+                                     self._spec_sampling_metadata(sampling_metadata), check_values=False)
+        return RejectionSampler.parse_output(out, self.vocab_size)
+
+    def observe_verified(self, req_id: str, num_draft: int, num_accepted: int) -> None:
+        self.step_stats.num_draft_tokens[req_id] = (num_draft, num_accepted)
+        if self.adaptive is not None:
+            self.adaptive.observe(req_id, num_draft, num_accepted)
+
+    def observe_hidden(self, req_id: str, position: int, rows: torch.Tensor) -> None:
+        """EAGLE: the target's hidden states [n, H] of positions [position, position + n) whose
+        K/V this step computed and kept (a prefill chunk, or the last token + accepted drafts)."""
+        if not rows.shape[0]:
+            return
+        try:
+            buf = self._hidden.get(req_id) or _HiddenBuffer(position)
+            self._hidden[req_id] = buf.put(position, rows)
+        except Exception:      # noqa: BLE001 — never fail the step: the head restarts from later features
+            logger.warning("request %s: could not keep its hidden states for the drafter", req_id, exc_info=True)
+            self._hidden.pop(req_id, None)
+
+    # ================================================================== one step: proposing
+    def begin_step(self) -> None:
+        self.step_stats = SpecDecodeStepStats(self.k)
+
+    def end_step(self) -> SpecDecodeStepStats:
+        self.engine_stats.observe_step(self.step_stats)
+        return self.step_stats
+
+    def propose(self, batch, rows: Sequence[int]) -> None:
+        """Drafts for the next step of the batch rows that just emitted tokens (vLLM:
+        propose_draft_token_ids). batch: the runner's InputBatch (tokens include this step's)."""
+        self._draft_token_ids = {}
+        limit = self.config.disable_by_batch_size
+        if limit is not None and batch.num_reqs > limit:
+            self.engine_stats.num_disabled_steps += 1
+            return
+        requests = []
+        for i in rows:
+            state = batch.states[i]
+            cap = self.adaptive.num_drafts(state.req_id) if self.adaptive is not None else self.k
+            # The next step emits at least one token of its own: more drafts than max_tokens
+            # leaves room for could never be used.
+            cap = min(cap, state.sampling_params.max_tokens - len(state.output_token_ids) - 1)
+            if cap <= 0:
+                continue
+            hidden, start = None, 0
+            if self.needs_hidden_states:
+                buf = self._hidden.get(state.req_id)
+                if buf is not None and buf.length:
+                    hidden, start = buf.tensor(), buf.start
+            requests.append(DraftRequest(state.req_id, batch.token_ids[i, :batch.num_tokens[i]], hidden, start,
+                                         max_num_drafts=cap))
+        if not requests:
+            return
+        t0 = time.perf_counter()
+        drafts = self._propose_isolated(requests)
+        self.step_stats.drafting_time += time.perf_counter() - t0
+        for r, d in zip(requests, drafts):
+            if d:
+                self._draft_token_ids[r.req_id] = d
+                self.step_stats.drafted_req_ids.append(r.req_id)
+        if self.needs_hidden_states:
+            for r in requests:           # the features the head consumed are not needed again
+                buf = self._hidden.get(r.req_id)
+                if buf is not None:
+                    buf.drop_before(self.proposer.consumed_position(r.req_id))
+
+    def _propose_isolated(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """One batched call; if it raises (a drafter bug, an id outside the vocabulary), again one
+        request at a time: a request whose drafter fails gets no drafts (and its drafter state is
+        reset), the others keep theirs. Never raises: speculation is an optimisation."""
+        try:
+            return self._checked(self.proposer.propose(requests), requests)
+        except Exception:      # noqa: BLE001 — the drafter must not take the step down
+            logger.warning("the drafter failed on a batch of %d requests; retrying them one by one", len(requests),
+                           exc_info=True)
+        drafts = []
+        for r in requests:
+            try:
+                drafts.append(self._checked(self.proposer.propose([r]), [r])[0])
+            except Exception:  # noqa: BLE001
+                logger.warning("the drafter failed for request %s: no drafts for it this step", r.req_id,
+                               exc_info=True)
+                self.engine_stats.num_drafter_faults += 1
+                self.proposer.remove_requests([r.req_id])
+                drafts.append([])
+        return drafts
+
+    def _checked(self, drafts, requests) -> list[list[int]]:
+        if len(drafts) != len(requests):
+            raise ValueError(f"the drafter returned {len(drafts)} draft lists for {len(requests)} requests")
+        out = validate_draft_token_ids(drafts, self.vocab_size, self.k, f"{self.method} drafter")
+        return [d[:r.max_num_drafts] if r.max_num_drafts is not None else d for d, r in zip(out, requests)]
+
+    def take_draft_token_ids(self) -> dict[str, list[int]]:
+        """The drafts of the last step, once (vLLM: take_draft_token_ids)."""
+        drafts, self._draft_token_ids = self._draft_token_ids, {}
+        return drafts
+
+    # ================================================================== request lifecycle
+    def remove_requests(self, req_ids) -> None:
+        """Finished or aborted: free the drafter's state and KV, forget the request."""
+        req_ids = list(req_ids)
+        if self.proposer is not None:
+            self.proposer.remove_requests(req_ids)
+        if self.adaptive is not None:
+            self.adaptive.remove_requests(req_ids)
+        for req_id in req_ids:
+            self._hidden.pop(req_id, None)
+            self._draft_token_ids.pop(req_id, None)
+
+    def preempt_requests(self, req_ids) -> None:
+        """Preempted: its draft KV goes with its target KV (recomputed when it resumes); the
+        adaptive estimate and EAGLE's pending features stay."""
+        if self.proposer is not None:
+            self.proposer.remove_requests(list(req_ids))
+
+    def check_idle(self) -> None:
+        """With no request left, every drafter KV block is free (EngineCore.check_invariants)."""
+        kv = self.draft_kv_cache_manager
+        if kv is not None:
+            assert kv.num_free_blocks == kv.num_blocks, f"{kv.num_blocks - kv.num_free_blocks} drafter KV blocks leaked"
