@@ -99,3 +99,49 @@ def test_stop_token_text_left_out_unless_asked(smollm2_tokenizer):
                                        SamplingParams(stop=["two"], include_stop_str_in_output=include))
         assert detok.update(ids, stop_terminated=True) is None
         assert detok.output_text == expected
+
+
+# ---------------------------------------------------------------- text released at the end
+# Token 459 of SmolLM2's vocabulary is a space plus the first byte of a three-byte character:
+# alone it decodes to " \ufffd", so the detokenizer holds it (and its space) back. A request
+# that ends by length on it releases that text only in the final flush.
+SPACE_AND_PARTIAL_CHAR = 459
+
+
+def _tokens_ending_held_back(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False).input_ids + [SPACE_AND_PARTIAL_CHAR]
+    assert tokenizer.decode([SPACE_AND_PARTIAL_CHAR]) == " \ufffd"
+    return ids
+
+
+def test_the_final_flush_is_checked_for_stop_strings(smollm2_tokenizer):
+    """The stop string 'END ' is completed only by the held-back space: flush() must find it,
+    cut the text before it and report it (the old flush appended the text unchecked)."""
+    detok = IncrementalDetokenizer(smollm2_tokenizer, smollm2_tokenizer(PROMPT).input_ids,
+                                   SamplingParams(stop=["END "]))
+    assert detok.update(_tokens_ending_held_back(smollm2_tokenizer, " alpha END")) is None
+    assert detok.output_text == " alpha END"                 # the space is still held back
+    assert detok.flush() == "END "
+    assert detok.output_text == " alpha "
+    assert detok.get_next_output_text(finished=True, delta=False) == " alpha "
+
+
+def test_a_request_ending_by_length_on_a_stop_string_finishes_with_stop(smollm2_tokenizer):
+    """Through the output processor: the engine finished the request by length, the flushed
+    text completes a stop string, so the user sees finish_reason 'stop' and the cut text."""
+    from mini_vllm.core import EngineCoreStep
+    from mini_vllm.output_processor import OutputProcessor
+    from scheduler import CachedRequestData, EngineCoreOutput, FinishReason, SchedulerOutput
+
+    ids = _tokens_ending_held_back(smollm2_tokenizer, " alpha END")
+    processor = OutputProcessor(smollm2_tokenizer)
+    processor.add_request("r", PROMPT, smollm2_tokenizer(PROMPT).input_ids,
+                          SamplingParams(stop=["END "], max_tokens=len(ids)), arrival_time=0.0)
+    empty = SchedulerOutput([], CachedRequestData(), {}, 0)
+    step = EngineCoreStep(empty, [EngineCoreOutput("r", ids, FinishReason.LENGTH)])
+    outputs, reqs_to_stop = processor.process_outputs(step, now=1.0)
+    (out,) = outputs
+    assert out.finished and reqs_to_stop == []               # the scheduler already finished it
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == "END "
+    assert out.outputs[0].text == " alpha "
+    assert not processor.has_unfinished_requests()
