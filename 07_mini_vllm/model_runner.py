@@ -171,7 +171,8 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, list(zip(key_caches, value_caches)),
                             inputs.attn_metadata)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        # Random sampling with top-p exercises the sampler's largest buffers (the full sort).
+        # Random sampling with top-k and top-p exercises the sampler's filtering buffers (its top-k
+        # candidates; a full sort only happens for rows that need it, see topk_topp_sampler.py).
         params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * num_reqs
         self.sampler(logits, SamplingMetadata.from_params(params, device=self.device))
         del key_caches, value_caches, hidden, logits
