@@ -99,3 +99,32 @@ def test_notebook_runs():
     from notebook_runner import run_notebook
 
     run_notebook("07_mini_vllm", budget_s=120)
+
+
+def test_roofline_step_cost_counts_causal_context_and_the_bytes_read():
+    """Two decodes (contexts 10 and 5 after the step) and a 3-token prefill from scratch: the
+    new tokens attend to 10 + 5 + (1 + 2 + 3) positions; K/V read = every seq_len, plus writes."""
+    import torch
+
+    from benchmarks.cpu_roofline import step_cost
+    from paged_attention.metadata import AttentionMetadata
+
+    md = AttentionMetadata(slot_mapping=torch.arange(5), block_tables=torch.zeros(3, 1, dtype=torch.int32),
+                           seq_lens=torch.tensor([10, 5, 3], dtype=torch.int32),
+                           query_start_loc=torch.tensor([0, 1, 2, 5], dtype=torch.int32), max_query_len=3,
+                           max_seq_len=10)
+    shape = dict(linear_params=100, vocab=7, hidden=4, num_layers=2, num_heads=3, num_kv_heads=1, head_dim=8,
+                 bytes_per_element=4)
+    flops, nbytes = step_cost(md, num_sampling_rows=3, shape=shape)
+    assert flops == 2 * 100 * 5 + 2 * 7 * 4 * 3 + 4 * 3 * 8 * 21 * 2
+    assert nbytes == 100 * 4 + 7 * 4 * 4 + 2 * 2 * 1 * 8 * 4 * (18 + 5)
+    assert step_cost(md, num_sampling_rows=0, shape=shape)[1] == nbytes - 7 * 4 * 4   # no LM head read
+
+
+def test_roofline_smoke(tmp_path):
+    from benchmarks import cpu_roofline
+
+    result = cpu_roofline.main(["--smoke", "--out-dir", str(tmp_path)])
+    assert (tmp_path / "cpu_roofline_smoke.json").exists()
+    assert result["machine"]["gemm_flops_per_s"]["peak"] > 0 and result["machine"]["read_bandwidth_gb_per_s"] > 0
+    assert 0 < result["roofline_seconds"] and 0 < result["ours_fraction_of_roofline"] < 1
