@@ -40,6 +40,7 @@ import os
 import random
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -392,6 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
                          prompt_len=list(args.prompt_len), output_len=list(args.output_len), ignore_eos=True,
                          greedy=True, sampled=None if args.no_sampled else dict(SAMPLED, seed=None),
                          prompt_source="pydoc_data.topics (Python language reference)",
+                         command=" ".join(["python -m benchmarks.bench_engine", *(argv if argv is not None else sys.argv[1:])]),
                          total_output_tokens=total_out, total_prompt_tokens=sum(len(p) for p, _ in workload),
                          engine=dict(max_num_seqs=args.num_requests, max_num_batched_tokens=args.max_num_batched_tokens,
                                      enable_chunked_prefill=True, enable_prefix_caching=True,

@@ -86,12 +86,12 @@ def step_cost(attn_metadata, num_sampling_rows: int, shape: dict) -> tuple[float
 
 def model_shape(llm) -> dict:
     """Sizes the cost model needs, read from the loaded model."""
-    config = llm.llm_engine.model_config
-    hf = config.hf_config
-    model = llm.llm_engine.engine_core.model_runner.model
-    linear = sum(p.numel() for name, p in model.named_parameters()
-                 if p.dim() == 2 and "embed" not in name and "lm_head" not in name)
+    hf = llm.llm_engine.model_config.hf_config
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    # From the config, not from the module: oneDNN packing keeps the weights in its own layout.
+    h, q, kv = hf.hidden_size, hf.num_attention_heads * head_dim, hf.num_key_value_heads * head_dim
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * hf.intermediate_size     # qkv, o, gate_up, down
+    linear = per_layer * hf.num_hidden_layers
     return dict(linear_params=linear, vocab=hf.vocab_size, hidden=hf.hidden_size, num_layers=hf.num_hidden_layers,
                 num_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads, head_dim=head_dim,
                 bytes_per_element=4)

@@ -128,3 +128,16 @@ def test_roofline_smoke(tmp_path):
     assert (tmp_path / "cpu_roofline_smoke.json").exists()
     assert result["machine"]["gemm_flops_per_s"]["peak"] > 0 and result["machine"]["read_bandwidth_gb_per_s"] > 0
     assert 0 < result["roofline_seconds"] and 0 < result["ours_fraction_of_roofline"] < 1
+
+
+def test_roofline_counts_the_models_linear_weights(tiny_engine_models, make_llm):
+    """The cost model's P_linear is every projection's weight count (HF's nn.Linear layers but
+    the LM head), read from the config because the packed model no longer holds them as tensors."""
+    import torch
+
+    from benchmarks.cpu_roofline import model_shape
+
+    model_dir, hf_model = tiny_engine_models["qwen3"]
+    linear = sum(m.weight.numel() for name, m in hf_model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and "lm_head" not in name)
+    assert model_shape(make_llm(model_dir))["linear_params"] == linear
