@@ -3,6 +3,9 @@
 #   make test           the whole CPU suite (what CI runs); make test CH=02 for one chapter
 #   make test-gpu       CUDA kernels + native Triton, on a machine with a GPU
 #   make bench          the side-by-side benchmarks (ours vs a peer, one run)
+#   make assignments    the student edition in build/student (CH=02 for one chapter)
+#   make grade          grade a student tree: make grade STUDENT=build/student [CH=02]
+#   make notebooks      execute every notebook in place (outputs + figures committed)
 
 SHELL      := /bin/bash
 PYTHON     ?= $(shell command -v python3.11 || command -v python3)
@@ -15,7 +18,7 @@ CH         ?=
 PYTEST_ARGS ?=
 TEST_PATHS := $(if $(CH),$(wildcard tests/$(CH)_*) $(wildcard tests/$(CH)),tests)
 
-.PHONY: setup model demo test test-gpu bench notebooks clean check-ch
+.PHONY: setup model demo test test-gpu bench assignments grade notebooks clean check-ch
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +57,18 @@ test-gpu: check-ch
 
 bench: setup
 	$(PY) -m benchmarks.run_all
+
+# Course assignments (course/): the student edition, and grading one.
+STUDENT ?= build/student
+assignments: setup model
+	$(PY) -m course build $(CH) --out $(STUDENT)
+
+grade: setup model
+	@test -d "$(STUDENT)" || { echo "make grade: no student tree at $(STUDENT) (make assignments, or STUDENT=path)" >&2; exit 2; }
+	$(PY) -m course grade $(STUDENT) $(if $(CH),--chapters $(CH))
+
+notebooks: setup model
+	$(PY) -m course notebooks
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
