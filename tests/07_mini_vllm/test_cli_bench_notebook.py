@@ -141,3 +141,20 @@ def test_roofline_counts_the_models_linear_weights(tiny_engine_models, make_llm)
     linear = sum(m.weight.numel() for name, m in hf_model.named_modules()
                  if isinstance(m, torch.nn.Linear) and "lm_head" not in name)
     assert model_shape(make_llm(model_dir))["linear_params"] == linear
+
+
+def test_spec_decode_benchmark_quick(tmp_path):
+    """The end-to-end speculation benchmark's plumbing on a tiny model: every drafter's greedy
+    tokens equal the engine's without speculation, and the drafting statistics are reported."""
+    from benchmarks import bench_spec_decode
+
+    result = bench_spec_decode.main(["--quick", "--out-dir", str(tmp_path)])
+    assert (tmp_path / "spec_decode_engine_quick.png").exists()
+    rows = result["rows"]
+    assert {(r["prompts"], r["method"]) for r in rows} == {(p, m) for p in ("grounded", "open")
+                                                           for m in ("none", "ngram", "layer_skip")}
+    assert all(r["agreement_with_none"] == 1.0 for r in rows)
+    for r in rows:
+        if r["method"] != "none":
+            assert r["num_draft_tokens"] > 0 and 0 <= r["num_accepted_tokens"] <= r["num_draft_tokens"]
+            assert 1.0 <= r["mean_acceptance_length"] <= 1 + r["config"]["num_speculative_tokens"]

@@ -1,0 +1,194 @@
+"""Speculative decoding end to end: the engine with each drafter vs the same engine without one.
+
+    python -m benchmarks.bench_spec_decode            # SmolLM2, ~5 min on 2 cores -> results/spec_decode_engine.json + .png
+    python -m benchmarks.bench_spec_decode --quick    # a tiny random model, seconds (CI)
+
+Workload: SmolLM2-135M-Instruct, fp32, CPU, greedy, `ignore_eos`, a small batch (speculation
+pays where a step is bound by reading the weights, i.e. few requests). Two prompt sets, chat
+template applied, the same token prompts for every configuration:
+  * grounded — the answer copies its input (repeat this paragraph, fix this code): n-gram
+    lookup's home ground;
+  * open — open-ended questions, where the output shares little with the prompt.
+Configurations (`speculative_config`): none; ngram (k = 4, lookup 2..4); layer_skip (the
+target's first 8 of 30 layers + its LM head, k = 3); eagle (the head shipped for SmolLM2,
+k = 3). `adaptive` stays at its default (on). Each configuration is a fresh engine, warmed
+up, then timed `--repeats` times, configurations interleaved round by round (the VM's speed
+drifts), the median kept.
+Reported per configuration and prompt set: output tok/s, its ratio to no speculation in the
+same round, acceptance rate (accepted / proposed drafts) and mean acceptance length (tokens
+per verification step), and the share of requests whose tokens equal no speculation's
+(greedy: must be 1.0). A draft checkpoint (method "draft_model") needs a smaller model with
+SmolLM2's tokenizer; none ships with this project, so it is left out here (the engine tests
+run it with a tiny random Llama).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import RESULTS_DIR, environment
+
+GROUNDED = [
+    "Repeat this paragraph exactly, word for word:\n\nThe scheduler keeps two counters per request: the "
+    "tokens whose keys and values are already in the cache, and the tokens the request has in total. Every "
+    "step it tries to close the gap, within a token budget shared by all running requests.",
+    "Fix the bug and print the whole corrected function:\n\ndef mean(values):\n    total = 0\n    for v in "
+    "values:\n        total += v\n    return total / len(value)\n",
+    "Rewrite this list in alphabetical order, one item per line:\nbanana\napple\ncherry\ndate\nelderberry\n"
+    "fig\ngrape\n",
+    "Copy this JSON and change the age to 31:\n{\"name\": \"Ada\", \"age\": 30, \"languages\": [\"English\", "
+    "\"French\"], \"city\": \"London\"}",
+]
+OPEN = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give three tips for learning a new language.",
+    "What makes a good cup of tea?",
+]
+METHODS = {
+    "none": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
+    "layer_skip": {"method": "layer_skip", "num_layers": 8, "num_speculative_tokens": 3},
+    "eagle": {"method": "eagle", "num_speculative_tokens": 3},
+}
+
+
+def chat_prompts(tokenizer, texts: list[str]) -> list[dict]:
+    out = []
+    for text in texts:
+        templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                  add_generation_prompt=True)
+        out.append({"prompt_token_ids": tokenizer(templated, add_special_tokens=False).input_ids})
+    return out
+
+
+def run(llm, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
+    from mini_vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    assert llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outputs]
+
+
+def spec_stats(llm) -> dict:
+    """Lifetime drafting totals of this engine (the timed runs only: reset after warm-up)."""
+    stats = llm.llm_engine.engine_core.spec_decoding_stats
+    if stats is None:
+        return {}
+    s = stats.stats
+    return dict(num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
+                acceptance_rate=round(s.acceptance_rate, 3) if s.num_draft_tokens else None,
+                mean_acceptance_length=round(s.mean_acceptance_length, 3) if s.num_drafts else None)
+
+
+def reset_spec_stats(llm) -> None:
+    from spec_decode import SpecDecodingStats
+
+    stats = llm.llm_engine.engine_core.spec_decoding_stats
+    if stats is not None:
+        stats.stats = SpecDecodingStats.new(stats.stats.num_spec_tokens)
+
+
+def tiny_setup(root: Path):
+    """--quick: a tiny random Llama with SmolLM2's tokenizer (eagle/layer_skip need real hidden
+    states to accept anything, so only ngram and layer_skip are timed, for the plumbing)."""
+    from benchmarks.bench_engine import tiny_model_dir
+    return tiny_model_dir(root)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from transformers import AutoTokenizer
+
+    from mini_vllm import LLM, default_model_path
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--quick", action="store_true", help="tiny random model, 16 tokens, ngram + layer_skip")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.quick:
+            model_dir, args.max_tokens, args.repeats = tiny_setup(Path(tmp)), 16, 1
+            args.methods = ["none", "ngram", "layer_skip"]
+            methods = dict(METHODS, layer_skip={"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3})
+        else:
+            model_dir, methods = default_model_path(), METHODS
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        prompt_sets = {"grounded": chat_prompts(tokenizer, GROUNDED), "open": chat_prompts(tokenizer, OPEN)}
+        engines = {}
+        for name in args.methods:
+            kwargs = {} if methods[name] is None else {"speculative_config": methods[name]}
+            engines[name] = LLM(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=16, **kwargs)
+            run(engines[name], prompt_sets["open"][:1], 8)                      # warm-up
+        rows = []
+        for set_name, prompts in prompt_sets.items():
+            times = {name: [] for name in engines}
+            tokens: dict[str, list[list[int]]] = {}
+            for name, llm in engines.items():
+                reset_spec_stats(llm)
+            for _ in range(args.repeats):                                       # interleaved rounds
+                for name, llm in engines.items():
+                    seconds, tokens[name] = run(llm, prompts, args.max_tokens)
+                    times[name].append(seconds)
+            num_tokens = len(prompts) * args.max_tokens
+            base = statistics.median(times["none"])
+            for name, llm in engines.items():
+                median = statistics.median(times[name])
+                rows.append(dict(prompts=set_name, method=name, config=methods[name], seconds=round(median, 3),
+                                 output_tokens_per_s=round(num_tokens / median, 1),
+                                 speedup_vs_none=round(base / median, 3),
+                                 agreement_with_none=sum(a == b for a, b in zip(tokens[name], tokens["none"])) / len(prompts),
+                                 **spec_stats(llm)))
+                print(rows[-1])
+        for llm in engines.values():
+            llm.shutdown()
+    result = {"environment": environment(),
+              "workload": dict(model="tiny random llama (quick)" if args.quick else "SmolLM2-135M-Instruct", dtype="float32",
+                               device="cpu (2 cores; other jobs may share it: compare ratios within the run)",
+                               requests_per_set=len(GROUNDED), max_tokens=args.max_tokens, greedy=True, ignore_eos=True,
+                               repeats=args.repeats, draft_model="left out: no smaller checkpoint with SmolLM2's tokenizer ships here",
+                               command="python -m benchmarks.bench_spec_decode" + (" --quick" if args.quick else "")),
+              "rows": rows}
+    name = "spec_decode_engine_quick" if args.quick else "spec_decode_engine"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
+    plot(rows, args.out_dir / f"{name}.png")
+    return result
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = list(dict.fromkeys(r["prompts"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = plt.subplots(figsize=(7, 3))
+    width = 0.8 / len(methods)
+    for j, method in enumerate(methods):
+        values = [next(r["speedup_vs_none"] for r in rows if r["prompts"] == s and r["method"] == method) for s in sets]
+        bars = ax.bar([i + j * width for i in range(len(sets))], values, width, label=method)
+        for bar, r in zip(bars, [next(r for r in rows if r["prompts"] == s and r["method"] == method) for s in sets]):
+            rate = r.get("acceptance_rate")
+            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), f"{bar.get_height():.2f}"
+                    + (f"\n{rate:.0%}" if rate is not None else ""), ha="center", va="bottom", fontsize=7)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(sets))], sets)
+    ax.set_ylabel("speed-up vs no speculation")
+    ax.set_title("greedy, fp32, CPU; labels: speed-up and acceptance rate", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
