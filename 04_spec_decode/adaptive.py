@@ -85,7 +85,6 @@ class AdaptiveDraftLength:
 
     def draft_length(self, rate: float) -> int:
         """k* = the largest j <= k with rate^j >= θ (0 when even one draft does not pay)."""
-        ### BEGIN SOLUTION
         if self.min_acceptance == 0.0 or rate >= 1.0:
             return self.k
         if rate <= 0.0 or rate < self.min_acceptance:
@@ -93,13 +92,11 @@ class AdaptiveDraftLength:
         # rate^j >= θ  <=>  j <= log θ / log rate (both logs negative); the epsilon absorbs
         # rounding when rate^j == θ exactly.
         return min(self.k, int(math.log(self.min_acceptance) / math.log(rate) + 1e-9))
-        ### END SOLUTION
 
     def num_drafts(self, req_id: str) -> int:
         """How many drafts to propose for this request THIS step (call once per step: it also
         counts the cool-down down). A request coming out of its cool-down probes with one."""
         state = self._state(req_id)
-        ### BEGIN SOLUTION
         if state.cooldown > 0:
             state.cooldown -= 1
             return 1 if state.cooldown == 0 else 0
@@ -108,7 +105,6 @@ class AdaptiveDraftLength:
             state.backoff = min(self.max_cooldown, 2 * state.backoff) if state.backoff else self.cooldown
             state.cooldown = state.backoff
         return k
-        ### END SOLUTION
 
     def observe(self, req_id: str, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         """One verification step of this request: it had num_draft_tokens drafts, the first
@@ -118,12 +114,10 @@ class AdaptiveDraftLength:
         if num_draft_tokens == 0:
             return
         state = self._state(req_id)
-        ### BEGIN SOLUTION
         state.accepted = self.decay * state.accepted + num_accepted_tokens
         state.rejected = self.decay * state.rejected + (num_accepted_tokens < num_draft_tokens)
         if self.draft_length(state.rate) > 0:
             state.backoff = 0                 # it pays again: the next failure starts a short cool-down
-        ### END SOLUTION
 
     def remove_requests(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
