@@ -90,10 +90,15 @@ def load(path: pathlib.Path = MANIFEST) -> Manifest:
 NOT_SCANNED = {"tests", "course", "build", ".ci"}
 
 
+def scanned_files(root: pathlib.Path = ROOT) -> list[str]:
+    """Where solution regions live: the chapters' code. Tests and this tool only mention the
+    markers (in strings and examples), so they are not scanned."""
+    return [f for f in repo_files(root) if f.split("/", 1)[0] not in NOT_SCANNED]
+
+
 def all_regions(root: pathlib.Path = ROOT) -> dict[str, R.Region]:
-    """Every region of the working tree, by key. Solutions live in the chapters' code: tests
-    and this tool only mention the markers (in strings and examples), so they are not scanned."""
-    found = R.scan(root, [f for f in repo_files(root) if f.split("/", 1)[0] not in NOT_SCANNED])
+    """Every region of the working tree, by key."""
+    found = R.scan(root, scanned_files(root))
     return {r.key: r for rs in found.values() for r in rs}
 
 

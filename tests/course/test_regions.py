@@ -6,8 +6,8 @@ import shutil
 import pytest
 
 from course import regions as R
-from course.layout import ROOT, repo_files
-from course.manifest import all_regions, load, problems
+from course.layout import ROOT
+from course.manifest import all_regions, load, problems, scanned_files
 
 PY = '''import math
 
@@ -137,7 +137,7 @@ def test_malformed_markers_are_refused(bad, error):
 def test_every_marked_file_in_the_repository_is_well_formed_and_imports_when_stripped():
     """Balanced, non-nested, inside functions (find_regions raises otherwise); each stripped
     Python file still parses (the proof imports them all, tests/course/test_proof.py)."""
-    found = R.scan(ROOT, repo_files())
+    found = R.scan(ROOT, scanned_files())
     assert sum(len(v) for v in found.values()) >= 100
     for path, regions in found.items():
         if path.endswith(".py"):
