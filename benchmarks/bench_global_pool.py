@@ -19,12 +19,11 @@ median with and without the pool, the ratio, and the load time the connector mea
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR, environment
+from benchmarks.common import RESULTS_DIR, write_result
 
 SYSTEM = ("You are the reference librarian of a large technical library. You answer questions about "
           "operating systems, compilers, databases, computer networks and machine learning systems. "
@@ -123,17 +122,15 @@ def main(argv: list[str] | None = None) -> dict:
     layers = [run_layer(layer, tokenizer, args.sessions, args.repeat_system, args.max_tokens) for layer in args.layers]
     for r in layers:
         print({k: v for k, v in r.items() if k != "sessions"})
-    result = {"environment": environment(),
-              "workload": dict(model="SmolLM2-135M-Instruct", dtype="float32",
-                               device="cpu (2 cores; engine A in its own process beside this one)",
-                               sessions=args.sessions, system_prompt_copies=args.repeat_system, greedy=True,
-                               max_tokens=args.max_tokens,
-                               command="python -m benchmarks.bench_global_pool" + (" --quick" if args.quick else "")),
-              "layers": layers}
+    workload = dict(model="SmolLM2-135M-Instruct", dtype="float32",
+                    device="cpu (2 cores; engine A in its own process beside this one)",
+                    sessions=args.sessions, system_prompt_copies=args.repeat_system, greedy=True,
+                    max_tokens=args.max_tokens,
+                    command="python -m benchmarks.bench_global_pool" + (" --quick" if args.quick else ""))
     name = "global_pool_quick" if args.quick else "global_pool"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
+    write_result(name, workload, layers, args.out_dir)
     plot(layers, args.out_dir / f"{name}.png")
+    result = {"workload": workload, "rows": layers}
     return result
 
 

@@ -24,13 +24,12 @@ run it with a tiny random Llama).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR, environment
+from benchmarks.common import RESULTS_DIR, write_result
 
 GROUNDED = [
     "Repeat this paragraph exactly, word for word:\n\nThe scheduler keeps two counters per request: the "
@@ -150,17 +149,15 @@ def main(argv: list[str] | None = None) -> dict:
                 print(rows[-1])
         for llm in engines.values():
             llm.shutdown()
-    result = {"environment": environment(),
-              "workload": dict(model="tiny random llama (quick)" if args.quick else "SmolLM2-135M-Instruct", dtype="float32",
-                               device="cpu (2 cores; other jobs may share it: compare ratios within the run)",
-                               requests_per_set=len(GROUNDED), max_tokens=args.max_tokens, greedy=True, ignore_eos=True,
-                               repeats=args.repeats, draft_model="left out: no smaller checkpoint with SmolLM2's tokenizer ships here",
-                               command="python -m benchmarks.bench_spec_decode" + (" --quick" if args.quick else "")),
-              "rows": rows}
+    workload = dict(model="tiny random llama (quick)" if args.quick else "SmolLM2-135M-Instruct", dtype="float32",
+                    device="cpu (2 cores; other jobs may share it: compare ratios within the run)",
+                    requests_per_set=len(GROUNDED), max_tokens=args.max_tokens, greedy=True, ignore_eos=True,
+                    repeats=args.repeats, draft_model="left out: no smaller checkpoint with SmolLM2's tokenizer ships here",
+                    command="python -m benchmarks.bench_spec_decode" + (" --quick" if args.quick else ""))
     name = "spec_decode_engine_quick" if args.quick else "spec_decode_engine"
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{name}.json").write_text(json.dumps(result, indent=2))
+    write_result(name, workload, rows, args.out_dir)
     plot(rows, args.out_dir / f"{name}.png")
+    result = {"workload": workload, "rows": rows}
     return result
 
 
