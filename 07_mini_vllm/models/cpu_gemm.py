@@ -35,8 +35,17 @@ def onednn_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def dtype_supported(dtype: torch.dtype) -> bool:
+    """oneDNN runs this dtype on THIS CPU: fp32 everywhere; bf16 only with AVX-512 (bw/vl/dq) or
+    AVX-NE-CONVERT — on an AVX2-only CPU `_reorder_linear_weight` refuses bf16 weights."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype in PACKABLE_DTYPES
+
+
 def can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype in PACKABLE_DTYPES and weight.dim() == 2 and onednn_available()
+    return (weight.device.type == "cpu" and weight.dim() == 2 and onednn_available()
+            and dtype_supported(weight.dtype))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

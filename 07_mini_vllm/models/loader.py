@@ -141,8 +141,10 @@ def process_weights_after_loading(model: nn.Module, cpu_gemm_backend: str = "aut
         return 0                                         # packed already
     if not linears or not all(cpu_gemm.can_pack(m.weight) for m in linears):
         if cpu_gemm_backend == "onednn":
-            raise ValueError("cpu_gemm_backend='onednn' needs CPU weights in fp32/bf16 and a torch built with "
-                             f"oneDNN (mkldnn available: {torch.backends.mkldnn.is_available()})")
+            raise ValueError("cpu_gemm_backend='onednn' needs CPU weights in fp32 (or bf16 on a CPU with "
+                             "AVX-512 bw/vl/dq or AVX-NE-CONVERT) and a torch built with oneDNN (mkldnn "
+                             f"available: {torch.backends.mkldnn.is_available()}, bf16 supported: "
+                             f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()})")
         return 0
     packed = 0
     for module in linears:

@@ -14,10 +14,12 @@ from mini_vllm.models.layers import Linear
 from mini_vllm.models.loader import get_model, process_weights_after_loading
 
 needs_onednn = pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="this torch build has no oneDNN")
+bf16_if_supported = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not cpu_gemm.dtype_supported(torch.bfloat16), reason="oneDNN bf16 needs AVX-512 bw/vl/dq or AVX-NE-CONVERT"))
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, bf16_if_supported])
 @pytest.mark.parametrize("rows", [1, 7, 64, 513])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_equals_f_linear(rows, bias, dtype):
@@ -78,9 +80,27 @@ def test_bad_backends_are_refused(tiny_model):
     with pytest.raises(ValueError, match="cpu_gemm_backend must be one of"):
         process_weights_after_loading(model, "blas")
     model.half()                                           # fp16: oneDNN packs fp32 / bf16 only
-    with pytest.raises(ValueError, match="needs CPU weights in fp32/bf16"):
+    with pytest.raises(ValueError, match="needs CPU weights in fp32"):
         process_weights_after_loading(model, "onednn")
     assert process_weights_after_loading(model, "auto") == 0   # auto: falls back to F.linear, says nothing
+
+
+@needs_onednn
+def test_bf16_on_a_cpu_without_onednn_bf16_falls_back_to_f_linear(tiny_model, monkeypatch):
+    """On an AVX2-only CPU oneDNN refuses to reorder bf16 weights (it raised from inside model
+    loading, so a bf16 engine could not start there): "auto" must keep F.linear, and "onednn"
+    must say why it cannot."""
+    config = tiny_model
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    model = get_model(config, cpu_gemm_backend="torch").to(torch.bfloat16)
+    assert not cpu_gemm.can_pack(next(m for m in model.modules() if isinstance(m, Linear)).weight)
+    with pytest.raises(ValueError, match="bf16 supported: False"):
+        process_weights_after_loading(model, "onednn")
+    assert process_weights_after_loading(model, "auto") == 0
+    linear = next(m for m in model.modules() if isinstance(m, Linear))
+    assert all(m.packed_weight is None for m in model.modules() if isinstance(m, Linear))
+    x = torch.randn(3, linear.input_size, dtype=torch.bfloat16)
+    assert torch.equal(linear(x), F.linear(x, linear.weight))            # and it runs, on F.linear
 
 
 @needs_onednn
