@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:<48} {seconds:8.1f} s  {total_out / seconds:8.1f} output tok/s", flush=True)
 
     vllm_reason = ("--smoke (a tiny random model; vLLM's start-up alone takes minutes)" if args.smoke
-                   else "--no-vllm" if args.no_vllm else None if vllm_peer.venv_python() else vllm_peer.SETUP_HINT)
+                   else "--no-vllm" if args.no_vllm else vllm_peer.unavailable_reason())
     if vllm_reason:
         print(f"vLLM peer skipped: {vllm_reason}", flush=True)
 

