@@ -331,12 +331,12 @@ class ModelRunner:
 
     def _write_draft_token_ids(self, so: SchedulerOutput, failed: dict[str, str]) -> None:
         """This step's drafts into their requests' rows (none left over from the last step); the
-        drafter forgets finished requests and drops the draft KV of preempted ones."""
+        drafter drops the draft KV of preempted requests (finished ones it forgot already: the
+        engine core tells it the moment they finish)."""
         batch = self.input_batch
         batch.num_draft_tokens[:len(batch.req_ids)] = 0
         if self.spec_decode is None:
             return
-        self.spec_decode.remove_requests(so.finished_req_ids)
         self.spec_decode.preempt_requests(so.preempted_req_ids)
         for req_id, drafts in so.scheduled_spec_decode_tokens.items():
             row = batch.req_id_to_index.get(req_id)
@@ -419,11 +419,7 @@ class ModelRunner:
                 k = batch.states[i].sampling_params.logprobs
                 if k is not None:
                     logprobs[batch.req_ids[i]] = [(ids[j][:k + 1], values[j][:k + 1], ranks[j])]
-        for i, token in zip(rows.tolist(), tokens):
-            output.sampled_token_ids[i].append(token)
-            batch.states[i].output_token_ids.append(token)
-            batch.append_token(i, token)
-        output.logprobs.update(logprobs)
+        self._append_emitted(rows, [[token] for token in tokens], logprobs, output)
 
     # ================================================================== speculative decoding (chapter 04)
     def _sample_with_drafts(self, hidden: torch.Tensor, inputs: ModelInputs, sample_rows: np.ndarray,
@@ -490,7 +486,8 @@ class ModelRunner:
 
     def _append_emitted(self, rows: np.ndarray, emitted: list[list[int]], logprobs: dict,
                         output: ModelRunnerOutput) -> None:
-        """Append each request's emitted tokens (they overwrite its drafts in the batch row)."""
+        """Append each request's emitted tokens: one per row in plain decoding, 1..k+1 with
+        drafts (they overwrite the drafts in the batch row)."""
         batch = self.input_batch
         for i, tokens in zip(rows.tolist(), emitted):
             output.sampled_token_ids[i].extend(tokens)

@@ -39,8 +39,10 @@ def sync():
         torch.cuda.synchronize()
 
 
-def time_fn(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float:
-    """Median wall time of fn() in seconds (after warm-up; CUDA-synchronised)."""
+def time_fn(fn: Callable[[], object], warmup: int = 3, iters: int = 10,
+            reduce: Callable[[list[float]], float] = statistics.median) -> float:
+    """Median (or `reduce`, e.g. min for a peak rate) wall time of fn() in seconds, after
+    warm-up; CUDA-synchronised."""
     for _ in range(warmup):
         fn()
     sync()
@@ -50,7 +52,7 @@ def time_fn(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float
         fn()
         sync()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return reduce(samples)
 
 
 def write_result(name: str, workload: dict, rows: list[dict], out_dir: str | pathlib.Path | None = None) -> pathlib.Path:

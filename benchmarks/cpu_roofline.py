@@ -34,21 +34,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_engine import make_workload, tiny_model_dir
-from benchmarks.common import RESULTS_DIR, environment
+from benchmarks.common import RESULTS_DIR, environment, time_fn
 
 
 # ---------------------------------------------------------------------------------- the machine
-def best_of(fn, repeats: int) -> float:
-    """The shortest of `repeats` timings of fn() (seconds), after one warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure_peak_flops(hidden: int, intermediate: int, repeats: int = 20) -> dict:
     """fp32 GEMM FLOP/s: large squares, and the model's MLP shape at 2048 rows through torch.mm
     and through the engine's own oneDNN packed linear; the best of all is the peak. (This VM's
@@ -60,12 +49,12 @@ def measure_peak_flops(hidden: int, intermediate: int, repeats: int = 20) -> dic
     out = {}
     for name, (m, k, n) in shapes.items():
         a, b = torch.randn(m, k), torch.randn(k, n)
-        out[name] = 2 * m * k * n / best_of(lambda: torch.mm(a, b), repeats)
+        out[name] = 2 * m * k * n / time_fn(lambda: torch.mm(a, b), warmup=1, iters=repeats, reduce=min)
     if onednn_available():
         m, k, n = 2048, hidden, 2 * intermediate
         x, w = torch.randn(m, k), pack_weight(torch.randn(n, k))
-        out[f"packed mlp 2048x{hidden}->{2 * intermediate}"] = 2 * m * k * n / best_of(
-            lambda: packed_linear(x, w, None), repeats)
+        out[f"packed mlp 2048x{hidden}->{2 * intermediate}"] = 2 * m * k * n / time_fn(
+            lambda: packed_linear(x, w, None), warmup=1, iters=repeats, reduce=min)
     out["peak"] = max(out.values())
     return out
 
@@ -73,7 +62,7 @@ def measure_peak_flops(hidden: int, intermediate: int, repeats: int = 20) -> dic
 def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """Read bandwidth (bytes/s): summing a 1 GiB fp32 tensor reads every byte once."""
     x = torch.ones(num_bytes // 4)
-    return num_bytes / best_of(lambda: x.sum(), repeats)
+    return num_bytes / time_fn(lambda: x.sum(), warmup=1, iters=repeats, reduce=min)
 
 
 # ---------------------------------------------------------------------------------- one step's physics

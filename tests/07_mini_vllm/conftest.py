@@ -214,14 +214,16 @@ def tiny_engine_models(tmp_path_factory):
             for i, (arch, kw) in enumerate(specs.items())}
 
 
-def run_traced(llm, prompts, params, check_every_step: bool = True):
-    """Drive llm's LLMEngine by hand: add every prompt, step until done, checking the engine's
-    invariants after every step. Returns ({request_id: final RequestOutput}, [EngineCoreStep])."""
+def run_traced(llm, prompts, params, priorities: list[int] | None = None, check_every_step: bool = True):
+    """Drive llm's LLMEngine by hand: add every prompt (request ids t0, t1, ...), step until done,
+    checking the engine's invariants after every step.
+    Returns ([final RequestOutput in prompt order], [EngineCoreStep])."""
     engine = llm.llm_engine
     params = params if isinstance(params, list) else [params] * len(prompts)
+    priorities = priorities or [0] * len(prompts)
     ids = [f"t{i}" for i in range(len(prompts))]
-    for request_id, prompt, p in zip(ids, prompts, params):
-        engine.add_request(request_id, prompt, p)
+    for request_id, prompt, p, priority in zip(ids, prompts, params, priorities):
+        engine.add_request(request_id, prompt, p, priority=priority)
     finals, steps = {}, []
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -71,24 +71,6 @@ def drafter_config(method: str, arch: str, tiny_engine_models, tiny_eagle_heads,
     return {**config, "num_speculative_tokens": K, "adaptive": False, **extra}
 
 
-def drive(llm, prompts, params, priorities=None):
-    """Add every prompt, step until done, check the engine's invariants after every step.
-    Returns (final RequestOutputs in prompt order, the EngineCoreSteps)."""
-    engine = llm.llm_engine
-    params = params if isinstance(params, list) else [params] * len(prompts)
-    ids = [f"r{i}" for i in range(len(prompts))]
-    for i, (request_id, prompt, p) in enumerate(zip(ids, prompts, params)):
-        engine.add_request(request_id, prompt, p, priority=priorities[i] if priorities else 0)
-    finals, steps = {}, []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        steps.append(engine.last_step)
-        engine.engine_core.check_invariants()
-    return [finals[i] for i in ids], steps
-
-
 def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
@@ -107,13 +89,13 @@ def baseline(make_llm, model_dir, key, prompts, params=GREEDY, **config):
 # =============================================================================== greedy exactness
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_identical_with_every_drafter(arch, method, tiny_engine_models, tiny_eagle_heads, make_llm):
+def test_greedy_identical_with_every_drafter(arch, method, tiny_engine_models, tiny_eagle_heads, make_llm, traced):
     model_dir = tiny_engine_models[arch][0]
     prompts = token_prompts()
     ref = baseline(make_llm, model_dir, ("greedy", arch), prompts, block_size=4)
     llm = make_llm(model_dir, block_size=4,
                    speculative_config=drafter_config(method, arch, tiny_engine_models, tiny_eagle_heads))
-    outputs, steps = drive(llm, prompts, GREEDY)
+    outputs, steps = traced(llm, prompts, GREEDY)
     assert tokens(outputs) == ref, f"{arch}/{method}: speculation changed the greedy output"
     stats_ = llm.llm_engine.engine_core.spec_decoding_stats.stats
     assert stats_.num_draft_tokens > 0, "no draft was ever verified: the test would prove nothing"
@@ -133,7 +115,7 @@ COMPOSED = dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4, num_gpu
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("method", ["draft_model_self", "ngram"])
 def test_speculation_with_chunking_prefix_caching_preemption(mode, method, tiny_engine_models, tiny_eagle_heads,
-                                                             make_llm):
+                                                             make_llm, traced):
     """Speculation + chunked prefill (16-token budget: prompts split, drafts compete with chunks)
     + prefix caching + a pool of 28 blocks of 4 (preemption) + the priority policy: the tokens
     are those of the same engine without speculation. Then a second turn whose prompts extend the
@@ -143,10 +125,10 @@ def test_speculation_with_chunking_prefix_caching_preemption(mode, method, tiny_
     prompts = token_prompts(1) + token_prompts(2)[:2]
     priorities = [2, 0, 1, 0, 2, 1]
     plain = make_llm(model_dir, **config)
-    ref, ref_steps = drive(plain, prompts, GREEDY, priorities)
+    ref, ref_steps = traced(plain, prompts, GREEDY, priorities)
     llm = make_llm(model_dir, **config,
                    speculative_config=drafter_config(method, "llama", tiny_engine_models, tiny_eagle_heads))
-    outputs, steps = drive(llm, prompts, GREEDY, priorities)
+    outputs, steps = traced(llm, prompts, GREEDY, priorities)
     assert tokens(outputs) == tokens(ref)
     so = [s.scheduler_output for s in steps]
     assert any(s.preempted_req_ids for s in so), "the tiny pool was supposed to force a preemption"
@@ -160,27 +142,27 @@ def test_speculation_with_chunking_prefix_caching_preemption(mode, method, tiny_
     assert st.num_draft_tokens > 0 and st.num_accepted_tokens > 0
     # Second turn: prompt + first output (+ one token): prefix hits on speculatively written blocks.
     second = [p + o[:12] + [7] for p, o in zip(prompts, tokens(outputs))]
-    again, _ = drive(llm, second, GREEDY)
-    ref_again, _ = drive(plain, second, GREEDY)
+    again, _ = traced(llm, second, GREEDY)
+    ref_again, _ = traced(plain, second, GREEDY)
     assert tokens(again) == tokens(ref_again)
     assert sum(o.num_cached_tokens for o in again) >= 4 * len(second)
 
 
 # =============================================================================== sampling
-def test_seeded_request_same_tokens_whatever_the_batch(tiny_engine_models, tiny_eagle_heads, make_llm):
+def test_seeded_request_same_tokens_whatever_the_batch(tiny_engine_models, tiny_eagle_heads, make_llm, traced):
     model_dir = tiny_engine_models["qwen3"][0]
     # The target drafting for itself (greedy drafts): drafts in every step, accepted or not.
     llm = make_llm(model_dir, block_size=4,
                    speculative_config=drafter_config("draft_model_self", "qwen3", tiny_engine_models, tiny_eagle_heads))
     prompts = token_prompts(3)
     seeded = SamplingParams(temperature=0.8, top_k=20, seed=1234, max_tokens=MAX_NEW, ignore_eos=True)
-    alone, _ = drive(llm, prompts[:1], seeded)
+    alone, _ = traced(llm, prompts[:1], seeded)
     others = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in (5, 17, 30)]
-    mixed, _ = drive(llm, prompts, [seeded] + others)
+    mixed, _ = traced(llm, prompts, [seeded] + others)
     assert alone[0].outputs[0].token_ids == mixed[0].outputs[0].token_ids
     assert mixed[0].metrics.spec_decoding is not None and mixed[0].metrics.spec_decoding.num_draft_tokens > 0
     # ... and it is a draw from its seed, not a constant: another seed gives other tokens.
-    other_seed, _ = drive(llm, prompts[:1], SamplingParams(temperature=0.8, top_k=20, seed=99, max_tokens=MAX_NEW,
+    other_seed, _ = traced(llm, prompts[:1], SamplingParams(temperature=0.8, top_k=20, seed=99, max_tokens=MAX_NEW,
                                                            ignore_eos=True))
     assert other_seed[0].outputs[0].token_ids != alone[0].outputs[0].token_ids
 
@@ -431,7 +413,7 @@ def test_drafters_that_cannot_serve_the_target_fail_at_construction(tiny_engine_
 
 @pytest.mark.parametrize("fault", ["out-of-range", "raises"])
 def test_a_failing_drafter_costs_only_its_request_its_drafts(fault, tiny_engine_models, tiny_eagle_heads,
-                                                            make_llm):
+                                                            make_llm, traced):
     model_dir = tiny_engine_models["qwen2"][0]
     prompts = token_prompts(8)
     ref = baseline(make_llm, model_dir, ("greedy-qwen2-faults",), prompts, block_size=4)
@@ -439,7 +421,7 @@ def test_a_failing_drafter_costs_only_its_request_its_drafts(fault, tiny_engine_
         "draft_model_self", "qwen2", tiny_engine_models, tiny_eagle_heads))
     worker = llm.llm_engine.engine_core.model_runner.spec_decode
     real_propose = worker.proposer.propose
-    victim = "r1"
+    victim = "t1"
 
     def faulty(requests):
         drafts = real_propose(requests)
@@ -449,11 +431,11 @@ def test_a_failing_drafter_costs_only_its_request_its_drafts(fault, tiny_engine_
             drafts = [[10 ** 9] * len(d) if r.req_id == victim else d for r, d in zip(requests, drafts)]
         return drafts
     worker.proposer.propose = faulty
-    outputs, steps = drive(llm, prompts, GREEDY)
+    outputs, steps = traced(llm, prompts, GREEDY)
     assert tokens(outputs) == ref
     assert worker.engine_stats.num_drafter_faults > 0
     drafted = {r for s in steps for r in s.scheduler_output.scheduled_spec_decode_tokens}
-    assert victim not in drafted and {"r0", "r2", "r3"} <= drafted
+    assert victim not in drafted and {"t0", "t2", "t3"} <= drafted
     assert outputs[1].metrics.spec_decoding is None and outputs[0].metrics.spec_acceptance_rate > 0.9
 
 
