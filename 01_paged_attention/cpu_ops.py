@@ -54,7 +54,9 @@ from paged_attention.cache_ops import reshape_and_cache   # the cache write: one
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "reshape_and_cache", "unified_attention",
            "is_available", "load", "plan"]
 
-CSRC = pathlib.Path(__file__).resolve().parent / "csrc"
+# Resolved to its real path: torch.utils.cpp_extension rebuilds whenever the source PATHS change,
+# so copies of the tree that link csrc/ to one shared folder (the course's proof) share one build.
+CSRC = (pathlib.Path(__file__).resolve().parent / "csrc").resolve()
 SOURCES = ("cpu_attention_binding.cpp", "cpu_attention_kernel.cpp")   # + cpu_attention.h, cpu_attention_vec.h
 ISA_ENV = "VFS_CPU_ATTENTION_ISA"
 # What each variant is compiled with. AVX-512 needs F+BW+VL+DQ (masked 16-bit loads, the

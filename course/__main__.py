@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full", action="store_true", help="all of each task's tests, not the fast subset")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--json", default=None)
+    p.add_argument("--no-zygote", action="store_true", help="start each grading process afresh (slower)")
 
     sub.add_parser("check", help="check course/tasks.toml against the marked tree")
 
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                           json_path=args.json)
     if args.cmd == "proof":
         from course.proof import proof
-        report = proof(args.chapters, fast=not args.full, jobs=args.jobs,
+        report = proof(args.chapters, fast=not args.full, jobs=args.jobs, use_zygote=not args.no_zygote,
                        out_json=pathlib.Path(args.json) if args.json else None)
         return 0 if report["ok"] else 1
     if args.cmd == "check":

@@ -15,7 +15,7 @@ import time
 
 from course.build import BUILD_INFO
 from course.manifest import Manifest, Task, chapters_with_regions, load
-from course.runner import RunResult, TestResult, Workspace, _matches, run_tests
+from course.runner import RunResult, TestResult, Workspace, ZygoteClient, _matches, run_tests
 
 
 @dataclasses.dataclass
@@ -85,7 +85,8 @@ def score(tasks: list[Task], run: RunResult, fast: bool) -> list[TaskGrade]:
 
 
 def grade_tree(student: pathlib.Path, tasks: list[Task], *, fast: bool = False,
-               workspace_parent: pathlib.Path | None = None) -> tuple[list[TaskGrade], RunResult]:
+               workspace_parent: pathlib.Path | None = None,
+               zygote: ZygoteClient | None = None) -> tuple[list[TaskGrade], RunResult]:
     groups: dict[tuple, list[Task]] = {}
     for task in tasks:                      # tasks graded with stand-ins get a process of their own
         groups.setdefault(tuple(task.standins), []).append(task)
@@ -94,7 +95,8 @@ def grade_tree(student: pathlib.Path, tasks: list[Task], *, fast: bool = False,
         for standins, group in groups.items():
             limits = {t: (task.id, task.fast_timeout_s if fast else task.timeout_s)
                       for task in group for t in test_ids(task, fast)}
-            runs.append(run_tests(ws, list(limits), task_limits=limits, student=student, standins=list(standins)))
+            runs.append(run_tests(ws, list(limits), task_limits=limits, student=student, standins=list(standins),
+                                  zygote=zygote))
     run = _merge(runs)
     return score(tasks, run, fast), run
 

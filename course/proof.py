@@ -10,11 +10,13 @@
 Steps (2)-(4) grade trees that differ from the repository only in the stripped regions
 (course/build.py, minimal=True), on each task's `fast` tests by default (`--full`: all of
 them). Chapters not under test stay solved, as in `course build CH`. Configurations run in
-parallel, one pytest process each (--jobs).
+parallel, one pytest process each (--jobs), forked from a zygote that has imported torch & co.
+once (course/zygote.py; --no-zygote: a fresh interpreter each).
 """
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -30,7 +32,7 @@ from course.build import build, selected_chapters
 from course.grade import grade_tree
 from course.layout import chapters, repo_files
 from course.manifest import Manifest, load, problems
-from course.runner import Workspace
+from course.runner import Workspace, ZygoteClient
 
 
 @dataclasses.dataclass
@@ -135,13 +137,14 @@ def check_student_edition(tree: pathlib.Path, folders: list[str]) -> list[str]:
     return errors
 
 
-def run_config(cfg: Config, manifest: Manifest, fast: bool, tmp: pathlib.Path) -> dict:
+def run_config(cfg: Config, manifest: Manifest, fast: bool, tmp: pathlib.Path,
+               zygote: ZygoteClient | None = None) -> dict:
     t0 = time.monotonic()
     tree = pathlib.Path(tempfile.mkdtemp(prefix="tree-", dir=tmp))
     shutil.rmtree(tree)
     build([cfg.chapter], tree, minimal=True, restore=set(cfg.restore), manifest=manifest, check=False)
     tasks = manifest.of_chapter(cfg.chapter)
-    grades, run = grade_tree(tree, tasks, fast=fast, workspace_parent=tmp)
+    grades, run = grade_tree(tree, tasks, fast=fast, workspace_parent=tmp, zygote=zygote)
     shutil.rmtree(tree, ignore_errors=True)
     passed = {g.task.id for g in grades if g.passed}
     wrong_pass = sorted(passed - cfg.expect_pass)
@@ -157,7 +160,7 @@ def run_config(cfg: Config, manifest: Manifest, fast: bool, tmp: pathlib.Path) -
 
 
 def proof(names: list[str], *, fast: bool = True, jobs: int = 2, out_json: pathlib.Path | None = None,
-          verbose: bool = True) -> dict:
+          verbose: bool = True, use_zygote: bool = True) -> dict:
     t0 = time.monotonic()
     manifest = load()
     folders = [c.folder for c in selected_chapters(names)]
@@ -176,8 +179,9 @@ def proof(names: list[str], *, fast: bool = True, jobs: int = 2, out_json: pathl
             for e in errors:
                 print("   ", e)
         cfgs = configs(manifest, folders) if not problems(manifest, folders=folders) else []
-        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-            futures = {pool.submit(run_config, c, manifest, fast, tmp): c for c in cfgs}
+        with ZygoteClient() if use_zygote else contextlib.nullcontext() as zygote, \
+                concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(run_config, c, manifest, fast, tmp, zygote): c for c in cfgs}
             for fut in concurrent.futures.as_completed(futures):
                 cfg = futures[fut]
                 try:

@@ -30,12 +30,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 
 from course.layout import ROOT, Chapter, chapters
 
 PLUGIN = pathlib.Path(__file__).with_name("grader_plugin.py")
+ZYGOTE = pathlib.Path(__file__).with_name("zygote.py")
 
 
 @dataclasses.dataclass
@@ -130,9 +132,10 @@ def _read_events(path: pathlib.Path) -> list[dict]:
 def run_tests(ws: pathlib.Path, test_args: list[str], *, task_limits: dict[str, tuple[str, float]] | None = None,
               extra_env: dict[str, str] | None = None, student: pathlib.Path | None = None,
               startup_s: float = 180.0, quiet: bool = True, chs: list[Chapter] | None = None,
-              standins: list[str] | None = None) -> RunResult:
+              standins: list[str] | None = None, zygote: "ZygoteClient | None" = None) -> RunResult:
     """Run pytest in `ws` on `test_args` (node ids or paths) until every collected test has a
-    result. task_limits: {test id: (task, seconds for the whole task)}."""
+    result. task_limits: {test id: (task, seconds for the whole task)}. zygote: fork each pytest
+    process from it instead of starting a new interpreter (the same process, seconds sooner)."""
     chs = chs or chapters()
     task_limits = dict(task_limits or {})
     results: dict[str, TestResult] = {}
@@ -174,13 +177,17 @@ def run_tests(ws: pathlib.Path, test_args: list[str], *, task_limits: dict[str, 
         args_file.write_text("\n".join(pending))
         cmd = [sys.executable, "-m", "pytest", "-c", str(ws / "pytest.ini"), "--rootdir", str(ws), "-q",
                "-p", "no:randomly", f"@{args_file}"]
-        proc = subprocess.Popen(cmd, cwd=ws, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True, text=True, errors="replace")
-        try:
-            out, _ = proc.communicate(timeout=budget)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
+        if zygote is not None:
+            returncode, out = zygote.run(cmd[3:], cwd=ws, env=env, timeout=budget)
+        else:
+            proc = subprocess.Popen(cmd, cwd=ws, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True, text=True, errors="replace")
+            try:
+                out, _ = proc.communicate(timeout=budget)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, _ = proc.communicate()
+            returncode = proc.returncode
         stderr_tail = (out or "")[-4000:]
         if not quiet:
             print(out)
@@ -216,17 +223,77 @@ def run_tests(ws: pathlib.Path, test_args: list[str], *, task_limits: dict[str, 
                     timed_out.add(task)
             else:
                 results[nodeid] = TestResult(nodeid, "crashed", elapsed,
-                                             f"the test process died (exit {proc.returncode}):\n{stderr_tail[-1500:]}")
+                                             f"the test process died (exit {returncode}):\n{stderr_tail[-1500:]}")
         remaining = [n for n in collected if n not in results and task_for(n) not in timed_out]
         if remaining and remaining == pending:
             for n in remaining:     # no progress: give up on these
-                results[n] = TestResult(n, "error", 0.0, f"pytest made no progress (exit {proc.returncode})")
+                results[n] = TestResult(n, "error", 0.0, f"pytest made no progress (exit {returncode})")
             break
         pending = remaining
     for n in collected or []:
         if n not in results:
             results[n] = TestResult(n, "not run", 0.0, "its task ran out of time")
     return RunResult(results, collected or [], leaked, timed_out, processes, time.monotonic() - t0, stderr_tail)
+
+
+class ZygoteClient:
+    """Starts course/zygote.py and runs pytest processes forked from it (see zygote.py for why).
+    Thread-safe: the proof's worker threads share one zygote. Use it as a context manager."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._dir = pathlib.Path(tempfile.mkdtemp(prefix="course-zygote-"))
+        self._count = 0
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        self._proc = subprocess.Popen([sys.executable, str(ZYGOTE)], cwd=self._dir, env=env, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+
+    def run(self, argv: list[str], *, cwd: pathlib.Path, env: dict[str, str], timeout: float | None) -> tuple[int, str]:
+        """`python -m pytest ARGV` in cwd with env, forked; its whole session killed at timeout.
+        Returns (exit code, its output)."""
+        with self._lock:
+            self._count += 1
+            base = self._dir / f"run{self._count}"
+            # What `python -m pytest` would start with: the working directory, then PYTHONPATH.
+            sys_path = [str(cwd)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+            request = dict(argv=argv, cwd=str(cwd), env=env, sys_path=sys_path, out=f"{base}.out",
+                           status=f"{base}.status")
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+            reply = self._proc.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"the grading zygote died (exit {self._proc.poll()})")
+        pid = json.loads(reply)["pid"]
+        status, out = pathlib.Path(request["status"]), pathlib.Path(request["out"])
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not status.exists():
+            if deadline is not None and time.monotonic() > deadline:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                deadline = None                     # the zygote reaps it and writes its status
+            time.sleep(0.02)
+        code, text = int(status.read_text()), out.read_text(errors="replace")
+        status.unlink()
+        out.unlink()
+        return code, text
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.stdin.close()
+            self._proc.stdout.close()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> "ZygoteClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class Workspace:
