@@ -24,6 +24,7 @@ import torch
 from scheduler import POLICIES, SchedulerConfig
 
 from mini_vllm.models.cpu_gemm import CPU_GEMMS
+from mini_vllm.models.loader import CPU_LAYER_OPS
 from mini_vllm.speculative_config import SpeculativeConfig
 
 GiB = 1 << 30
@@ -109,6 +110,10 @@ class EngineConfig:
     """CPU linear layers: auto (oneDNN on weights packed at load time, where available) | onednn |
     torch (plain F.linear). See models/cpu_gemm.py."""
 
+    cpu_layer_ops: str = "auto"
+    """CPU norms, SiLU-and-mul and RoPE: auto (fused C++ kernels where they build, models/cpu_layer_ops.py)
+    | cpu (insist) | torch (each layer's PyTorch forward)."""
+
     seed: int = 0
     """Seeds the random stream shared by sampled requests that bring no seed of their own."""
 
@@ -132,6 +137,8 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r} but CUDA is not available (use device='cpu')")
         if self.cpu_gemm_backend not in CPU_GEMMS:
             raise ValueError(f"cpu_gemm_backend must be one of {CPU_GEMMS}, got {self.cpu_gemm_backend!r}")
+        if self.cpu_layer_ops not in CPU_LAYER_OPS:
+            raise ValueError(f"cpu_layer_ops must be one of {CPU_LAYER_OPS}, got {self.cpu_layer_ops!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _positive_int("block_size", self.block_size)

@@ -103,7 +103,7 @@ class ModelRunner:
         self.max_num_blocks_per_req = cdiv(self.max_model_len, self.block_size)
 
         self.model = get_model(model_config, device=self.device, attn_backend=self.attn_backend,
-                               cpu_gemm_backend=config.cpu_gemm_backend)
+                               cpu_gemm_backend=config.cpu_gemm_backend, cpu_layer_ops=config.cpu_layer_ops)
         # The stream of unseeded random rows, seeded by the engine's seed: runs are reproducible.
         self.sampler = Sampler(generator=torch.Generator(device=self.device).manual_seed(config.seed))
         self.spec_decode: SpecDecodeWorker | None = None
@@ -111,7 +111,7 @@ class ModelRunner:
             self.spec_decode = SpecDecodeWorker(
                 config.speculative_config, model_config, self.model, device=self.device, block_size=self.block_size,
                 attn_backend=self.attn_backend, cpu_gemm_backend=config.cpu_gemm_backend,
-                generator=self.sampler.generator, tokenizer_path=config.tokenizer)
+                cpu_layer_ops=config.cpu_layer_ops, generator=self.sampler.generator, tokenizer_path=config.tokenizer)
 
         self.requests: dict[str, CachedRequestState] = {}    # every request the runner knows, by id
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req)

@@ -166,6 +166,7 @@ def run_vllm(model_dir: Path, workload, warmup, config: str, kvcache_gib: int, m
 
 # ---------------------------------------------------------------------------------- main
 PLAIN = "ours, plain F.linear (no oneDNN packing)"
+TORCH_LAYERS = "ours, PyTorch layer ops (no fused norm/SiLU/RoPE)"
 SAMPLED_SUFFIX = ", sampled"
 VLLM_NAMES = {"default": "vLLM 0.32 CPU, default (1 core reserved)",
               "both cores": "vLLM 0.32 CPU, both cores (OMP bind 0-1)"}
@@ -281,6 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
                        kv_cache_memory=(64 << 20) if args.smoke else None)      # None: the CPU default, 2 GiB
     llm = LLM(str(model_dir), **engine_args)
     llm_plain = LLM(str(model_dir), cpu_gemm_backend="torch", **engine_args)
+    llm_torch_layers = LLM(str(model_dir), cpu_layer_ops="torch", **engine_args)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
@@ -301,6 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
     run_ours(llm, warmup)
     run_ours(llm, warmup, sampled=True)
     run_ours(llm_plain, warmup)
+    run_ours(llm_torch_layers, warmup)
     run_hf_static(hf, warmup, 4, pad_id)
     # Interleaved rounds: this machine is shared and its speed drifts by tens of percent over
     # minutes, so each round times every side once, back to back, and ratios are per round.
@@ -309,6 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.no_sampled:
             record("ours (mini_vllm)" + SAMPLED_SUFFIX, *run_ours(llm, workload, sampled=True), mode="sampled", round=r)
         record(PLAIN, *run_ours(llm_plain, workload), round=r)
+        record(TORCH_LAYERS, *run_ours(llm_torch_layers, workload), round=r)
         for b in args.static_batch_sizes:
             record(f"HF generate, static batch {b}", *run_hf_static(hf, workload, b, pad_id), batch_size=b, round=r)
     # Real vLLM, each configuration in its own process (greedy + sampled), each bracketed by a run
@@ -361,6 +365,11 @@ def main(argv: list[str] | None = None) -> dict:
                    ratio_vs_best_static=round(statistics.median(x["ratio"] for x in per_round), 2),
                    ratio_plain_gemm_vs_best_static=round(statistics.median(
                        speed(PLAIN, r) / speed(best_static, r) for r in range(args.rounds)), 2),
+                   # What each change bought: ours / ours without it, per round, median.
+                   bought_by_onednn_packing=round(statistics.median(
+                       speed("ours (mini_vllm)", r) / speed(PLAIN, r) for r in range(args.rounds)), 3),
+                   bought_by_fused_layer_ops=round(statistics.median(
+                       speed("ours (mini_vllm)", r) / speed(TORCH_LAYERS, r) for r in range(args.rounds)), 3),
                    agreement_with_best_static=agreement(outputs["ours (mini_vllm)"], outputs[best_static]))
     if not args.no_cb:
         cb = next(x for x in rows if x["name"] == "HF continuous batching")
@@ -398,6 +407,7 @@ def main(argv: list[str] | None = None) -> dict:
                          engine=dict(max_num_seqs=args.num_requests, max_num_batched_tokens=args.max_num_batched_tokens,
                                      enable_chunked_prefill=True, enable_prefix_caching=True,
                                      cpu_gemm_backend=llm.llm_engine.config.cpu_gemm_backend,
+                                     cpu_layer_ops=llm.llm_engine.config.cpu_layer_ops,
                                      onednn_packed=llm.llm_engine.engine_core.model_runner.model.packed_lm_head
                                      is not None),
                          summary=summary)

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from course import regions as R
@@ -137,12 +138,18 @@ def check_student_edition(tree: pathlib.Path, folders: list[str]) -> list[str]:
     return errors
 
 
+# One tree build at a time: CPython 3.11's ast.parse is not thread-safe ("SystemError: AST
+# constructor recursion depth mismatch" when two worker threads parse at once, seen in CI).
+_BUILD_LOCK = threading.Lock()
+
+
 def run_config(cfg: Config, manifest: Manifest, fast: bool, tmp: pathlib.Path,
                zygote: ZygoteClient | None = None) -> dict:
     t0 = time.monotonic()
     tree = pathlib.Path(tempfile.mkdtemp(prefix="tree-", dir=tmp))
     shutil.rmtree(tree)
-    build([cfg.chapter], tree, minimal=True, restore=set(cfg.restore), manifest=manifest, check=False)
+    with _BUILD_LOCK:
+        build([cfg.chapter], tree, minimal=True, restore=set(cfg.restore), manifest=manifest, check=False)
     tasks = manifest.of_chapter(cfg.chapter)
     grades, run = grade_tree(tree, tasks, fast=fast, workspace_parent=tmp, zygote=zygote)
     shutil.rmtree(tree, ignore_errors=True)

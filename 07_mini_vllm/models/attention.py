@@ -22,6 +22,7 @@ from chunked_prefill.ops import unified_attention
 from paged_attention.metadata import AttentionMetadata
 from paged_attention.ops import reshape_and_cache
 
+from mini_vllm.models import cpu_layer_ops
 from mini_vllm.models.layers import Linear, QKVLinear, RMSNorm, apply_rotary_emb
 
 # attn_backend -> (chapter 01 cache-write backend, chapter 05 unified-attention backend)
@@ -80,10 +81,13 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.attn = PagedAttention(num_heads, head_dim, num_kv_heads, scale=head_dim ** -0.5, backend=attn_backend)
+        self.cpu_kernel = False      # True: split + RoPE as one C++ pass (cpu_layer_ops.py), set after loading
 
     def forward(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         T = hidden_states.shape[0]                                                   # hidden_states [T, hidden]
+        if self.cpu_kernel and self.q_norm is None:
+            return self._forward_cpu_kernel(hidden_states, rope, kv_cache, attn_metadata)
         ### BEGIN SOLUTION
         qkv = self.qkv_proj(hidden_states)                                           # [T, (H + 2 KVH) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -97,3 +101,13 @@ class SelfAttention(nn.Module):
         out = self.attn(q, k, v.contiguous(), kv_cache, attn_metadata)             # [T, H, D]
         return self.o_proj(out.view(T, self.q_size))                                 # [T, hidden]
         ### END SOLUTION
+
+    def _forward_cpu_kernel(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                            kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """forward, with the split of qkv, both rotations and v's copy in one C++ pass."""
+        T = hidden_states.shape[0]
+        cos, sin = rope                                                              # [T, 1, D] each
+        q, k, v = cpu_layer_ops.rope_split_qkv(self.qkv_proj(hidden_states), cos.view(T, -1), sin.view(T, -1),
+                                               self.num_heads, self.num_kv_heads, self.head_dim)
+        out = self.attn(q, k, v, kv_cache, attn_metadata)                            # [T, H, D]
+        return self.o_proj(out.view(T, self.q_size))                                 # [T, hidden]

@@ -162,16 +162,49 @@ def process_weights_after_loading(model: nn.Module, cpu_gemm_backend: str = "aut
     return packed
 
 
+CPU_LAYER_OPS = ("auto", "cpu", "torch")    # EngineConfig.cpu_layer_ops
+
+
+def use_cpu_layer_ops(model: nn.Module, mode: str = "auto") -> int:
+    """Switch the norms, the MLP activation and the attention blocks' split + RoPE to the fused
+    C++ ops (models/cpu_layer_ops.py); returns how many modules now use them.
+
+    vLLM picks `CustomOp.forward_cpu` by platform when a layer is built; here the layers are
+    built first and switched once their weights are on the CPU (as the packed linears are).
+    "auto": where the kernels build (a C++ compiler) and the model is on the CPU; "cpu" insists;
+    "torch" keeps every layer's PyTorch forward (the readable oracle)."""
+    if mode not in CPU_LAYER_OPS:
+        raise ValueError(f"cpu_layer_ops must be one of {CPU_LAYER_OPS}, got {mode!r}")
+    if mode == "torch":
+        return 0
+    from mini_vllm.models import cpu_layer_ops
+    from mini_vllm.models.attention import SelfAttention
+    from mini_vllm.models.layers import RMSNorm, SiluAndMul
+
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    reason = cpu_layer_ops.unavailable_reason() if on_cpu else "the model is not on the CPU"
+    if reason is not None:
+        if mode == "cpu":
+            raise ValueError(f"cpu_layer_ops='cpu' cannot be used: {reason}")
+        return 0
+    modules = [m for m in model.modules() if isinstance(m, (RMSNorm, SiluAndMul, SelfAttention))]
+    for module in modules:
+        module.cpu_kernel = True
+    return len(modules)
+
+
 def get_model(model_config: ModelConfig, device: str | torch.device = "cpu", attn_backend: str = "torch",
-              cpu_gemm_backend: str = "torch") -> nn.Module:
+              cpu_gemm_backend: str = "torch", cpu_layer_ops: str = "torch") -> nn.Module:
     """Construct the architecture's class directly on `device` in `model_config.dtype`, load its
-    weights, then prepare them for the device's matmuls (`process_weights_after_loading`)."""
+    weights, then prepare them for the device's matmuls (`process_weights_after_loading`) and,
+    on a CPU, switch the small ops to fused kernels (`use_cpu_layer_ops`)."""
     cls = get_model_class(model_config.architecture)
     with torch.device(device), _default_dtype(model_config.dtype):
         model = cls(model_config, attn_backend=attn_backend)
     load_weights(model, iterate_weights(model_config.model))
     if torch.device(device).type == "cpu":
         process_weights_after_loading(model, cpu_gemm_backend)
+    use_cpu_layer_ops(model, cpu_layer_ops)
     return model.eval()
 
 

@@ -80,6 +80,9 @@ def test_step_breakdown_and_gemm_benchmarks_smoke(tmp_path):
     assert (tmp_path / "engine_step_breakdown_smoke.json").exists()
     gemm = bench_cpu_gemm.main(["--smoke", "--out-dir", str(tmp_path)])
     assert [r["rows"] for r in gemm["rows"]] == [1, 64] and all(r["layer_speedup"] > 0 for r in gemm["rows"])
+    from benchmarks import bench_cpu_layer_ops                # (it checks both sides agree before timing)
+    ops = bench_cpu_layer_ops.main(["--smoke", "--out-dir", str(tmp_path)])
+    assert [r["rows"] for r in ops["rows"]] == [1, 64] and all(r["speedup"] > 0 for r in ops["rows"])
 
 
 def test_gpu_benchmark_smoke(tmp_path):

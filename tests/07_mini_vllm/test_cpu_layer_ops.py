@@ -1,0 +1,118 @@
+"""The fused CPU layer ops (models/cpu_layer_ops.py, csrc/cpu_layer_ops.cpp) == the layers' PyTorch
+forwards: RoPE and the residual add bit for bit, RMSNorm and SiLU-and-mul within the dtype's
+tolerance; strided rows, odd sizes, GQA; bad shapes refused; a whole model switched over."""
+from __future__ import annotations
+
+import pytest
+import torch
+from tolerances import assert_close
+
+from mini_vllm.config import ModelConfig
+from mini_vllm.models import cpu_layer_ops
+from mini_vllm.models.attention import SelfAttention
+from mini_vllm.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
+from mini_vllm.models.loader import get_model, use_cpu_layer_ops
+
+pytestmark = pytest.mark.skipif(not cpu_layer_ops.is_available(), reason=f"{cpu_layer_ops.unavailable_reason()}")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def rows(num_rows: int, width: int, dtype, strided: bool, seed: int) -> torch.Tensor:
+    """[num_rows, width]; strided: a column slice of a wider tensor (rows not contiguous)."""
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(num_rows, width + (7 if strided else 0), generator=g).to(dtype) * 3
+    return wide[:, 3:3 + width] if strided else wide
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows,hidden", [(1, 576), (7, 33), (64, 576), (300, 16)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_rms_norm_equals_the_torch_layer(dtype, num_rows, hidden, strided):
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    norm.weight.data = rows(1, hidden, torch.float32, False, 1)[0].to(dtype)
+    x = rows(num_rows, hidden, dtype, strided, 2)
+    assert_close(cpu_layer_ops.rms_norm(x, norm.weight, norm.eps), norm(x), dtype=dtype)
+    # The fused residual add: the residual stream is updated in place, bit for bit as torch's add_.
+    residual = rows(num_rows, hidden, dtype, False, 3)
+    expected_residual = residual.clone()
+    expected_out, _ = norm(x.clone(), expected_residual)
+    out = cpu_layer_ops.rms_norm(x, norm.weight, norm.eps, residual)
+    assert torch.equal(residual, expected_residual)
+    assert_close(out, expected_out, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows,inter", [(1, 1536), (9, 37), (130, 64)])
+def test_silu_and_mul_equals_the_torch_layer(dtype, num_rows, inter):
+    x = rows(num_rows, 2 * inter, dtype, False, 4)
+    x[0, :4] = torch.tensor([-100.0, 100.0, -20.0, 30.0])    # exp's range ends (the vector exp clamps)
+    out = cpu_layer_ops.silu_and_mul(x)
+    assert out.shape == (num_rows, inter) and out.dtype == dtype
+    assert_close(out, SiluAndMul()(x), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 1, 128), (2, 1, 2)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_rope_split_qkv_is_bit_for_bit_the_torch_path(dtype, heads, kv_heads, head_dim, strided):
+    T = 11
+    qkv = rows(T, (heads + 2 * kv_heads) * head_dim, dtype, strided, 5)
+    rope = RotaryEmbedding(head_dim, 4096, 1e5, None, dtype)
+    positions = torch.tensor([0, 1, 2, 17, 500, 4095, 3, 3, 64, 1000, 7])
+    cos, sin = rope.cos_sin(positions)                                     # [T, 1, D] each
+    q, k, v = cpu_layer_ops.rope_split_qkv(qkv, cos.view(T, -1), sin.view(T, -1), heads, kv_heads, head_dim)
+    q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    assert torch.equal(q, apply_rotary_emb(q_ref.view(T, heads, head_dim), cos, sin))
+    assert torch.equal(k, apply_rotary_emb(k_ref.view(T, kv_heads, head_dim), cos, sin))
+    assert torch.equal(v, v_ref.reshape(T, kv_heads, head_dim))
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+
+
+def test_bad_shapes_are_refused_with_a_message():
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match=r"weight must be contiguous \[hidden\]"):
+        cpu_layer_ops.rms_norm(x, torch.ones(9), 1e-5)
+    with pytest.raises(RuntimeError, match="residual must match x"):
+        cpu_layer_ops.rms_norm(x, torch.ones(8), 1e-5, torch.randn(3, 8))
+    with pytest.raises(RuntimeError, match="weight dtype"):
+        cpu_layer_ops.rms_norm(x, torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(RuntimeError, match="even last dim"):
+        cpu_layer_ops.silu_and_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="must be 2-D"):
+        cpu_layer_ops.silu_and_mul(torch.randn(2, 3, 8))
+    with pytest.raises(RuntimeError, match="expected"):
+        cpu_layer_ops.rope_split_qkv(torch.randn(3, 40), torch.randn(3, 8), torch.randn(3, 8), 2, 1, 8)
+    with pytest.raises(RuntimeError, match="cos and sin must be"):
+        cpu_layer_ops.rope_split_qkv(torch.randn(3, 32), torch.randn(2, 8), torch.randn(3, 8), 2, 1, 8)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def tiny_config(request, tmp_path_factory, tiny_checkpoint):
+    path = tmp_path_factory.mktemp(f"layer-ops-{request.param}")
+    tiny_checkpoint(path, request.param)
+    return ModelConfig.from_pretrained(path)
+
+
+def test_a_model_switched_to_the_kernels_computes_what_the_torch_layers_do(tiny_config):
+    from mini_vllm.kv_cache import allocate_kv_caches
+    from mini_vllm.model_inputs import prepare_inputs
+
+    def logits(model):
+        inputs = prepare_inputs([[5, 17, 99, 3, 250], [300, 2]], [0, 0], [[0, 1], [2]], 4)
+        caches = allocate_kv_caches(tiny_config, 3, 4)
+        with torch.inference_mode():
+            hidden = model(inputs.input_ids, inputs.positions, caches, inputs.attn_metadata)
+            return model.compute_logits(hidden[inputs.logits_indices])
+
+    plain = get_model(tiny_config, cpu_layer_ops="torch")
+    fused = get_model(tiny_config, cpu_layer_ops="cpu")
+    switched = [m for m in fused.modules() if getattr(m, "cpu_kernel", False)]
+    layers = tiny_config.num_hidden_layers
+    # per layer: 2 norms, the activation, the attention block (+ Qwen3's q/k norms: they take the
+    # kernel only for 2-D inputs, so they stay on torch for [T, heads, D]); + the final norm
+    assert len(switched) == layers * (4 + 2 * (tiny_config.architecture.startswith("Qwen3"))) + 1
+    assert not any(getattr(m, "cpu_kernel", False) for m in plain.modules())
+    assert_close(logits(fused), logits(plain), dtype=torch.float32)
+    assert use_cpu_layer_ops(plain, "torch") == 0
+    with pytest.raises(ValueError, match="cpu_layer_ops must be one of"):
+        use_cpu_layer_ops(plain, "fused")
