@@ -4,11 +4,17 @@ on SmolLM2-135M's shapes, in one run.
 
     python -m benchmarks.bench_cpu_layer_ops            # ~1 min on 2 cores
     python -m benchmarks.bench_cpu_layer_ops --smoke    # two row counts, seconds
+    python -m benchmarks.bench_cpu_layer_ops --engine-rounds 2   # + the engine A/B, ~5 min more
 
 Per row count (the tokens of one step: 1-64 in decode, 512-4096 in prefill chunks), the time of
 one decoder layer's non-GEMM, non-attention work: two RMSNorms with the residual add, SiLU-and-mul
 of the MLP, and the split of qkv into q/k/v with RoPE on q and k; fp32, medians of interleaved
 repeats. Both sides are checked to agree first. Writes benchmarks/results/cpu_layer_ops.json.
+
+--engine-rounds N: the same through the engine (SmolLM2 fp32, bench_engine's 64 prompts of real
+text): two LLMs, `cpu_layer_ops="auto"` and `"torch"`, timed interleaved N rounds on a prefill-only
+run (max_tokens=1) and a decode-heavy one (prompts cut to 32 tokens, 128 outputs), greedy tokens
+compared; the ratio per round is what the fused ops buy in the engine.
 """
 from __future__ import annotations
 
@@ -69,11 +75,54 @@ def inputs(m: int, seed: int = 0):
             cos, sin)
 
 
+def engine_ab(rounds: int) -> dict:
+    """Interleaved A/B through LLM.generate: the engine with and without the fused layer ops."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.bench_engine import make_workload
+    from mini_vllm import LLM, SamplingParams, default_model_path
+
+    model = str(default_model_path())
+    prompts = [p for p, _ in make_workload(AutoTokenizer.from_pretrained(model), 64, (32, 512), (16, 256), 0)]
+    args = dict(dtype="float32", max_model_len=768, max_num_seqs=64, max_num_batched_tokens=4096)
+    sides = {"fused": LLM(model, **args), "torch": LLM(model, cpu_layer_ops="torch", **args)}
+    runs = {"prefill": (prompts, 1), "decode": ([p[:32] for p in prompts], 128)}
+
+    def run(llm, ps, n):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        llm.reset_prefix_cache()                              # every round computes every prompt
+        return seconds, [o.outputs[0].token_ids for o in out]
+
+    for llm in sides.values():
+        run(llm, prompts[:4], 4)                             # warm-up
+    seconds = {(side, kind): [] for side in sides for kind in runs}
+    tokens = {}
+    for r in range(rounds):
+        for side, llm in sides.items():
+            for kind, (ps, n) in runs.items():
+                t, toks = run(llm, ps, n)
+                seconds[side, kind].append(round(t, 2))
+                tokens.setdefault((side, kind), toks)
+        print(f"round {r}:", {f"{s} {k}": v[-1] for (s, k), v in seconds.items()}, flush=True)
+    out = {}
+    for kind in runs:
+        ratios = [round(a / b, 3) for a, b in zip(seconds["torch", kind], seconds["fused", kind])]
+        out[kind] = dict(fused_s=seconds["fused", kind], torch_s=seconds["torch", kind],
+                         speedup_per_round=ratios, speedup_median=statistics.median(ratios),
+                         same_greedy_tokens=tokens["fused", kind] == tokens["torch", kind])
+    print(out, flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 512, 4096])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--engine-rounds", type=int, default=0, help="also the engine A/B, this many rounds (SmolLM2)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -110,6 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
     workload = dict(model="SmolLM2-135M shapes (hidden 576, intermediate 1536, 9/3 heads of 64)", dtype="float32",
                     ops="2 x RMSNorm with residual add, SiLU-and-mul, qkv split + RoPE on q and k (one layer)",
                     repeats=args.repeats, threads=torch.get_num_threads())
+    if args.engine_rounds:
+        workload["engine_ab"] = engine_ab(args.engine_rounds)
     path = write_result("cpu_layer_ops_smoke" if args.smoke else "cpu_layer_ops", workload, rows_out, args.out_dir)
     return dict(rows=rows_out, path=path)
 
