@@ -140,15 +140,15 @@ def run_hf_cb(model, workload, max_batch_tokens: int, max_requests: int) -> tupl
 
 # ---------------------------------------------------------------------------------- real vLLM (subprocess)
 def run_vllm(model_dir: Path, workload, warmup, config: str, kvcache_gib: int, max_num_batched_tokens: int,
-             timeout_s: float = 3600) -> dict:
-    """One vLLM process for one configuration: warm-up, then one timed LLM.generate greedy and one
-    sampled, over the same token prompts. Returns vllm_peer's JSON (runs: mode, seconds, tokens)."""
+             timeout_s: float = 3600, modes: tuple[str, ...] = ("greedy", "sampled")) -> dict:
+    """One vLLM process for one configuration: warm-up, then one timed LLM.generate per mode (greedy,
+    sampled) over the same token prompts. Returns vllm_peer's JSON (runs: mode, seconds, tokens)."""
     python = vllm_peer.venv_python()
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp) / "workload.json", Path(tmp) / "out.json"
         spec.write_text(json.dumps(dict(prompts=[p for p, _ in workload], max_tokens=[n for _, n in workload],
                                         warmup_prompts=[p for p, _ in warmup], warmup_max_tokens=[n for _, n in warmup],
-                                        modes=["greedy", "sampled"])))
+                                        modes=list(modes))))
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env.update(vllm_peer.CONFIGS[config], VLLM_CPU_KVCACHE_SPACE=str(kvcache_gib))
         cmd = [str(python), str(Path(vllm_peer.__file__)), "--model", str(model_dir), "--workload-json", str(spec),

@@ -4,7 +4,7 @@ The peer is asked, not guessed at: a subprocess of its venv loads its kernels. S
 play the three outcomes (vLLM itself is never installed in CI)."""
 import os
 
-from benchmarks import vllm_peer
+from benchmarks import bench_vllm_ab, vllm_peer
 
 
 def fake_venv(tmp_path, script: str):
@@ -32,3 +32,10 @@ def test_a_kernel_library_built_for_missing_instructions_is_named(tmp_path):
 def test_a_broken_install_says_its_last_error(tmp_path):
     reason = vllm_peer.unavailable_reason(fake_venv(tmp_path, "echo 'ImportError: libfoo.so' >&2; exit 1"))
     assert reason and reason.endswith("ImportError: libfoo.so")
+
+
+def test_the_interleaved_ab_skips_with_the_reason(tmp_path, monkeypatch):
+    """Without a runnable peer the A/B writes nothing and says why (it never starts our engine)."""
+    monkeypatch.setattr(vllm_peer, "unavailable_reason", lambda venv=vllm_peer.VENV: vllm_peer.SETUP_HINT)
+    assert bench_vllm_ab.main(["--out-dir", str(tmp_path)]) == dict(skipped=vllm_peer.SETUP_HINT)
+    assert not list(tmp_path.iterdir())
