@@ -79,31 +79,25 @@ def engine_ab(rounds: int) -> dict:
     """Interleaved A/B through LLM.generate: the engine with and without the fused layer ops."""
     from transformers import AutoTokenizer
 
-    from benchmarks.bench_engine import make_workload
-    from mini_vllm import LLM, SamplingParams, default_model_path
+    from benchmarks.bench_engine import make_workload, run_ours
+    from mini_vllm import LLM, default_model_path
 
     model = str(default_model_path())
     prompts = [p for p, _ in make_workload(AutoTokenizer.from_pretrained(model), 64, (32, 512), (16, 256), 0)]
     args = dict(dtype="float32", max_model_len=768, max_num_seqs=64, max_num_batched_tokens=4096)
     sides = {"fused": LLM(model, **args), "torch": LLM(model, cpu_layer_ops="torch", **args)}
-    runs = {"prefill": (prompts, 1), "decode": ([p[:32] for p in prompts], 128)}
-
-    def run(llm, ps, n):
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
-        t0 = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
-        seconds = time.perf_counter() - t0
-        llm.reset_prefix_cache()                              # every round computes every prompt
-        return seconds, [o.outputs[0].token_ids for o in out]
+    # (prompt, output length) lists for run_ours, which empties the prefix cache first: every round
+    # computes every prompt.
+    runs = {"prefill": [(p, 1) for p in prompts], "decode": [(p[:32], 128) for p in prompts]}
 
     for llm in sides.values():
-        run(llm, prompts[:4], 4)                             # warm-up
+        run_ours(llm, [(p, 4) for p in prompts[:4]])         # warm-up
     seconds = {(side, kind): [] for side in sides for kind in runs}
     tokens = {}
     for r in range(rounds):
         for side, llm in sides.items():
-            for kind, (ps, n) in runs.items():
-                t, toks = run(llm, ps, n)
+            for kind, workload in runs.items():
+                t, toks = run_ours(llm, workload)
                 seconds[side, kind].append(round(t, 2))
                 tokens.setdefault((side, kind), toks)
         print(f"round {r}:", {f"{s} {k}": v[-1] for (s, k), v in seconds.items()}, flush=True)

@@ -149,8 +149,7 @@ def run_vllm(model_dir: Path, workload, warmup, config: str, kvcache_gib: int, m
         spec.write_text(json.dumps(dict(prompts=[p for p, _ in workload], max_tokens=[n for _, n in workload],
                                         warmup_prompts=[p for p, _ in warmup], warmup_max_tokens=[n for _, n in warmup],
                                         modes=list(modes))))
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env.update(vllm_peer.CONFIGS[config], VLLM_CPU_KVCACHE_SPACE=str(kvcache_gib))
+        env = vllm_peer.peer_env(**vllm_peer.CONFIGS[config], VLLM_CPU_KVCACHE_SPACE=str(kvcache_gib))
         cmd = [str(python), str(Path(vllm_peer.__file__)), "--model", str(model_dir), "--workload-json", str(spec),
                "--out-json", str(out), "--kvcache-gib", str(kvcache_gib),
                "--max-num-batched-tokens", str(max_num_batched_tokens)]

@@ -22,6 +22,9 @@ from benchmarks import vllm_peer
 from benchmarks.bench_engine import SAMPLED, agreement, make_workload, run_ours, run_vllm
 from benchmarks.common import RESULTS_DIR, write_result
 
+KV_CACHE_GIB = 2                    # ours: the CPU default; vLLM: VLLM_CPU_KVCACHE_SPACE
+MAX_NUM_BATCHED_TOKENS = 4096
+
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -44,7 +47,8 @@ def main(argv: list[str] | None = None) -> dict:
     workload = make_workload(tokenizer, 64, (32, 512), (16, 256), 0)
     warmup = make_workload(tokenizer, 4, (16, 64), (4, 8), 1)
     total_out = sum(n for _, n in workload)
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=768, max_num_seqs=64, max_num_batched_tokens=4096)
+    llm = LLM(str(model_dir), dtype="float32", max_model_len=768, max_num_seqs=64,
+              max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, kv_cache_memory=KV_CACHE_GIB << 30)
     sampled = args.mode == "sampled"
     run_ours(llm, warmup, sampled=sampled)
 
@@ -61,7 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
     ours = [record("ours", *run_ours(llm, workload, sampled=sampled))]
     ratios = []
     for _ in range(args.rounds):
-        result = run_vllm(model_dir, workload, warmup, args.config, 2, 4096, modes=(args.mode,))
+        result = run_vllm(model_dir, workload, warmup, args.config, KV_CACHE_GIB, MAX_NUM_BATCHED_TOKENS,
+                          modes=(args.mode,))
         run = result["runs"][0]
         theirs = record("vLLM", run["seconds"], run["tokens"])
         ours.append(record("ours", *run_ours(llm, workload, sampled=sampled)))

