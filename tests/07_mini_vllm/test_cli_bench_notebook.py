@@ -66,6 +66,12 @@ def test_cpu_benchmark_smoke(tmp_path):
     names = {r["name"] for r in data["rows"]}
     assert {"ours (mini_vllm)", "HF generate, static batch 4", "HF continuous batching"} <= names
     assert result["summary"]["agreement_with_best_static"] == 1.0          # greedy fp32: same tokens as HF
+    # What each change bought: the engine with one change undone, same tokens (greedy), a speed.
+    assert {bench_engine.PLAIN, bench_engine.TORCH_LAYERS, bench_engine.TORCH_ATTENTION,
+            bench_engine.REFERENCE_SAMPLER + bench_engine.SAMPLED_SUFFIX} <= names
+    assert set(result["summary"]["ablation_agreement_with_ours"].values()) == {1.0}
+    for change in ("onednn_packing", "fused_layer_ops", "cpu_attention_kernel", "fast_sampler"):
+        assert result["summary"][f"bought_by_{change}"] > 0
 
 
 def test_step_breakdown_and_gemm_benchmarks_smoke(tmp_path):
