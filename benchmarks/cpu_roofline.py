@@ -20,7 +20,7 @@ matrices and on the model's own shapes, all threads), `bandwidth` the best read 
 tensor much larger than the caches. Activations, softmax, norms and Python are left out, so
 the sum of t_min is a lower bound no engine beats on this machine: the limit the issue asks
 to state. The engine's measured wall time of the same run is reported beside it, and, when
-`benchmarks/results/engine_cpu.json` has the same workload, ours and vLLM's tok/s from there.
+`engine_cpu.json` in the output directory has the same workload, ours and vLLM's tok/s from there.
 Writes benchmarks/results/cpu_roofline.json.
 """
 from __future__ import annotations
@@ -117,15 +117,16 @@ def traced_run(llm, workload) -> tuple[float, list[tuple[int, float, float]]]:
 
 
 def engine_cpu_peers(args) -> dict:
-    """ours / vLLM tok/s from bench_engine's results, when they are of this workload."""
-    path = RESULTS_DIR / "engine_cpu.json"
+    """ours / vLLM tok/s from bench_engine's results in the same --out-dir (so a run kept apart,
+    e.g. from another machine, pairs with its own engine run), when they are of this workload."""
+    path = args.out_dir / "engine_cpu.json"
     if not path.exists():
         return {}
     data = json.loads(path.read_text())
     wl = data.get("workload", {})
     if wl.get("num_requests") != args.num_requests or list(wl.get("prompt_len", [])) != list(args.prompt_len):
         return {}
-    return {"source": "benchmarks/results/engine_cpu.json", "date": data.get("environment", {}).get("date"),
+    return {"source": str(path), "date": data.get("environment", {}).get("date"),
             "greedy_tokens_per_s": {name: r["output_tokens_per_s"] for r in data.get("rows", [])
                                     for name in [r["name"]] if not name.endswith(", sampled")}}
 
