@@ -1,7 +1,8 @@
 """End-to-end throughput on the CPU: our engine vs real vLLM (CPU build) and HF transformers, same run.
 
     python -m benchmarks.vllm_peer --setup            # once, optional: real vLLM in .venv-vllm/
-    python -m benchmarks.bench_engine                 # the README's numbers (~30-45 min on 2 cores)
+    python -m benchmarks.bench_engine                 # every peer, 2 rounds (over an hour on 2 cores)
+    python -m benchmarks.bench_engine --no-cb --static-batch-sizes 32 --rounds 1   # the README's runs (44 min on 2 cores, 2026-11-26)
     python -m benchmarks.bench_engine --smoke         # tiny random model, seconds (CI; no vLLM)
 
 Workload (the issue's): SmolLM2-135M-Instruct, fp32, 64 requests, prompt lengths uniform in
@@ -223,8 +224,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
             bar.set_hatch("//")
     for bar, v in zip(bars, values):
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {v:.1f}", va="center")
-    ax.set_xlabel("output tokens / s, median over runs (higher is better; hatched: sampled T 0.8, top-p 0.95, top-k 50)")
+    ax.set_xlabel("output tokens / s, median over runs (higher is better)\n"
+                  "hatched: sampled, temperature 0.8, top-p 0.95, top-k 50")
     fig.suptitle(title, fontsize=9)
+    ax.set_xlim(0, 1.12 * max(values))                      # room for the value labels
     ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
