@@ -45,6 +45,8 @@ import os
 import pathlib
 import shutil
 import sys
+import time
+import warnings
 
 import torch
 
@@ -107,6 +109,30 @@ def missing_build_tool() -> str | None:
     return None
 
 
+# A build takes 15-60 s here; a build lock older than this was left by a killed build.
+STALE_LOCK_SECONDS = 600
+
+
+def clear_stale_build_lock(name: str) -> pathlib.Path | None:
+    """torch.utils.cpp_extension holds `<its build dir>/lock` while it builds an extension, and a
+    second process waits for that file to go away -- with no time limit. A build killed midway
+    (Ctrl-C, a test timeout) leaves the file behind, and every later load of the extension then
+    hangs silently. Remove such a lock (older than any build here), with a warning; return its
+    path, or None when there was none to remove."""
+    from torch.utils.cpp_extension import _get_build_directory
+    lock = pathlib.Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    if age < STALE_LOCK_SECONDS:
+        return None                          # a build in progress in another process: wait for it
+    warnings.warn(f"removing a stale build lock {lock} ({age / 60:.0f} min old): an earlier build of "
+                  f"{name} was interrupted", RuntimeWarning, stacklevel=2)
+    lock.unlink(missing_ok=True)
+    return lock
+
+
 def load(isa: str | None = None):
     """Build (first call on this machine, ~20 s) or load (cached) the extension for `isa`
     (default: `cpu_isa()`), and return the module. Raises RuntimeError with the reason when
@@ -124,6 +150,7 @@ def load(isa: str | None = None):
         raise RuntimeError(missing)
     from torch.utils.cpp_extension import load as load_extension
     try:
+        clear_stale_build_lock(f"vfs_cpu_attention_{isa}")
         module = load_extension(
             name=f"vfs_cpu_attention_{isa}",
             sources=[str(CSRC / s) for s in SOURCES],

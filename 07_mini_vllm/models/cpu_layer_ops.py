@@ -48,6 +48,7 @@ def load():
     isa = attention_cpu_ops.cpu_isa()
     from torch.utils.cpp_extension import load as load_extension
     try:
+        attention_cpu_ops.clear_stale_build_lock(f"vfs_cpu_layer_ops_{isa}")
         _module = load_extension(
             name=f"vfs_cpu_layer_ops_{isa}",
             sources=[str(CSRC / s) for s in SOURCES],

@@ -385,6 +385,44 @@ def test_no_ninja_is_a_clear_error(monkeypatch):
         cpu_ops.load()
 
 
+def _lock_in_build_dir(name: str, age_s: float):
+    import os
+    import time
+    from torch.utils.cpp_extension import _get_build_directory
+    lock = cpu_ops.pathlib.Path(_get_build_directory(name, verbose=False)) / "lock"
+    lock.touch()
+    os.utime(lock, (time.time() - age_s, time.time() - age_s))
+    return lock
+
+
+def test_a_killed_build_does_not_hang_the_next_load(monkeypatch, tmp_path):
+    """A build killed midway leaves torch's build lock behind, and torch waits for it without a
+    time limit: load() clears a lock older than any build (with a warning) before building,
+    and leaves a fresh one -- another process's build in progress -- alone."""
+    import torch.utils.cpp_extension as cpp_extension
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert cpu_ops.clear_stale_build_lock("vfs_no_lock") is None
+    fresh = _lock_in_build_dir("vfs_fresh", age_s=5)
+    assert cpu_ops.clear_stale_build_lock("vfs_fresh") is None and fresh.exists()
+    stale = _lock_in_build_dir("vfs_cpu_attention_scalar", age_s=cpu_ops.STALE_LOCK_SECONDS + 60)
+
+    class Built:                                  # what the build returns, without building
+        @staticmethod
+        def isa():
+            return "scalar"
+
+    def fake_build(name, **_):                    # torch's FileBaton would wait here forever
+        assert not (tmp_path / name / "lock").exists(), "the stale lock is still there: the load would hang"
+        return Built
+
+    monkeypatch.setattr(cpp_extension, "load", fake_build)
+    monkeypatch.setattr(cpu_ops, "_modules", {})
+    monkeypatch.setattr(cpu_ops, "_failures", {})
+    with pytest.warns(RuntimeWarning, match="stale build lock .*vfs_cpu_attention_scalar"):
+        assert cpu_ops.load("scalar") is Built
+    assert not stale.exists()
+
+
 # ----------------------------------------------------------------------------- benchmark
 
 def test_benchmark_smoke(tmp_path):
