@@ -178,6 +178,7 @@ SAMPLED_SUFFIX = ", sampled"
 VLLM_NAMES = {"default": "vLLM 0.32 CPU, default (1 core reserved)",
               "both cores": "vLLM 0.32 CPU, both cores (OMP bind 0-1)"}
 
+
 @contextlib.contextmanager
 def reference_sampler(llm):
     """The engine's sampler switched to its readable oracle for the duration (same generator)."""
