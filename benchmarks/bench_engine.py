@@ -57,6 +57,8 @@ from benchmarks import vllm_peer
 from benchmarks.common import RESULTS_DIR, environment, write_result
 
 SAMPLED = vllm_peer.SAMPLED          # temperature 0.8, top-p 0.95, top-k 50: the same for every side
+# The issue's workload (bench_vllm_ab and the roofline use it too).
+NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN, MAX_NUM_BATCHED_TOKENS = 64, (32, 512), (16, 256), 4096
 
 
 def real_text_corpus() -> str:
@@ -79,6 +81,14 @@ def make_workload(tokenizer, num_requests: int, prompt_range: tuple[int, int], o
 
 
 # ---------------------------------------------------------------------------------- ours
+def engine_args(num_requests: int, prompt_len, output_len, max_num_batched_tokens: int,
+                kv_cache_memory: int | None = None) -> dict:
+    """Our engine's settings for a workload: every request fits at once, fp32, the given batch budget."""
+    max_model_len = max(prompt_len[1] + output_len[1], 128)
+    return dict(dtype="float32", max_model_len=max_model_len, max_num_seqs=num_requests,
+                max_num_batched_tokens=max(max_num_batched_tokens, max_model_len), kv_cache_memory=kv_cache_memory)
+
+
 def run_ours(llm, workload, sampled: bool = False) -> tuple[float, list[list[int]]]:
     from mini_vllm import SamplingParams
 
@@ -262,13 +272,13 @@ def vllm_summary(rows: list[dict], outputs: dict, vllm_results: dict, best_stati
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
-    ap.add_argument("--output-len", type=int, nargs=2, default=(16, 256))
+    ap.add_argument("--num-requests", type=int, default=NUM_REQUESTS)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=PROMPT_LEN)
+    ap.add_argument("--output-len", type=int, nargs=2, default=OUTPUT_LEN)
     ap.add_argument("--static-batch-sizes", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of ours vs HF static")
     ap.add_argument("--no-cb", action="store_true", help="skip HF continuous batching (slow on CPU)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=MAX_NUM_BATCHED_TOKENS)
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny random model, 6 short requests (no vLLM)")
@@ -296,15 +306,13 @@ def main(argv: list[str] | None = None) -> dict:
     workload = make_workload(tokenizer, args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed)
     warmup = make_workload(tokenizer, 4, (16, 64), (4, 8), args.seed + 1)
     total_out = sum(n for _, n in workload)
-    max_model_len = max(args.prompt_len[1] + args.output_len[1], 128)
 
-    engine_args = dict(dtype="float32", max_model_len=max_model_len, max_num_seqs=args.num_requests,
-                       max_num_batched_tokens=max(args.max_num_batched_tokens, max_model_len),
-                       kv_cache_memory=(64 << 20) if args.smoke else None)      # None: the CPU default, 2 GiB
-    llm = LLM(str(model_dir), **engine_args)
-    llm_plain = LLM(str(model_dir), cpu_gemm_backend="torch", **engine_args)
-    llm_torch_layers = LLM(str(model_dir), cpu_layer_ops="torch", **engine_args)
-    llm_torch_attention = LLM(str(model_dir), attention_backend="torch", **engine_args)
+    settings = engine_args(args.num_requests, args.prompt_len, args.output_len, args.max_num_batched_tokens,
+                           kv_cache_memory=(64 << 20) if args.smoke else None)   # None: the CPU default, 2 GiB
+    llm = LLM(str(model_dir), **settings)
+    llm_plain = LLM(str(model_dir), cpu_gemm_backend="torch", **settings)
+    llm_torch_layers = LLM(str(model_dir), cpu_layer_ops="torch", **settings)
+    llm_torch_attention = LLM(str(model_dir), attention_backend="torch", **settings)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 

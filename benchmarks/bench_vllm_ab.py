@@ -19,11 +19,11 @@ import sys
 from pathlib import Path
 
 from benchmarks import vllm_peer
-from benchmarks.bench_engine import SAMPLED, agreement, make_workload, run_ours, run_vllm
+from benchmarks.bench_engine import (MAX_NUM_BATCHED_TOKENS, NUM_REQUESTS, OUTPUT_LEN, PROMPT_LEN, SAMPLED, agreement,
+                                    engine_args, make_workload, run_ours, run_vllm)
 from benchmarks.common import RESULTS_DIR, write_result
 
 KV_CACHE_GIB = 2                    # ours: the CPU default; vLLM: VLLM_CPU_KVCACHE_SPACE
-MAX_NUM_BATCHED_TOKENS = 4096
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -44,11 +44,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     model_dir = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    workload = make_workload(tokenizer, 64, (32, 512), (16, 256), 0)
+    workload = make_workload(tokenizer, NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN, 0)
     warmup = make_workload(tokenizer, 4, (16, 64), (4, 8), 1)
     total_out = sum(n for _, n in workload)
-    llm = LLM(str(model_dir), dtype="float32", max_model_len=768, max_num_seqs=64,
-              max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, kv_cache_memory=KV_CACHE_GIB << 30)
+    llm = LLM(str(model_dir), **engine_args(NUM_REQUESTS, PROMPT_LEN, OUTPUT_LEN, MAX_NUM_BATCHED_TOKENS,
+                                            kv_cache_memory=KV_CACHE_GIB << 30))
     sampled = args.mode == "sampled"
     run_ours(llm, warmup, sampled=sampled)
 
@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not sampled:
         summary["greedy_token_agreement"] = agreement(tokens["ours"], tokens["vLLM"])
     print(summary, flush=True)
-    workload_info = dict(model=Path(model_dir).name, dtype="float32", device="cpu", num_requests=64,
-                         prompt_len=[32, 512], output_len=[16, 256], ignore_eos=True, mode=args.mode,
+    workload_info = dict(model=Path(model_dir).name, dtype="float32", device="cpu", num_requests=NUM_REQUESTS,
+                         prompt_len=list(PROMPT_LEN), output_len=list(OUTPUT_LEN), ignore_eos=True, mode=args.mode,
                          sampled_params=SAMPLED if sampled else None, vllm_config=args.config,
                          command=" ".join(["python -m benchmarks.bench_vllm_ab", *(argv if argv is not None else sys.argv[1:])]),
                          summary=summary)

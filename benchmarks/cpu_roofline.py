@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_engine import make_workload, tiny_model_dir
+from benchmarks.bench_engine import (MAX_NUM_BATCHED_TOKENS, NUM_REQUESTS, OUTPUT_LEN, PROMPT_LEN, make_workload,
+                                    tiny_model_dir)
 from benchmarks.common import RESULTS_DIR, environment, time_fn
 
 
@@ -136,10 +137,10 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
-    ap.add_argument("--output-len", type=int, nargs=2, default=(16, 256))
-    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--num-requests", type=int, default=NUM_REQUESTS)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=PROMPT_LEN)
+    ap.add_argument("--output-len", type=int, nargs=2, default=OUTPUT_LEN)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=MAX_NUM_BATCHED_TOKENS)
     ap.add_argument("--smoke", action="store_true", help="tiny random model, 4 short requests")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
