@@ -114,6 +114,11 @@ class EngineConfig:
     """CPU norms, SiLU-and-mul and RoPE: auto (fused C++ kernels where they build, models/cpu_layer_ops.py)
     | cpu (insist) | torch (each layer's PyTorch forward)."""
 
+    cpu_keep_freed_memory: bool = True
+    """CPU: configure malloc to keep what it frees for reuse (mini_vllm/cpu_malloc.py; vLLM preloads
+    tcmalloc for the same reason) instead of unmapping big buffers and page-faulting them back in every
+    prefill step. Process-wide: once an engine has set it, it stays for the process."""
+
     seed: int = 0
     """Seeds the random stream shared by sampled requests that bring no seed of their own."""
 
@@ -160,6 +165,8 @@ class EngineConfig:
         if self.cuda_graph_sizes is not None:
             if not self.cuda_graph_sizes or not all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes):
                 raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive ints, got {self.cuda_graph_sizes!r}")
+        if not isinstance(self.cpu_keep_freed_memory, bool):
+            raise ValueError(f"cpu_keep_freed_memory must be True or False, got {self.cpu_keep_freed_memory!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.kv_transfer_config is not None:

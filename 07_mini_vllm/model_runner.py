@@ -57,6 +57,7 @@ from kvcache.cache_engine import CacheEngine, KVCacheSpec
 from scheduler import ModelRunnerOutput as SchedulerModelRunnerOutput
 from scheduler import SchedulerOutput
 
+from mini_vllm import cpu_malloc
 from mini_vllm.config import ModelConfig
 from mini_vllm.cuda_graph import CUDAGraphRunner
 from mini_vllm.engine_config import EngineConfig
@@ -112,6 +113,12 @@ class ModelRunner:
                 config.speculative_config, model_config, self.model, device=self.device, block_size=self.block_size,
                 attn_backend=self.attn_backend, cpu_gemm_backend=config.cpu_gemm_backend,
                 cpu_layer_ops=config.cpu_layer_ops, generator=self.sampler.generator, tokenizer_path=config.tokenizer)
+
+        if self.device.type == "cpu" and config.cpu_keep_freed_memory:
+            # After loading: the checkpoint's unpacked copies, freed by packing, go back to the OS first.
+            reason = cpu_malloc.keep_freed_memory()
+            if reason:
+                logger.warning("cpu_keep_freed_memory: %s", reason)
 
         self.requests: dict[str, CachedRequestState] = {}    # every request the runner knows, by id
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req)

@@ -13,6 +13,8 @@ Writes benchmarks/results/engine_step_breakdown.json.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import tempfile
 import time
 from collections import defaultdict
@@ -22,12 +24,17 @@ from benchmarks.bench_engine import make_workload, tiny_model_dir
 from benchmarks.common import RESULTS_DIR, write_result
 
 
-def breakdown(model_dir, workload, cpu_gemm_backend: str, max_num_batched_tokens: int, max_model_len: int) -> dict:
+def breakdown(model_dir, workload, cpu_gemm_backend: str, max_num_batched_tokens: int, max_model_len: int,
+              **engine_kwargs) -> dict:
+    """One greedy pass over `workload`, stepped by hand: seconds, attention seconds, tokens and minor
+    page faults (the kernel mapping a fresh page into the process) per phase."""
+    import resource
+
     import mini_vllm.models.attention as attention_module
     from mini_vllm import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype="float32", max_model_len=max_model_len, max_num_seqs=len(workload),
-              max_num_batched_tokens=max_num_batched_tokens, cpu_gemm_backend=cpu_gemm_backend)
+              max_num_batched_tokens=max_num_batched_tokens, cpu_gemm_backend=cpu_gemm_backend, **engine_kwargs)
     engine = llm.llm_engine
     attention_seconds = [0.0]
     original = attention_module.unified_attention
@@ -45,25 +52,32 @@ def breakdown(model_dir, workload, cpu_gemm_backend: str, max_num_batched_tokens
     try:
         for i, ((prompt, _), p) in enumerate(zip(workload, params)):
             engine.add_request(f"b{i}", prompt, p)
-        phases = defaultdict(lambda: dict(steps=0, seconds=0.0, attention_seconds=0.0, tokens=0))
+        phases = defaultdict(lambda: dict(steps=0, seconds=0.0, attention_seconds=0.0, tokens=0, page_faults=0))
+        outputs = {}
         t_all = time.perf_counter()
         while engine.has_unfinished_requests():
             attention_seconds[0] = 0.0
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
-            engine.step()
+            finished = [out for out in engine.step() if out.finished]
             seconds = time.perf_counter() - t0
+            outputs.update((out.request_id, out.outputs[0].token_ids) for out in finished)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             so = engine.last_step.scheduler_output
             phase = phases["decode" if max(so.num_scheduled_tokens.values(), default=0) == 1 else "prefill"]
             phase["steps"] += 1
             phase["seconds"] += seconds
             phase["attention_seconds"] += attention_seconds[0]
             phase["tokens"] += so.total_num_scheduled_tokens
+            phase["page_faults"] += faults
         total = time.perf_counter() - t_all
     finally:
         attention_module.unified_attention = original
     output_tokens = sum(n for _, n in workload)
+    # One digest of every request's tokens, in request order: equal digests = identical greedy outputs.
+    digest = hashlib.sha256(json.dumps([list(outputs[f"b{i}"]) for i in range(len(workload))]).encode()).hexdigest()
     return dict(cpu_gemm_backend=cpu_gemm_backend, seconds=round(total, 2),
-                output_tokens_per_s=round(output_tokens / total, 2),
+                output_tokens_per_s=round(output_tokens / total, 2), output_tokens_sha256=digest[:16],
                 **{f"{name}_{key}": round(v, 4) if isinstance(v, float) else v
                    for name, phase in phases.items() for key, v in phase.items()})
 

@@ -91,6 +91,16 @@ def test_step_breakdown_and_gemm_benchmarks_smoke(tmp_path):
     assert [r["rows"] for r in ops["rows"]] == [1, 64] and all(r["speedup"] > 0 for r in ops["rows"])
 
 
+def test_cpu_malloc_benchmark_smoke(tmp_path):
+    from benchmarks import bench_cpu_malloc
+
+    result = bench_cpu_malloc.main(["--smoke", "--rounds", "1", "--out-dir", str(tmp_path)])
+    assert [r["cpu_keep_freed_memory"] for r in result["rows"]] == [False, True]      # each in its own process
+    assert all(r["prefill_page_faults"] >= 0 and r["decode_steps"] >= 1 for r in result["rows"])
+    assert result["summary"]["identical_tokens"] and result["summary"]["speedup_total_median"] > 0
+    assert (tmp_path / "cpu_malloc_smoke.json").exists()
+
+
 def test_gpu_benchmark_smoke(tmp_path):
     from benchmarks import bench_engine_gpu
 
