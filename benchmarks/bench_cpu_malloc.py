@@ -23,8 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.bench_engine import MAX_NUM_BATCHED_TOKENS, NUM_REQUESTS, OUTPUT_LEN, PROMPT_LEN, make_workload, \
-    tiny_model_dir
+from benchmarks.bench_engine import (MAX_NUM_BATCHED_TOKENS, NUM_REQUESTS, OUTPUT_LEN, PROMPT_LEN, make_workload,
+                                    tiny_model_dir)
 from benchmarks.common import RESULTS_DIR, write_result
 
 REPO = Path(__file__).resolve().parent.parent
