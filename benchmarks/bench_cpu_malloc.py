@@ -23,30 +23,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.bench_engine import (MAX_NUM_BATCHED_TOKENS, NUM_REQUESTS, OUTPUT_LEN, PROMPT_LEN, make_workload,
-                                    tiny_model_dir)
+from benchmarks.bench_engine import MAX_NUM_BATCHED_TOKENS, tiny_model_dir
 from benchmarks.common import RESULTS_DIR, write_result
+from benchmarks.engine_step_breakdown import breakdown_of, workload_shape
 
 REPO = Path(__file__).resolve().parent.parent
-SMOKE_WORKLOAD = dict(num_requests=6, prompt_len=(8, 40), output_len=(2, 12))
-
-
-def workload_shape(smoke: bool) -> dict:
-    return SMOKE_WORKLOAD if smoke else dict(num_requests=NUM_REQUESTS, prompt_len=PROMPT_LEN, output_len=OUTPUT_LEN)
 
 
 def child(model_dir: str, keep_freed_memory: bool, smoke: bool) -> dict:
     """One run, in this (fresh) process: the engine's breakdown of bench_engine's workload."""
-    from transformers import AutoTokenizer
-
-    from benchmarks.engine_step_breakdown import breakdown
-
-    shape = workload_shape(smoke)
-    workload = make_workload(AutoTokenizer.from_pretrained(model_dir), shape["num_requests"], shape["prompt_len"],
-                             shape["output_len"])
-    max_model_len = shape["prompt_len"][1] + shape["output_len"][1]
-    return breakdown(model_dir, workload, "auto", max(MAX_NUM_BATCHED_TOKENS, max_model_len), max_model_len,
-                     cpu_keep_freed_memory=keep_freed_memory)
+    return breakdown_of(model_dir, workload_shape(smoke), "auto", MAX_NUM_BATCHED_TOKENS,
+                        cpu_keep_freed_memory=keep_freed_memory)
 
 
 def run_in_fresh_process(model_dir: Path, keep_freed_memory: bool, smoke: bool) -> dict:

@@ -20,8 +20,27 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.bench_engine import make_workload, tiny_model_dir
+from benchmarks.bench_engine import (MAX_NUM_BATCHED_TOKENS, NUM_REQUESTS, OUTPUT_LEN, PROMPT_LEN, make_workload,
+                                    tiny_model_dir)
 from benchmarks.common import RESULTS_DIR, write_result
+
+SMOKE_SHAPE = dict(num_requests=6, prompt_len=(8, 40), output_len=(2, 12))     # with the tiny random model
+
+
+def workload_shape(smoke: bool, num_requests: int = NUM_REQUESTS) -> dict:
+    """bench_engine's workload (or the smoke one): number of requests, prompt and output length ranges."""
+    return SMOKE_SHAPE if smoke else dict(num_requests=num_requests, prompt_len=PROMPT_LEN, output_len=OUTPUT_LEN)
+
+
+def breakdown_of(model_dir, shape: dict, cpu_gemm_backend: str, max_num_batched_tokens: int, **engine_kwargs) -> dict:
+    """`breakdown` on the workload of `shape` (workload_shape), with bench_engine's engine limits."""
+    from transformers import AutoTokenizer
+
+    workload = make_workload(AutoTokenizer.from_pretrained(model_dir), shape["num_requests"], shape["prompt_len"],
+                             shape["output_len"])
+    max_model_len = shape["prompt_len"][1] + shape["output_len"][1]
+    return breakdown(model_dir, workload, cpu_gemm_backend, max(max_num_batched_tokens, max_model_len), max_model_len,
+                     **engine_kwargs)
 
 
 def breakdown(model_dir, workload, cpu_gemm_backend: str, max_num_batched_tokens: int, max_model_len: int,
@@ -61,8 +80,8 @@ def breakdown(model_dir, workload, cpu_gemm_backend: str, max_num_batched_tokens
             t0 = time.perf_counter()
             finished = [out for out in engine.step() if out.finished]
             seconds = time.perf_counter() - t0
-            outputs.update((out.request_id, out.outputs[0].token_ids) for out in finished)
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+            outputs.update((out.request_id, out.outputs[0].token_ids) for out in finished)
             so = engine.last_step.scheduler_output
             phase = phases["decode" if max(so.num_scheduled_tokens.values(), default=0) == 1 else "prefill"]
             phase["steps"] += 1
@@ -84,30 +103,25 @@ def breakdown(model_dir, workload, cpu_gemm_backend: str, max_num_batched_tokens
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    ap.add_argument("--num-requests", type=int, default=NUM_REQUESTS)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=MAX_NUM_BATCHED_TOKENS)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
-    from transformers import AutoTokenizer
-
     from mini_vllm import default_model_path
 
     tmp = tempfile.TemporaryDirectory()
     model_dir = tiny_model_dir(Path(tmp.name)) if args.smoke else default_model_path()
-    prompt_range, output_range = ((8, 40), (2, 12)) if args.smoke else ((32, 512), (16, 256))
-    num_requests = 6 if args.smoke else args.num_requests
-    workload = make_workload(AutoTokenizer.from_pretrained(model_dir), num_requests, prompt_range, output_range)
-    max_model_len = prompt_range[1] + output_range[1]
+    shape = workload_shape(args.smoke, args.num_requests)
     rows = []
     for backend in ("auto", "torch"):
-        row = breakdown(model_dir, workload, backend, max(args.max_num_batched_tokens, max_model_len), max_model_len)
+        row = breakdown_of(model_dir, shape, backend, args.max_num_batched_tokens)
         print(row, flush=True)
         rows.append(row)
     write_result("engine_step_breakdown_smoke" if args.smoke else "engine_step_breakdown",
-                 dict(model=Path(model_dir).name, dtype="float32", device="cpu", num_requests=num_requests,
-                      prompt_len=list(prompt_range), output_len=list(output_range), ignore_eos=True, greedy=True,
-                      max_num_batched_tokens=args.max_num_batched_tokens,
+                 dict(model=Path(model_dir).name, dtype="float32", device="cpu", num_requests=shape["num_requests"],
+                      prompt_len=list(shape["prompt_len"]), output_len=list(shape["output_len"]), ignore_eos=True,
+                      greedy=True, max_num_batched_tokens=args.max_num_batched_tokens,
                       note="cpu_gemm_backend auto = oneDNN prepacked linears; torch = F.linear"), rows, args.out_dir)
     tmp.cleanup()
     return rows
