@@ -24,6 +24,17 @@
 // * Online softmax in fp32 per query row (running max m, running sum l, unnormalised
 //   output O): one pass over the KV, and no [query, seq_len] score matrix is ever
 //   materialised — a tile's scores live in a kTileKV-wide scratch row.
+// * Decode items load each tile's K/V rows, one byte per 64-byte line, BEFORE computing on
+//   it (touch_tile). A decode row does ~2 FMAs per K/V float, so between two cache lines the
+//   out-of-order core has too much arithmetic in its window to keep many misses in flight:
+//   the kernel's memory stalls and its arithmetic added up (11-13 GB/s from DRAM where a plain
+//   sum of the same rows reads 21-29). A tight loop of loads has ~nothing but misses in its
+//   window, so they overlap each other, and the arithmetic then reads L1/L2 (a 64-position
+//   tile of fp32 K and V is 2 x 48 KB in SmolLM2). Measured on a 2-core AVX2 EPYC: decode
+//   calls 1.3x faster from DRAM, ~10% slower on K/V already in L3 (the extra loads), a
+//   decode step of the engine ~8% faster. Software prefetch of the next tiles instead (spread
+//   over the rows, 1-4 tiles ahead, hints t0-t2) measured no better than no prefetch at all
+//   for decode; prefill items (many rows, K/V just written, in L2/L3) keep it: 5-7% there.
 // * Split-KV ("flash-decoding"): a decode batch of a few long requests has fewer items
 //   than threads (batch 1 on 2 cores: one core idles). Items that are a large share of
 //   the total are cut into KV ranges, each producing a partial (O, m, l); a second
@@ -51,12 +62,12 @@
 namespace vfs_cpu {
 namespace {
 
-// KV positions per tile: kTileKV (4 AVX-512 vectors of scores) for items of many query
-// rows (prefill tiles: the per-tile softmax bookkeeping and pointer resolution are spread
-// over more work, ~9% faster), half that for decode items of a few rows (a 32-position
-// tile of K and V stays in L1 while the next one is prefetched; 64 measured a few % slower).
+// KV positions per tile: 4 AVX-512 vectors of scores. Per tile the softmax bookkeeping and
+// the pointer resolution are spread over kTileKV positions (32 measured a few % slower).
 constexpr int kTileKV = 64;
-constexpr int kManyRows = 16;          // rows from which an item takes full-size tiles
+// Items with fewer query rows than this (decode: 1 token x the KV group's heads) do so little
+// arithmetic per K/V byte that they load each tile before computing on it (touch_tile).
+constexpr int kManyRows = 16;
 static_assert(kTileKV % (2 * W) == 0, "a KV tile is a whole number of vectors");
 constexpr int kMaxRowsPerItem = 64;    // query rows (new tokens x query heads) per work item
 constexpr int kMinSplitKV = 128;       // shortest KV range worth a split of its own
@@ -276,6 +287,24 @@ void pv_block(int rows, float* o, const float* p, const T* const* v_rows, int64_
 
 // --------------------------------------------------------------------------------- one item
 
+// Load one byte of every 64-byte line of the n rows' KV heads [kv_head, kv_head + num_kv_heads),
+// K and V, and keep nothing: the tile is in L1/L2 when the arithmetic reaches it (see the top
+// of the file). Rows < kv_end only, like every other read.
+template <typename T>
+void touch_tile(const T* const* k_rows, const T* const* v_rows, int n, int kv_head, int num_kv_heads,
+                const AttentionParams& p) {
+  const int bytes = p.head_dim * int(sizeof(T));
+  unsigned sum = 0;
+  for (int j = 0; j < n; ++j)
+    for (int h = kv_head; h < kv_head + num_kv_heads; ++h) {
+      const auto* k = reinterpret_cast<const unsigned char*>(k_rows[j] + h * p.k_stride_head);
+      const auto* v = reinterpret_cast<const unsigned char*>(v_rows[j] + h * p.v_stride_head);
+      for (int b = 0; b < bytes; b += 64) sum += k[b] + v[b];
+      sum += k[bytes - 1] + v[bytes - 1];        // the last line of a row that starts mid-line
+    }
+  asm volatile("" : : "r"(sum));              // the loads must happen; the sum is never used
+}
+
 template <int NC, typename T>
 void run_item(const AttentionParams& p, const WorkItem& it, float* partial_o, float* partial_m, float* partial_l) {
   const HeadDim<NC> hd{p.head_dim};
@@ -311,12 +340,11 @@ void run_item(const AttentionParams& p, const WorkItem& it, float* partial_o, fl
   }
 
   const int32_t* block_table = p.block_tables + int64_t(it.seq) * p.bt_stride;
-  const int tile = rows >= kManyRows ? kTileKV : kTileKV / 2;
   // Row pointers (of KV head 0; head h is + h * stride_head) of a tile's positions
   // t0 .. t0+n-1, block by block: the paging is resolved here, once per tile, and the data
   // stays where it is.
   auto resolve_tile = [&](int t0, const T** k_rows, const T** v_rows) {
-    const int n = std::min(tile, it.kv_end - t0);
+    const int n = std::min(kTileKV, it.kv_end - t0);
     int block = t0 / p.block_size, offset = t0 % p.block_size;
     for (int j = 0; j < n; ++j) {
       const int64_t physical = block_table[block];
@@ -331,20 +359,21 @@ void run_item(const AttentionParams& p, const WorkItem& it, float* partial_o, fl
   };
   const T* row_ptrs[2][2][kTileKV];   // [this tile, next tile][K, V][position]
   int n_next = it.kv_begin < it.kv_end ? resolve_tile(it.kv_begin, row_ptrs[0][0], row_ptrs[0][1]) : 0;
+  // Few query rows per K/V byte (decode): load each tile before computing on it; many rows
+  // (prefill): prefetch the next tile while computing this one. See the top of the file.
+  const bool touch_first = rows < kManyRows;
   // ### BEGIN SOLUTION
-  for (int t0 = it.kv_begin, cur = 0; t0 < it.kv_end; t0 += tile, cur ^= 1) {
+  for (int t0 = it.kv_begin, cur = 0; t0 < it.kv_end; t0 += kTileKV, cur ^= 1) {
     const int n = n_next;
     const T* const* k_rows = row_ptrs[cur][0];
     const T* const* v_rows = row_ptrs[cur][1];
-    n_next = t0 + tile < it.kv_end ? resolve_tile(t0 + tile, row_ptrs[cur ^ 1][0], row_ptrs[cur ^ 1][1]) : 0;
-    // Software prefetch of the NEXT tile, a few positions per query row below, so the
-    // requests overlap this tile's arithmetic. A tile's blocks are anywhere in the cache and
-    // the hardware prefetcher only follows a stream after misses into it; asking for all of
-    // it at once overflows the core's miss queues instead. Measured on this 2-core EPYC:
-    // ~12% off a DRAM-bound decode step, ~5-10% on data already in L2/L3 (extra loads).
+    n_next = t0 + kTileKV < it.kv_end ? resolve_tile(t0 + kTileKV, row_ptrs[cur ^ 1][0], row_ptrs[cur ^ 1][1]) : 0;
+    if (touch_first) touch_tile(k_rows, v_rows, n, it.kv_head, it.num_kv_heads, p);
+    // Prefetch of the next tile, a few positions per query row below, so the requests
+    // overlap this tile's arithmetic (a prefill tile's K/V are usually in L2/L3, just written).
     const T* const* next_k = row_ptrs[cur ^ 1][0];
     const T* const* next_v = row_ptrs[cur ^ 1][1];
-    const int prefetch_per_row = ceil_div(n_next, rows);
+    const int prefetch_per_row = touch_first ? 0 : ceil_div(n_next, rows);
     int prefetched = 0;
     auto prefetch_next = [&] {
       for (int c = 0; c < prefetch_per_row && prefetched < n_next; ++c, ++prefetched)
