@@ -27,12 +27,12 @@
 // * Decode items load each tile's K/V rows, one byte per 64-byte line, BEFORE computing on
 //   it (touch_tile). A decode row does ~2 FMAs per K/V float, so between two cache lines the
 //   out-of-order core has too much arithmetic in its window to keep many misses in flight:
-//   the kernel's memory stalls and its arithmetic added up (11-13 GB/s from DRAM where a plain
+//   the kernel's memory stalls and its arithmetic added up (10-13 GB/s from DRAM where a plain
 //   sum of the same rows reads 21-29). A tight loop of loads has ~nothing but misses in its
 //   window, so they overlap each other, and the arithmetic then reads L1/L2 (a 64-position
 //   tile of fp32 K and V is 2 x 48 KB in SmolLM2). Measured on a 2-core AVX2 EPYC: decode
-//   calls 1.3x faster from DRAM, ~10% slower on K/V already in L3 (the extra loads), a
-//   decode step of the engine ~8% faster. Software prefetch of the next tiles instead (spread
+//   calls 1.2-1.35x faster from DRAM, ~10% slower on K/V already in L3 (the extra loads), a
+//   decode step of the engine ~9% faster (chapter 01's README). Software prefetch of the next tiles instead (spread
 //   over the rows, 1-4 tiles ahead, hints t0-t2) measured no better than no prefetch at all
 //   for decode; prefill items (many rows, K/V just written, in L2/L3) keep it: 5-7% there.
 // * Split-KV ("flash-decoding"): a decode batch of a few long requests has fewer items
