@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from mini_vllm.engine_config import GiB, EngineConfig
+from mini_vllm.models.cpu_gemm import CPU_GEMMS
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 
 DEMO_QUESTIONS = [
@@ -55,8 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     g.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU memory for swapped-out KV")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--cpu-gemm-backend", default="auto", choices=["auto", "onednn", "torch"],
-                   help="CPU linears: oneDNN on prepacked weights (auto, where available) or F.linear (torch)")
+    g.add_argument("--cpu-gemm-backend", default="auto", choices=list(CPU_GEMMS),
+                   help="CPU linears on prepacked weights: our C++ kernel (cpu), oneDNN (onednn), the first "
+                        "that runs here (auto), or plain F.linear (torch)")
     g.add_argument("--seed", type=int, default=0)
 
 

@@ -107,8 +107,9 @@ class EngineConfig:
     """Decode batch sizes to capture; None: 1, 2, 4, 8, ... up to max_num_seqs (and max_num_seqs itself)."""
 
     cpu_gemm_backend: str = "auto"
-    """CPU linear layers: auto (oneDNN on weights packed at load time, where available) | onednn |
-    torch (plain F.linear). See models/cpu_gemm.py."""
+    """CPU linear layers, on weights packed at load time: auto (the first that runs the weights:
+    cpu, then onednn) | cpu (our C++ kernel, fp32) | onednn (vLLM's choice) | torch (plain F.linear,
+    no packing). See models/cpu_gemm.py."""
 
     cpu_layer_ops: str = "auto"
     """CPU norms, SiLU-and-mul and RoPE: auto (fused C++ kernels where they build, models/cpu_layer_ops.py)

@@ -1,4 +1,5 @@
-"""CPU matmuls on prepacked weights (oneDNN): the linear layers of a CPU engine.
+"""CPU matmuls on prepacked weights: the linear layers of a CPU engine — oneDNN's (what vLLM
+calls) or our C++ kernel's (csrc/cpu_gemm.cpp, faster for decode-sized matmuls).
 
 Mirrors vLLM's CPU backend: `vllm/model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm`
 replaces each unquantized linear's matmul, after the weights are loaded, by a oneDNN matmul on
@@ -18,14 +19,57 @@ the blocked layout sums in another order than MKL, so results differ from `F.lin
 bits — the same kind of difference as between two GEMM libraries, covered by the parity tests.
 The packed copy is derived from `weight` once: code that changes `weight` afterwards must call
 `pack_linear_weights` again (nothing in the engine does).
+
+Beyond vLLM: at decode sizes oneDNN leaves half the memory bandwidth unused (a 1-row step's
+linears read SmolLM2's 538 MB of weights at ~10 GB/s here, where the machine reads ~20). Our
+kernel (`cpu_gemm_backend="cpu"`, the default where it builds, fp32) packs each weight into
+column panels that one thread streams front to back, and keeps a 4-row x 3-vector tile of the
+output in registers: 1.8x oneDNN's speed at 1 row, ~1.2-1.5x at 8-64, on par at 512-2048
+(`python -m benchmarks.bench_cpu_gemm`). The why and the layout: the .cpp's top comment.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-CPU_GEMMS = ("auto", "onednn", "torch")       # EngineConfig.cpu_gemm_backend
+CPU_GEMMS = ("auto", "cpu", "onednn", "torch")       # EngineConfig.cpu_gemm_backend
+
+
+class PanelWeight(NamedTuple):
+    """A weight packed for our kernel: `panels` [ceil(N / NR), K, NR] fp32 (csrc/cpu_gemm.cpp),
+    `out_features` N (the last panel is zero-padded to NR columns)."""
+    panels: torch.Tensor
+    out_features: int
+
+
+def load_kernel():
+    """The C++ GEMM extension (built on first use; RuntimeError with the reason when it cannot be)."""
+    from mini_vllm.models.cpu_layer_ops import build
+    return build("cpu_gemm", ("cpu_gemm.cpp",), "CPU GEMM kernel")
+
+
+def kernel_unavailable_reason(weight: torch.Tensor) -> str | None:
+    """Why our kernel cannot run this weight (None when it can): fp32 CPU weights and a C++ build."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return f"it runs fp32 CPU weights, got {weight.dtype} on {weight.device}"
+    try:
+        load_kernel()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def pack_panels(weight: torch.Tensor) -> PanelWeight:
+    """[out, in] -> the column panels our kernel streams (the last one zero-padded)."""
+    return PanelWeight(load_kernel().pack_panels(weight.detach()), weight.shape[0])
+
+
+def panel_linear(x: torch.Tensor, packed_weight: PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] @ W^T (+ b) -> [T, out] with W packed by `pack_panels`."""
+    return load_kernel().panel_gemm(x, packed_weight.panels, bias, packed_weight.out_features)
 
 
 def onednn_available() -> bool:
@@ -63,8 +107,10 @@ def packed_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tens
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed_weight: torch.Tensor | None) -> torch.Tensor:
-    """The packed matmul when a packed weight exists, else `F.linear`."""
+           packed_weight: torch.Tensor | PanelWeight | None) -> torch.Tensor:
+    """The packed matmul when a packed weight exists (ours or oneDNN's), else `F.linear`."""
+    if isinstance(packed_weight, PanelWeight):
+        return panel_linear(x, packed_weight, bias)
     if packed_weight is not None:
         return packed_linear(x, packed_weight, bias)
     return F.linear(x, weight, bias)

@@ -29,39 +29,45 @@ CSRC = (pathlib.Path(__file__).resolve().parent.parent / "csrc").resolve()
 SOURCES = ("cpu_layer_ops.cpp",)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-_module = None
-_failure: str | None = None
+_modules: dict[str, object] = {}
+_failures: dict[str, str] = {}
 
 
-def load():
-    """Build (first call on this machine, ~15 s) or load the extension; RuntimeError with the reason
-    when it cannot be built (no compiler, no ninja, a compile error)."""
-    global _module, _failure
-    if _module is not None:
-        return _module
-    if _failure is not None:                 # don't retry a failing build on every call
-        raise RuntimeError(_failure)
+def build(stem: str, sources: tuple[str, ...], what: str, extra_cflags: tuple[str, ...] = ()):
+    """Build (first call on this machine, ~15 s) or load the extension `vfs_<stem>_<isa>` from
+    csrc/`sources`, for the best instruction set of this CPU; RuntimeError naming `what` and the
+    reason when it cannot be built (no compiler, no ninja, a compile error). Shared by the engine's
+    C++ kernels (these layer ops, models/cpu_gemm.py's GEMM)."""
+    if stem in _modules:
+        return _modules[stem]
+    if stem in _failures:                    # don't retry a failing build on every call
+        raise RuntimeError(_failures[stem])
     missing = attention_cpu_ops.missing_build_tool()
     if missing:
-        _failure = missing.replace("CPU attention kernel", "CPU layer ops")
-        raise RuntimeError(_failure)
+        _failures[stem] = missing.replace("CPU attention kernel", what)
+        raise RuntimeError(_failures[stem])
     isa = attention_cpu_ops.cpu_isa()
     from torch.utils.cpp_extension import load as load_extension
     try:
-        attention_cpu_ops.clear_stale_build_lock(f"vfs_cpu_layer_ops_{isa}")
-        _module = load_extension(
-            name=f"vfs_cpu_layer_ops_{isa}",
-            sources=[str(CSRC / s) for s in SOURCES],
+        attention_cpu_ops.clear_stale_build_lock(f"vfs_{stem}_{isa}")
+        _modules[stem] = load_extension(
+            name=f"vfs_{stem}_{isa}",
+            sources=[str(CSRC / s) for s in sources],
             extra_include_paths=[str(attention_cpu_ops.CSRC)],     # chapter 01's cpu_attention_vec.h
-            # -ffp-contract=off: no fused multiply-adds, so RoPE rounds exactly as the torch ops do.
-            extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG", "-ffp-contract=off",
+            extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG", *extra_cflags,
                           *attention_cpu_ops.ISA_FLAGS[isa]],
             extra_ldflags=["-fopenmp"],
             verbose=False)
     except Exception as e:                   # noqa: BLE001 — a build error becomes one clear message
-        _failure = f"building the CPU layer ops failed: {type(e).__name__}: {e}"
-        raise RuntimeError(_failure) from e
-    return _module
+        _failures[stem] = f"building the {what} failed: {type(e).__name__}: {e}"
+        raise RuntimeError(_failures[stem]) from e
+    return _modules[stem]
+
+
+def load():
+    """The layer ops' extension (built on first use, see `build`)."""
+    # -ffp-contract=off: no fused multiply-adds, so RoPE rounds exactly as the torch ops do.
+    return build("cpu_layer_ops", SOURCES, "CPU layer ops", ("-ffp-contract=off",))
 
 
 def is_available() -> bool:

@@ -29,15 +29,16 @@ from mini_vllm.models import cpu_gemm, cpu_layer_ops
 class Linear(nn.Module):
     """y = x @ W^T (+ b), parameters uninitialised (the loader fills them).
 
-    `packed_weight`: W reordered once for oneDNN's CPU matmul (`cpu_gemm.py`), set after loading
-    by `loader.process_weights_after_loading`; None = plain `F.linear`."""
+    `packed_weight`: W packed once for a CPU matmul (`cpu_gemm.py`: our kernel's column panels or
+    oneDNN's blocked layout), set after loading by `loader.process_weights_after_loading`; None =
+    plain `F.linear`."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
-        self.packed_weight: torch.Tensor | None = None
+        self.packed_weight: torch.Tensor | cpu_gemm.PanelWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out]
         return cpu_gemm.linear(x, self.weight, self.bias, self.packed_weight)

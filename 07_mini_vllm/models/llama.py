@@ -112,7 +112,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, attn_backend=attn_backend, **self.attention_options(config))
         # Tied embeddings (SmolLM2, small Qwens): the output projection IS the input embedding matrix.
         self.lm_head = self.model.embed_tokens if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
-        self.packed_lm_head: torch.Tensor | None = None      # lm_head.weight packed for oneDNN (cpu_gemm.py)
+        self.packed_lm_head = None      # lm_head.weight packed for a CPU matmul (cpu_gemm.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:

@@ -120,14 +120,16 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def process_weights_after_loading(model: nn.Module, cpu_gemm_backend: str = "auto", remove_weight: bool = True) -> int:
-    """Pack every CPU linear weight (and the lm_head) for oneDNN's matmul; returns how many.
+    """Pack every CPU linear weight (and the lm_head) for a faster matmul; returns how many.
 
     vLLM: `model_loader/utils.py: process_weights_after_loading`, which on a CPU reaches
-    `layers/utils.py: dispatch_cpu_unquantized_gemm(layer, remove_weight=True)`. "auto" packs
-    where oneDNN is available, "onednn" insists, "torch" keeps plain F.linear (the readable
-    path; what HF runs). remove_weight: drop each Linear's unpacked weight once packed — the
-    packed copy is all its matmul reads, and keeping both doubles the weights' memory (SmolLM2
-    fp32: ~+430 MB). The tied lm_head cannot give up its matrix: it is the input embedding too.
+    `layers/utils.py: dispatch_cpu_unquantized_gemm(layer, remove_weight=True)` (oneDNN).
+    "cpu" packs column panels for our C++ kernel (fp32; models/cpu_gemm.py), "onednn" packs for
+    oneDNN's matmul (fp32, or bf16 where this CPU has it), "auto" takes the first of the two that
+    can run every weight, and "torch" keeps plain F.linear (the readable path; what HF runs).
+    remove_weight: drop each Linear's unpacked weight once packed — the packed copy is all its
+    matmul reads, and keeping both doubles the weights' memory (SmolLM2 fp32: ~+430 MB). The tied
+    lm_head cannot give up its matrix: it is the input embedding too.
     """
     if cpu_gemm_backend not in cpu_gemm.CPU_GEMMS:
         raise ValueError(f"cpu_gemm_backend must be one of {cpu_gemm.CPU_GEMMS}, got {cpu_gemm_backend!r}")
@@ -139,27 +141,44 @@ def process_weights_after_loading(model: nn.Module, cpu_gemm_backend: str = "aut
     lm_head = getattr(model, "lm_head", None)
     if not linears and getattr(model, "packed_lm_head", None) is not None:
         return 0                                         # packed already
-    if not linears or not all(cpu_gemm.can_pack(m.weight) for m in linears):
-        if cpu_gemm_backend == "onednn":
-            raise ValueError("cpu_gemm_backend='onednn' needs CPU weights in fp32 (or bf16 on a CPU with "
-                             "AVX-512 bw/vl/dq or AVX-NE-CONVERT) and a torch built with oneDNN (mkldnn "
-                             f"available: {torch.backends.mkldnn.is_available()}, bf16 supported: "
-                             f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()})")
+    pack = _gemm_packer(cpu_gemm_backend, [m.weight for m in linears])
+    if pack is None:
         return 0
     packed = 0
     for module in linears:
-        module.packed_weight = cpu_gemm.pack_weight(module.weight)
+        module.packed_weight = pack(module.weight)
         packed += 1
     if lm_head is not None and hasattr(model, "packed_lm_head"):
         if isinstance(lm_head, Linear):
             model.packed_lm_head = lm_head.packed_weight
         else:                                            # tied: the embedding matrix, packed once more
-            model.packed_lm_head = cpu_gemm.pack_weight(lm_head.weight)
+            model.packed_lm_head = pack(lm_head.weight)
             packed += 1
     if remove_weight:
         for module in linears:
             module.drop_unpacked_weight()
     return packed
+
+
+def _gemm_packer(cpu_gemm_backend: str, weights: list[torch.Tensor]):
+    """The packing function of the backend that runs all `weights` (None: keep F.linear);
+    ValueError saying why when an explicitly requested backend cannot."""
+    if not weights:
+        return None
+    if cpu_gemm_backend in ("auto", "cpu"):
+        reason = next((r for r in map(cpu_gemm.kernel_unavailable_reason, weights) if r), None)
+        if reason is None:
+            return cpu_gemm.pack_panels
+        if cpu_gemm_backend == "cpu":
+            raise ValueError(f"cpu_gemm_backend='cpu' cannot be used: {reason}")
+    if all(cpu_gemm.can_pack(w) for w in weights):
+        return cpu_gemm.pack_weight
+    if cpu_gemm_backend == "onednn":
+        raise ValueError("cpu_gemm_backend='onednn' needs CPU weights in fp32 (or bf16 on a CPU with "
+                         "AVX-512 bw/vl/dq or AVX-NE-CONVERT) and a torch built with oneDNN (mkldnn "
+                         f"available: {torch.backends.mkldnn.is_available()}, bf16 supported: "
+                         f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()})")
+    return None
 
 
 CPU_LAYER_OPS = ("auto", "cpu", "torch")    # EngineConfig.cpu_layer_ops

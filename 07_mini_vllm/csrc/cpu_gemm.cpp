@@ -1,0 +1,155 @@
+// y = x @ W^T (+ b) for the CPU engine's linears, fp32, on weights packed once into column
+// panels: the matmul a decode step is made of.
+//
+// Why not oneDNN (what vLLM's CPU backend calls, models/cpu_gemm.py's "onednn")? A decode step
+// has 1-64 rows, and then a linear is a stream over its weights: each weight is used once per
+// row, so with few rows the time is the time to read the weights. Measured on a 2-core EPYC
+// (AVX2) with SmolLM2's 30 layers + lm_head (538 MB of fp32 weights), one step's linears take
+// oneDNN ~50 ms at 1 row (~10 GB/s, half this machine's read bandwidth) and ~190 ms at 64 rows;
+// this kernel 25-28 ms (at the bandwidth) and ~150 ms — and about the same as oneDNN at 512-2048
+// rows (`python -m benchmarks.bench_cpu_gemm`). The layout is what makes the stream fast:
+//
+//   packed [P, K, NR]:  panel p holds output columns [p*NR, p*NR + NR) of W^T, k-major, so
+//                       computing those NR outputs for a block of rows reads one contiguous
+//                       K*NR*4-byte range (27-74 KB: it stays in L2 while the row blocks
+//                       re-read it). The last panel is padded with zero columns.
+//
+// The micro-kernel keeps a kMaxRows x NR tile of C in registers (4 x 3 vectors = 12 of the 16
+// AVX2 registers), and per k loads 3 vectors of the panel and broadcasts 4 values of x: 12
+// FMAs per 7 loads. Threads split the panels (each streams its own contiguous share of the
+// weights); rows go in blocks of kRowBlock so a prefill chunk's x block stays in L2 too.
+//
+// Numerics: each output is one fp32 FMA chain over k in order, then + bias: the same sum as
+// F.linear up to the order of additions (the BLAS blocks k), i.e. last-bit differences.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+#include "cpu_attention_vec.h"   // chapter 01's vector wrapper: AVX-512 / AVX2 / scalar, chosen at compile time
+
+namespace {
+
+using namespace vfs_cpu;
+
+constexpr int kVectorsPerPanel = 3;
+constexpr int NR = kVectorsPerPanel * W;    // panel width in output columns: 24 (AVX2), 48 (AVX-512), 3 (scalar)
+constexpr int kMaxRows = 4;                 // rows of the register tile
+constexpr int64_t kRowBlock = 96;           // rows of x per pass over a thread's panels (96 x 1536 x 4 B = 590 KB)
+constexpr int64_t kMinWeightsPerThread = 1 << 15;   // a second thread only for >= 128 KB of weights
+
+// C[r, 0:n_valid] = A[r, :] . panel[:, 0:n_valid] for r < ROWS. A: ROWS rows of K floats, lda
+// apart; panel: [K, NR]; C: ROWS rows, ldc apart. The tile lives in registers for the whole k loop.
+template <int ROWS>
+inline void tile(const float* A, int64_t lda, const float* panel, int64_t K, float* C, int64_t ldc, int n_valid) {
+  const Mask all = first_lanes(W);
+  V acc[ROWS][kVectorsPerPanel];
+  // ### BEGIN SOLUTION
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < kVectorsPerPanel; ++v) acc[r][v] = zero();
+  for (int64_t k = 0; k < K; ++k) {
+    V b[kVectorsPerPanel];                                  // panel row k: NR weights, contiguous
+    for (int v = 0; v < kVectorsPerPanel; ++v) b[v] = load(panel + k * NR + v * W, all);
+    for (int r = 0; r < ROWS; ++r) {
+      const V a = set1(A[r * lda + k]);                     // x[r, k] in every lane
+      for (int v = 0; v < kVectorsPerPanel; ++v) acc[r][v] = fma(a, b[v], acc[r][v]);
+    }
+  }
+  // ### END SOLUTION
+  if (n_valid == NR) {
+    for (int r = 0; r < ROWS; ++r)
+      for (int v = 0; v < kVectorsPerPanel; ++v) store(C + r * ldc + v * W, acc[r][v], all);
+    return;
+  }
+  float last[NR];                                           // the padded last panel: keep the real columns
+  for (int r = 0; r < ROWS; ++r) {
+    for (int v = 0; v < kVectorsPerPanel; ++v) store(last + v * W, acc[r][v], all);
+    std::copy(last, last + n_valid, C + r * ldc);
+  }
+}
+
+// All `rows` rows against one panel: tiles of kMaxRows, then one smaller tile for the rest.
+template <int ROWS = kMaxRows>
+void rows_times_panel(const float* A, int64_t K, const float* panel, float* C, int64_t ldc, int n_valid,
+                      int64_t rows) {
+  int64_t r = 0;
+  for (; r + ROWS <= rows; r += ROWS) tile<ROWS>(A + r * K, K, panel, K, C + r * ldc, ldc, n_valid);
+  if constexpr (ROWS > 1) {
+    if (r < rows) rows_times_panel<ROWS - 1>(A + r * K, K, panel, C + r * ldc, ldc, n_valid, rows - r);
+  }
+}
+
+void check_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2,
+              "cpu gemm: the weight must be a 2-D fp32 CPU tensor [out, in], got ", w.scalar_type(), " ",
+              w.sizes(), " on ", w.device());
+  TORCH_CHECK(w.size(0) > 0 && w.size(1) > 0, "cpu gemm: empty weight ", w.sizes());
+}
+
+// [N, K] -> [ceil(N / NR), K, NR]: panel p, row k holds W[p*NR + j, k] for j < NR (zero past N).
+at::Tensor pack_panels(const at::Tensor& weight) {
+  check_weight(weight);
+  const at::Tensor w = weight.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), P = (N + NR - 1) / NR;
+  at::Tensor packed = at::zeros({P, K, NR}, w.options());
+  const float* src = w.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int j = 0; j < NR && p * NR + j < N; ++j)
+        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * NR + j] = src[(p * NR + j) * K + k];
+  });
+  return packed;
+}
+
+// x [M, K] @ W^T (+ bias) -> [M, N], W given as pack_panels(W).
+at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                      int64_t N) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "cpu gemm: x must be a 2-D fp32 CPU tensor [rows, in], got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(packed.scalar_type() == at::kFloat && packed.dim() == 3 && packed.size(2) == NR && packed.is_contiguous(),
+              "cpu gemm: the weight is not a pack_panels() result of this build (panel width ", NR, "), got ",
+              packed.sizes());
+  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "cpu gemm: x has ", K, " input features, the weight ", packed.size(1));
+  TORCH_CHECK(N > (P - 1) * NR && N <= P * NR, "cpu gemm: ", N, " outputs do not fit ", P, " panels of ", NR);
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == N,
+                "cpu gemm: bias must be fp32 [", N, "], got ", bias->scalar_type(), " ", bias->sizes());
+  }
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* A = xc.data_ptr<float>();
+  const float* B = packed.data_ptr<float>();
+  float* C = y.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, kMinWeightsPerThread / (K * NR));
+  at::parallel_for(0, P, grain, [&](int64_t p_begin, int64_t p_end) {    // this thread's panels
+    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, M - m0);
+      for (int64_t p = p_begin; p < p_end; ++p) {
+        const int n_valid = int(std::min<int64_t>(NR, N - p * NR));
+        rows_times_panel(A + m0 * K, K, B + p * K * NR, C + m0 * N + p * NR, N, n_valid, rows);
+      }
+    }
+  });
+  if (bias) y.add_(*bias);
+  return y;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fp32 GEMM on column-panel-packed weights for the CPU engine's linears";
+  m.attr("panel_width") = NR;
+  m.def("isa", [] { return std::string(kIsaName); });
+  m.def("pack_panels", &pack_panels, "[N, K] -> [ceil(N/NR), K, NR]", py::arg("weight"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("panel_gemm", &panel_gemm, "x [M, K] @ W^T (+ bias) -> [M, N]", py::arg("x"), py::arg("packed"),
+        py::arg("bias"), py::arg("n_out"), py::call_guard<py::gil_scoped_release>());
+}
