@@ -75,42 +75,6 @@ def inputs(m: int, seed: int = 0):
             cos, sin)
 
 
-def engine_ab(rounds: int) -> dict:
-    """Interleaved A/B through LLM.generate: the engine with and without the fused layer ops."""
-    from transformers import AutoTokenizer
-
-    from benchmarks.bench_engine import make_workload, run_ours
-    from mini_vllm import LLM, default_model_path
-
-    model = str(default_model_path())
-    prompts = [p for p, _ in make_workload(AutoTokenizer.from_pretrained(model), 64, (32, 512), (16, 256), 0)]
-    args = dict(dtype="float32", max_model_len=768, max_num_seqs=64, max_num_batched_tokens=4096)
-    sides = {"fused": LLM(model, **args), "torch": LLM(model, cpu_layer_ops="torch", **args)}
-    # (prompt, output length) lists for run_ours, which empties the prefix cache first: every round
-    # computes every prompt.
-    runs = {"prefill": [(p, 1) for p in prompts], "decode": [(p[:32], 128) for p in prompts]}
-
-    for llm in sides.values():
-        run_ours(llm, [(p, 4) for p in prompts[:4]])         # warm-up
-    seconds = {(side, kind): [] for side in sides for kind in runs}
-    tokens = {}
-    for r in range(rounds):
-        for side, llm in sides.items():
-            for kind, workload in runs.items():
-                t, toks = run_ours(llm, workload)
-                seconds[side, kind].append(round(t, 2))
-                tokens.setdefault((side, kind), toks)
-        print(f"round {r}:", {f"{s} {k}": v[-1] for (s, k), v in seconds.items()}, flush=True)
-    out = {}
-    for kind in runs:
-        ratios = [round(a / b, 3) for a, b in zip(seconds["torch", kind], seconds["fused", kind])]
-        out[kind] = dict(fused_s=seconds["fused", kind], torch_s=seconds["torch", kind],
-                         speedup_per_round=ratios, speedup_median=statistics.median(ratios),
-                         same_greedy_tokens=tokens["fused", kind] == tokens["torch", kind])
-    print(out, flush=True)
-    return out
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 512, 4096])
@@ -154,7 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
                     ops="2 x RMSNorm with residual add, SiLU-and-mul, qkv split + RoPE on q and k (one layer)",
                     repeats=args.repeats, threads=torch.get_num_threads())
     if args.engine_rounds:
-        workload["engine_ab"] = engine_ab(args.engine_rounds)
+        from benchmarks.bench_engine import engine_ab
+        workload["engine_ab"] = engine_ab({"fused": {}, "torch": dict(cpu_layer_ops="torch")}, args.engine_rounds)
     path = write_result("cpu_layer_ops_smoke" if args.smoke else "cpu_layer_ops", workload, rows_out, args.out_dir)
     return dict(rows=rows_out, path=path)
 

@@ -19,7 +19,8 @@ Peers, all on the same weights and the same tokens:
     uses), `attn_implementation="sdpa"`, one `add_request(..., max_new_tokens=L_i)` per request.
   * ours: `LLM.generate` with token prompts and per-request SamplingParams; and, to show what
     each CPU change bought, the same engine with one of them undone: `cpu_gemm_backend="torch"`
-    (plain F.linear, as HF: no oneDNN weight packing), `cpu_layer_ops="torch"` (no fused
+    (plain F.linear, as HF: no packed weights), `cpu_gemm_backend="onednn"` (oneDNN's matmul on
+    its prepacked weights, vLLM's choice, instead of our C++ kernel), `cpu_layer_ops="torch"` (no fused
     norm/SiLU/RoPE), `attention_backend="torch"` (chapter 05's gather + SDPA path with its
     per-step plan, instead of the CPU paged-attention kernel and its C++ cache write), and, for
     sampled runs, `Sampler(reference=True)` (a full sort of the vocabulary and V exponentials
@@ -101,6 +102,47 @@ def run_ours(llm, workload, sampled: bool = False) -> tuple[float, list[list[int
     return seconds, [o.outputs[0].token_ids for o in outputs]
 
 
+def engine_ab(variants: dict[str, dict], rounds: int) -> dict:
+    """Interleaved A/B through LLM.generate, SmolLM2 fp32 on this workload's 64 prompts: two engines
+    that differ only in `variants` ({name: LLM keyword arguments}, the baseline second), each round
+    timing every side on a prefill-only run (64 prompts, 1 token) and a decode-heavy one (their first
+    32 tokens, 128 tokens out). Per kind: the seconds, baseline / first per round, and whether the
+    greedy tokens agree."""
+    from transformers import AutoTokenizer
+
+    from mini_vllm import LLM, default_model_path
+
+    model = str(default_model_path())
+    prompts = [p for p, _ in make_workload(AutoTokenizer.from_pretrained(model), NUM_REQUESTS, PROMPT_LEN,
+                                           OUTPUT_LEN, 0)]
+    settings = dict(dtype="float32", max_model_len=768, max_num_seqs=NUM_REQUESTS,
+                    max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    sides = {name: LLM(model, **settings, **kwargs) for name, kwargs in variants.items()}
+    # (prompt, output length) lists for run_ours, which empties the prefix cache first: every round
+    # computes every prompt.
+    runs = {"prefill": [(p, 1) for p in prompts], "decode": [(p[:32], 128) for p in prompts]}
+    for llm in sides.values():
+        run_ours(llm, [(p, 4) for p in prompts[:4]])         # warm-up
+    seconds = {(side, kind): [] for side in sides for kind in runs}
+    tokens = {}
+    for r in range(rounds):
+        for side, llm in sides.items():
+            for kind, workload in runs.items():
+                t, toks = run_ours(llm, workload)
+                seconds[side, kind].append(round(t, 2))
+                tokens.setdefault((side, kind), toks)
+        print(f"round {r}:", {f"{s} {k}": v[-1] for (s, k), v in seconds.items()}, flush=True)
+    new, base = sides
+    out = dict(variants=variants)
+    for kind in runs:
+        ratios = [round(b / a, 3) for a, b in zip(seconds[new, kind], seconds[base, kind])]
+        out[kind] = {f"{new}_s": seconds[new, kind], f"{base}_s": seconds[base, kind],
+                     "speedup_per_round": ratios, "speedup_median": statistics.median(ratios),
+                     "same_greedy_tokens": tokens[new, kind] == tokens[base, kind]}
+    print(out, flush=True)
+    return out
+
+
 # ---------------------------------------------------------------------------------- HF static
 @torch.inference_mode()
 def run_hf_static(model, workload, batch_size: int, pad_id: int, sampled: bool = False) -> tuple[float, list[list[int]]]:
@@ -180,7 +222,8 @@ def run_vllm(model_dir: Path, workload, warmup, config: str, kvcache_gib: int, m
 
 
 # ---------------------------------------------------------------------------------- main
-PLAIN = "ours, plain F.linear (no oneDNN packing)"
+PLAIN = "ours, plain F.linear (no packed weights)"
+ONEDNN = "ours, oneDNN linears (vLLM's GEMM, not our kernel)"
 TORCH_LAYERS = "ours, PyTorch layer ops (no fused norm/SiLU/RoPE)"
 TORCH_ATTENTION = "ours, chapter 05 torch attention (no CPU kernel)"
 REFERENCE_SAMPLER = "ours, reference sampler (full vocabulary sort)"
@@ -311,6 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
                            kv_cache_memory=(64 << 20) if args.smoke else None)   # None: the CPU default, 2 GiB
     llm = LLM(str(model_dir), **settings)
     llm_plain = LLM(str(model_dir), cpu_gemm_backend="torch", **settings)
+    llm_onednn = LLM(str(model_dir), cpu_gemm_backend="onednn", **settings)
     llm_torch_layers = LLM(str(model_dir), cpu_layer_ops="torch", **settings)
     llm_torch_attention = LLM(str(model_dir), attention_backend="torch", **settings)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
@@ -333,6 +377,7 @@ def main(argv: list[str] | None = None) -> dict:
     run_ours(llm, warmup)
     run_ours(llm, warmup, sampled=True)
     run_ours(llm_plain, warmup)
+    run_ours(llm_onednn, warmup)
     run_ours(llm_torch_layers, warmup)
     run_ours(llm_torch_attention, warmup)
     with reference_sampler(llm):
@@ -345,6 +390,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.no_sampled:
             record("ours (mini_vllm)" + SAMPLED_SUFFIX, *run_ours(llm, workload, sampled=True), mode="sampled", round=r)
         record(PLAIN, *run_ours(llm_plain, workload), round=r)
+        record(ONEDNN, *run_ours(llm_onednn, workload), round=r)
         record(TORCH_LAYERS, *run_ours(llm_torch_layers, workload), round=r)
         record(TORCH_ATTENTION, *run_ours(llm_torch_attention, workload), round=r)
         if not args.no_sampled:
@@ -404,8 +450,10 @@ def main(argv: list[str] | None = None) -> dict:
                    ratio_plain_gemm_vs_best_static=round(statistics.median(
                        speed(PLAIN, r) / speed(best_static, r) for r in range(args.rounds)), 2),
                    # What each change bought: ours / ours without it, per round, median.
-                   bought_by_onednn_packing=round(statistics.median(
+                   bought_by_packed_linears=round(statistics.median(
                        speed("ours (mini_vllm)", r) / speed(PLAIN, r) for r in range(args.rounds)), 3),
+                   bought_by_cpu_gemm_kernel_over_onednn=round(statistics.median(
+                       speed("ours (mini_vllm)", r) / speed(ONEDNN, r) for r in range(args.rounds)), 3),
                    bought_by_fused_layer_ops=round(statistics.median(
                        speed("ours (mini_vllm)", r) / speed(TORCH_LAYERS, r) for r in range(args.rounds)), 3),
                    bought_by_cpu_attention_kernel=round(statistics.median(
@@ -413,7 +461,7 @@ def main(argv: list[str] | None = None) -> dict:
                    agreement_with_best_static=agreement(outputs["ours (mini_vllm)"], outputs[best_static]),
                    # An undone change must not change a greedy token (fp32; else its row compares other work).
                    ablation_agreement_with_ours={n: agreement(outputs[n], outputs["ours (mini_vllm)"])
-                                                 for n in (PLAIN, TORCH_LAYERS, TORCH_ATTENTION)})
+                                                 for n in (PLAIN, ONEDNN, TORCH_LAYERS, TORCH_ATTENTION)})
     if not args.no_cb:
         cb = next(x for x in rows if x["name"] == "HF continuous batching")
         ours_next = speed("ours (mini_vllm)", args.rounds)

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                  dict(model=Path(model_dir).name, dtype="float32", device="cpu", num_requests=shape["num_requests"],
                       prompt_len=list(shape["prompt_len"]), output_len=list(shape["output_len"]), ignore_eos=True,
                       greedy=True, max_num_batched_tokens=args.max_num_batched_tokens,
-                      note="cpu_gemm_backend auto = oneDNN prepacked linears; torch = F.linear"), rows, args.out_dir)
+                      note="cpu_gemm_backend auto = packed linears (our C++ kernel where it builds, else oneDNN); torch = F.linear"), rows, args.out_dir)
     tmp.cleanup()
     return rows
 
