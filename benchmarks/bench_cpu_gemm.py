@@ -143,9 +143,10 @@ def plot(rows_out: list[dict], sides: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ms = [r["rows"] for r in rows_out]
-    for side, marker in zip((s for s in sides if s != "F.linear"), "os"):
-        ax.plot(ms, [r[f"{side}: layer speedup vs F.linear"] for r in rows_out], marker + "-", label=f"{side}, layer")
-        ax.plot(ms, [r[f"{side}: lm_head speedup vs F.linear"] for r in rows_out], marker + "--",
+    for i, side in enumerate(s for s in sides if s != "F.linear"):
+        ax.plot(ms, [r[f"{side}: layer speedup vs F.linear"] for r in rows_out], "o-", color=f"C{i}",
+                label=f"{side}, one layer")
+        ax.plot(ms, [r[f"{side}: lm_head speedup vs F.linear"] for r in rows_out], "s--", color=f"C{i}",
                 label=f"{side}, lm_head")
     ax.axhline(1, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)

@@ -1,7 +1,7 @@
 """Where the engine's time goes on the CPU workload of `bench_engine`: prefill vs decode steps,
 and inside them the attention op (chapter 05's unified attention), for each CPU GEMM backend.
 
-    python -m benchmarks.engine_step_breakdown            # ~4 min on 2 cores
+    python -m benchmarks.engine_step_breakdown            # ~5 min on 2 cores
     python -m benchmarks.engine_step_breakdown --smoke    # tiny random model, seconds
 
 Same workload and engine settings as `python -m benchmarks.bench_engine` (SmolLM2 fp32, 64
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model_dir = tiny_model_dir(Path(tmp.name)) if args.smoke else default_model_path()
     shape = workload_shape(args.smoke, args.num_requests)
     rows = []
-    for backend in ("auto", "torch"):
+    for backend in ("auto", "onednn", "torch"):
         row = breakdown_of(model_dir, shape, backend, args.max_num_batched_tokens)
         print(row, flush=True)
         rows.append(row)
@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                  dict(model=Path(model_dir).name, dtype="float32", device="cpu", num_requests=shape["num_requests"],
                       prompt_len=list(shape["prompt_len"]), output_len=list(shape["output_len"]), ignore_eos=True,
                       greedy=True, max_num_batched_tokens=args.max_num_batched_tokens,
-                      note="cpu_gemm_backend auto = packed linears (our C++ kernel where it builds, else oneDNN); torch = F.linear"), rows, args.out_dir)
+                      note="cpu_gemm_backend auto = packed linears (our C++ kernel where it builds, else oneDNN); "
+                           "onednn = oneDNN's matmul on its prepacked weights (vLLM's); torch = F.linear"), rows, args.out_dir)
     tmp.cleanup()
     return rows
 

@@ -4,15 +4,16 @@
 // Why not oneDNN (what vLLM's CPU backend calls, models/cpu_gemm.py's "onednn")? A decode step
 // has 1-64 rows, and then a linear is a stream over its weights: each weight is used once per
 // row, so with few rows the time is the time to read the weights. Measured on a 2-core EPYC
-// (AVX2) with SmolLM2's 30 layers + lm_head (538 MB of fp32 weights), one step's linears take
-// oneDNN ~50 ms at 1 row (~10 GB/s, half this machine's read bandwidth) and ~190 ms at 64 rows;
-// this kernel 25-28 ms (at the bandwidth) and ~150 ms — and about the same as oneDNN at 512-2048
-// rows (`python -m benchmarks.bench_cpu_gemm`). The layout is what makes the stream fast:
+// (AVX2) with SmolLM2's 30 layers + lm_head (538 MB of fp32 weights), one decode step's linears
+// take oneDNN 65 ms at 1 row (8.3 GB/s, half of what this machine reads: ~17 GB/s) and 187 ms
+// at 64 rows; this kernel 32 ms (16.9 GB/s: the read rate) and 148 ms — and the same time as
+// oneDNN at 2048 rows (`python -m benchmarks.bench_cpu_gemm`). The layout makes the stream fast:
 //
 //   packed [P, K, NR]:  panel p holds output columns [p*NR, p*NR + NR) of W^T, k-major, so
 //                       computing those NR outputs for a block of rows reads one contiguous
-//                       K*NR*4-byte range (27-74 KB: it stays in L2 while the row blocks
-//                       re-read it). The last panel is padded with zero columns.
+//                       K*NR*4-byte range (SmolLM2 on AVX2: 55 KB at K = 576, 147 KB at
+//                       1536; it stays in L2 while the row blocks re-read it). The last panel
+//                       is padded with zero columns.
 //
 // The micro-kernel keeps a kMaxRows x NR tile of C in registers (4 x 3 vectors = 12 of the 16
 // AVX2 registers), and per k loads 3 vectors of the panel and broadcasts 4 values of x: 12
@@ -57,7 +58,7 @@ inline void tile(const float* A, int64_t lda, const float* panel, int64_t K, flo
     for (int v = 0; v < kVectorsPerPanel; ++v) b[v] = load(panel + k * NR + v * W, all);
     for (int r = 0; r < ROWS; ++r) {
       const V a = set1(A[r * lda + k]);                     // x[r, k] in every lane
-      for (int v = 0; v < kVectorsPerPanel; ++v) acc[r][v] = fma(a, b[v], acc[r][v]);
+      for (int v = 0; v < kVectorsPerPanel; ++v) acc[r][v] = vfs_cpu::fma(a, b[v], acc[r][v]);   // not ::fma (scalar builds)
     }
   }
   // ### END SOLUTION

@@ -78,7 +78,7 @@ def test_step_breakdown_and_gemm_benchmarks_smoke(tmp_path):
     from benchmarks import bench_cpu_gemm, engine_step_breakdown
 
     rows = engine_step_breakdown.main(["--smoke", "--out-dir", str(tmp_path)])
-    assert [r["cpu_gemm_backend"] for r in rows] == ["auto", "torch"]
+    assert [r["cpu_gemm_backend"] for r in rows] == ["auto", "onednn", "torch"]
     for r in rows:                                   # 6 requests: one prefill step, then decodes
         assert r["prefill_steps"] >= 1 and r["decode_steps"] >= 1
         assert r["prefill_tokens"] + r["decode_tokens"] >= r["decode_steps"]
