@@ -6,6 +6,7 @@ running, the counters and the KV manager's invariants; before every forward pass
 own prefix. At the end: all finished, nothing leaked."""
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -73,7 +74,9 @@ def run_chunked_workload(max_num_seqs, budget, policy, preemption_mode, partial,
     assert kv.num_free_cpu_blocks == 8 and not kv.req_to_block_hashes
 
 
-@settings(max_examples=50, deadline=None)
+# derandomize: the same 50 workloads on every run, so CI is reproducible; the workload below was
+# found by a random run (CI, 2026-11-27) and is kept as its own test until the bug is fixed.
+@settings(max_examples=50, deadline=None, derandomize=True)
 @given(st.data())
 def test_random_chunked_workloads(data):
     max_num_seqs = data.draw(st.integers(1, 6))
@@ -84,6 +87,13 @@ def test_random_chunked_workloads(data):
         data.draw(st.sampled_from([0, 4, 12, 30])), data.draw(st.integers(0, 2)), data.draw(st.integers(8, 30)),
         data.draw(st.sampled_from([2, 4, 8])), data.draw(st.booleans()), data.draw(st.integers(0, 2**32 - 1)),
         data.draw(st.booleans(), label="connector"), data.draw(st.integers(1, 30)))
+
+
+@pytest.mark.xfail(strict=True, reason="open bug (found 2026-11-27 by the random search): with a KV connector, "
+                   "2 seqs, an 8-token budget and recompute preemption, the scheduler stops making progress "
+                   "(1 running at 15/58 computed, 4 waiting, 2 of them with finished remote loads)")
+def test_connector_workload_found_stuck():
+    run_chunked_workload(2, 8, "fcfs", "recompute", 2, 1, 0, 0, 29, 2, False, 0, True, 14)
 
 
 def test_swap_ins_respect_max_num_partial_prefills():
