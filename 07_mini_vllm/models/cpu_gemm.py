@@ -35,6 +35,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from mini_vllm.models.cpu_layer_ops import build as build_extension
+
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 CPU_GEMMS = ("auto", "cpu", "onednn", "torch")       # EngineConfig.cpu_gemm_backend
 
@@ -47,9 +49,9 @@ class PanelWeight(NamedTuple):
 
 
 def load_kernel():
-    """The C++ GEMM extension (built on first use; RuntimeError with the reason when it cannot be)."""
-    from mini_vllm.models.cpu_layer_ops import build
-    return build("cpu_gemm", ("cpu_gemm.cpp",), "CPU GEMM kernel")
+    """The C++ GEMM extension (built on first use; RuntimeError with the reason when it cannot be).
+    Called on every matmul: after the first build it is one dict lookup (no import on the hot path)."""
+    return build_extension("cpu_gemm", ("cpu_gemm.cpp",), "CPU GEMM kernel")
 
 
 def kernel_unavailable_reason(weight: torch.Tensor) -> str | None:
