@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Iterable
 
-from kvcache import KVCacheManager, RequestTooLargeError
+from kvcache import KVCacheBlocks, KVCacheManager, RequestTooLargeError
 from kvcache.kv_cache_manager import cdiv
 from scheduler.config import SchedulerConfig
 from scheduler.kv_connector import KVConnector
@@ -212,7 +212,8 @@ class Scheduler:
     # ---- 1. RUNNING requests -------------------------------------------------------------
     def _schedule_running(self, step: ScheduledStep) -> None:
         """Give every running request its Δ, in order, preempting the lowest-priority running
-        request (all of its blocks at once) whenever the KV cache has no room."""
+        request (all of its blocks at once) whenever the KV cache has no room. (`_allocate_slots`
+        says when that is: it first takes back blocks that idle waiting requests hold.)"""
         req_index = 0
         while req_index < len(self.running) and step.budget.token_budget > 0:
             request = self.running[req_index]
@@ -225,8 +226,7 @@ class Scheduler:
             ### BEGIN SOLUTION
             while True:
                 try:
-                    new_blocks = self.kv_cache_manager.allocate_slots(
-                        request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens)
+                    new_blocks = self._allocate_slots(request, num_new_tokens)
                 except RequestTooLargeError as e:     # raised before any change, and before any preemption
                     new_blocks = e
                     break
@@ -301,18 +301,48 @@ class Scheduler:
     def _has_room(self, step: ScheduledStep) -> bool:
         return step.budget.token_budget > 0 and len(self.running) < self.max_num_running_reqs
 
+    def _allocate_slots(self, request: Request, num_new_tokens: int) -> KVCacheBlocks | None:
+        """`allocate_slots` for a running request. When the pool is full, the lowest-ranked of
+        the running requests and the idle holders (waiting requests whose remote KV has landed
+        in their blocks) gives its blocks up: a holder ranked at or below the running victim is
+        released here (its KV dropped, it recomputes) and the allocation retried; None when
+        the victim is a running request, which the caller then preempts.
+
+        Why holders count: a waiting request that cannot be admitted yet (max_num_seqs, the
+        budget, a partial-prefill limit) keeps its loaded blocks and makes no progress. Left
+        out of the choice, they livelock the pool — found by the chunked-prefill property
+        test: with one long partial prefill allowed, the one running request grew until no
+        block was free, preempted itself, the next did the same, and so on forever, while
+        deferred holders kept a third of the pool."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(
+                request, num_new_tokens, num_lookahead_tokens=self.num_lookahead_tokens)
+            if new_blocks is not None:
+                return new_blocks
+            victim_rank = self._preemption_rank(self._select_victim())
+            holders = [r for r in self.waiting if r.request_id in self.finished_recving_kv_req_ids
+                       and self._preemption_rank(r) >= victim_rank]
+            if not holders:
+                return None
+            self._drop_loaded_kv(max(reversed(holders), key=self._preemption_rank))
+
     def _release_idle_remote_blocks(self) -> None:
         """Nothing runs, nothing could be admitted, and waiting requests hold device blocks
-        their remote KV was loaded into (WAITING_FOR_REMOTE_KVS): no one will ever free a block
-        for the head of the queue. Drop the loaded KV of the last such request (it recomputes,
-        as after a preemption) so the queue moves. Loads still in flight are never touched."""
+        their remote KV was loaded into (WAITING_FOR_REMOTE_KVS, load finished): no one will
+        ever free a block for the head of the queue. Drop the loaded KV of the last such
+        request (it recomputes) so the queue moves. (With requests running, `_allocate_slots`
+        makes the same choice when the pool is full.) Loads still in flight are never
+        touched: the connector is writing their blocks."""
         holders = [r for r in self.waiting if r.request_id in self.finished_recving_kv_req_ids]
         if holders:
-            request = holders[-1]
-            self.kv_cache_manager.free(request)
-            self.finished_recving_kv_req_ids.discard(request.request_id)
-            request.num_computed_tokens = 0
-            request.status = RequestStatus.WAITING
+            self._drop_loaded_kv(holders[-1])
+
+    def _drop_loaded_kv(self, request: Request) -> None:
+        """An idle holder gives its blocks back and starts over (as after a recompute preemption)."""
+        self.kv_cache_manager.free(request)
+        self.finished_recving_kv_req_ids.discard(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
 
     def _try_swap_in(self, request: Request, step: ScheduledStep) -> str:
         """A swapped-out request comes back with its KV copied from the CPU tier.
@@ -490,9 +520,13 @@ class Scheduler:
         """Who is preempted when the KV cache is full: the lowest priority, i.e. the latest
         arrival under FCFS (thesis §3.4.5: "the latest requests are preempted first"); under
         the priority policy the largest (priority, arrival_time). Ties: the later admitted."""
+        return max(reversed(self.running), key=self._preemption_rank)
+
+    def _preemption_rank(self, request: Request) -> tuple:
+        """Higher = given up first when the KV cache is full."""
         if self.config.policy == "priority":
-            return max(reversed(self.running), key=lambda r: (r.priority, r.arrival_time))
-        return max(reversed(self.running), key=lambda r: r.arrival_time)
+            return request.priority, request.arrival_time
+        return (request.arrival_time,)
 
     def _remaining_tokens(self, request: Request) -> int:
         """SRTF's key for a waiting request: tokens it still has to compute, counting a

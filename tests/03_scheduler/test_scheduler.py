@@ -437,3 +437,77 @@ def test_a_connector_claiming_every_token_still_leaves_one_to_compute():
     out, outs = step(s)
     assert connector.claimed == 9 and out.num_scheduled_tokens == {"a": 1}
     assert out.scheduled_new_reqs[0].num_computed_tokens == 9 and outs["a"].new_token_ids == [1]
+
+
+class OneRemoteRequest(KVConnectorBase):
+    """A remote prefill worker computed all but the last token of one request; its KV arrives
+    asynchronously. Every other request finds nothing remote."""
+
+    def __init__(self, request_id):
+        self.request_id = request_id
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.request_id != self.request_id:
+            return 0, False
+        return request.num_tokens - 1 - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
+        pass                                                 # the test reports the load landed
+
+
+def _idle_holder_while_the_pool_fills(loaded_arrival, other_arrival):
+    """max_num_seqs 2, an 8-block pool of 4-token blocks. "run" (arrival 0, 8 tokens) runs;
+    "loaded" (16 tokens) starts its remote load into 4 blocks; "other" (3 tokens) takes the
+    second seat, so "loaded" waits with its KV landed: an idle holder of 4 blocks. Returns
+    the scheduler when the pool is full and "other" is about to need a second block."""
+    kv = BlockSpaceManager(8, 4, enable_caching=False)
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64), kv,
+                  connector=OneRemoteRequest("loaded"))
+    s.add_request(req("run", 8, max_tokens=20))
+    step(s)                                                  # run: 8 computed, blocks 0-1
+    s.add_request(req("loaded", 16, arrival=loaded_arrival))
+    step(s)                                                  # run decodes into block 2; loaded's load starts
+    assert s.requests["loaded"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    s.add_request(req("other", 3, max_tokens=20, arrival=other_arrival))
+    out = s.schedule()                                       # other takes the last block
+    output = MockModelRunner().execute(s.requests, out)
+    output.finished_recving = {"loaded"}                     # ... and loaded's KV lands
+    s.update_from_output(out, output)
+    step(s)                                                  # other decodes its 4th token: block full
+    assert [r.request_id for r in s.running] == ["run", "other"] and kv.num_free_blocks == 0
+    assert s.requests["loaded"].num_computed_tokens == 15 and len(kv.get_block_ids("loaded")) == 4
+    return s, kv
+
+
+def test_a_full_pool_takes_an_idle_holders_blocks_before_a_running_request_ranked_above_it():
+    """Found as a livelock by the chunked-prefill property test: a waiting request whose
+    remote KV has landed holds its blocks until it is admitted. When the pool is full, it is
+    one more candidate to give blocks up, ranked like the running requests: here it arrived
+    last, so its KV is dropped (it starts over) and "other" gets its block and keeps running."""
+    s, kv = _idle_holder_while_the_pool_fills(loaded_arrival=2.0, other_arrival=1.0)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"run": 1, "other": 1} and out.preempted_req_ids == set()
+    loaded = s.requests["loaded"]
+    assert (loaded.status, loaded.num_computed_tokens) == (RequestStatus.WAITING, 0)
+    assert "loaded" not in kv.req_to_blocks and "loaded" not in s.finished_recving_kv_req_ids
+    assert len(kv.get_block_ids("other")) == 2
+    s.connector.request_id = None       # a restarted "loaded" would load again, and nobody here lands it
+    while s.has_unfinished_requests():
+        step(s)
+    assert kv.num_free_blocks == 8
+
+
+def test_a_full_pool_preempts_a_running_request_ranked_below_an_idle_holder():
+    """The same pool, but the holder arrived before "other": "other" is preempted (it is the
+    lowest-ranked), and the holder keeps its loaded KV and is admitted with it next step
+    (15 tokens computed: nothing is recomputed)."""
+    s, kv = _idle_holder_while_the_pool_fills(loaded_arrival=1.0, other_arrival=2.0)
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"run": 1} and out.preempted_req_ids == {"other"}
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"run": 1, "loaded": 1}
+    assert out.scheduled_new_reqs[0].req_id == "loaded" and out.scheduled_new_reqs[0].num_computed_tokens == 15
+    s.connector.request_id = None       # a restarted "loaded" would load again, and nobody here lands it
+    while s.has_unfinished_requests():
+        step(s)
+    assert kv.num_free_blocks == 8
