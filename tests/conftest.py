@@ -20,6 +20,13 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_report_header(config):
+    """What the CPU kernels were tested on: their best variant here is the one the engine runs."""
+    from paged_attention import cpu_ops
+    return (f"CPU kernels: {cpu_ops.cpu_isa()} (torch CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}); CUDA: {HAS_CUDA}")
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <tuple>
 
 // Chapter 01's vector wrapper (AVX-512 / AVX2 / scalar, chosen at compile time): its exp() is
@@ -212,4 +213,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_split_qkv", &rope_split_qkv, "qkv -> (rotated q, rotated k, v), contiguous", py::arg("qkv"),
         py::arg("cos"), py::arg("sin"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("isa", [] { return std::string(vfs_cpu::kIsaName); }, "the instruction set this build was compiled for");
 }

@@ -48,10 +48,12 @@ class PanelWeight(NamedTuple):
     out_features: int
 
 
-def load_kernel():
-    """The C++ GEMM extension (built on first use; RuntimeError with the reason when it cannot be).
-    Called on every matmul: after the first build it is one dict lookup (no import on the hot path)."""
-    return build_extension("cpu_gemm", ("cpu_gemm.cpp",), "CPU GEMM kernel")
+def load_kernel(isa: str | None = None):
+    """The C++ GEMM extension for `isa` (default: this CPU's best), built on first use;
+    RuntimeError with the reason when it cannot be. Called on every matmul: after the first
+    build it is one dict lookup (no import on the hot path). Panels packed by one variant are
+    for that variant only (the panel width is 3 of its vectors)."""
+    return build_extension("cpu_gemm", ("cpu_gemm.cpp",), "CPU GEMM kernel", isa=isa)
 
 
 def kernel_unavailable_reason(weight: torch.Tensor) -> str | None:

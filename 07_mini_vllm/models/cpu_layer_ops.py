@@ -33,25 +33,36 @@ _modules: dict[str, object] = {}
 _failures: dict[str, str] = {}
 
 
-def build(stem: str, sources: tuple[str, ...], what: str, extra_cflags: tuple[str, ...] = ()):
+def build(stem: str, sources: tuple[str, ...], what: str, extra_cflags: tuple[str, ...] = (),
+          isa: str | None = None):
     """Build (first call on this machine, ~15 s) or load the extension `vfs_<stem>_<isa>` from
-    csrc/`sources`, for the best instruction set of this CPU; RuntimeError naming `what` and the
-    reason when it cannot be built (no compiler, no ninja, a compile error). Shared by the engine's
-    C++ kernels (these layer ops, models/cpu_gemm.py's GEMM)."""
-    if stem in _modules:
+    csrc/`sources` for `isa` (default: the best instruction set of this CPU, chapter 01's
+    `cpu_isa()`); RuntimeError naming `what` and the reason when it cannot be built (no compiler,
+    no ninja, a compile error). Shared by the engine's C++ kernels (these layer ops,
+    models/cpu_gemm.py's GEMM); tests build the other variants this CPU runs by name."""
+    if isa is None and stem in _modules:     # the hot path: the default variant, already loaded
         return _modules[stem]
-    if stem in _failures:                    # don't retry a failing build on every call
-        raise RuntimeError(_failures[stem])
+    requested, isa = isa, isa or attention_cpu_ops.cpu_isa()
+    name = f"vfs_{stem}_{isa}"
+    if name not in _modules:
+        _modules[name] = _build(name, sources, what, extra_cflags, isa)
+    if requested is None:
+        _modules[stem] = _modules[name]
+    return _modules[name]
+
+
+def _build(name: str, sources: tuple[str, ...], what: str, extra_cflags: tuple[str, ...], isa: str):
+    if name in _failures:                    # don't retry a failing build on every call
+        raise RuntimeError(_failures[name])
     missing = attention_cpu_ops.missing_build_tool()
     if missing:
-        _failures[stem] = missing.replace("CPU attention kernel", what)
-        raise RuntimeError(_failures[stem])
-    isa = attention_cpu_ops.cpu_isa()
+        _failures[name] = missing.replace("CPU attention kernel", what)
+        raise RuntimeError(_failures[name])
     from torch.utils.cpp_extension import load as load_extension
     try:
-        attention_cpu_ops.clear_stale_build_lock(f"vfs_{stem}_{isa}")
-        _modules[stem] = load_extension(
-            name=f"vfs_{stem}_{isa}",
+        attention_cpu_ops.clear_stale_build_lock(name)
+        module = load_extension(
+            name=name,
             sources=[str(CSRC / s) for s in sources],
             extra_include_paths=[str(attention_cpu_ops.CSRC)],     # chapter 01's cpu_attention_vec.h
             extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG", *extra_cflags,
@@ -59,15 +70,18 @@ def build(stem: str, sources: tuple[str, ...], what: str, extra_cflags: tuple[st
             extra_ldflags=["-fopenmp"],
             verbose=False)
     except Exception as e:                   # noqa: BLE001 — a build error becomes one clear message
-        _failures[stem] = f"building the {what} failed: {type(e).__name__}: {e}"
-        raise RuntimeError(_failures[stem]) from e
-    return _modules[stem]
+        _failures[name] = f"building the {what} ({isa}) failed: {type(e).__name__}: {e}"
+        raise RuntimeError(_failures[name]) from e
+    if module.isa() != isa:
+        raise RuntimeError(f"the {isa} build of the {what} reports instruction set {module.isa()!r}: "
+                           f"the compiler ignored {attention_cpu_ops.ISA_FLAGS[isa]}")
+    return module
 
 
-def load():
-    """The layer ops' extension (built on first use, see `build`)."""
+def load(isa: str | None = None):
+    """The layer ops' extension for `isa` (default: this CPU's best; built on first use, see `build`)."""
     # -ffp-contract=off: no fused multiply-adds, so RoPE rounds exactly as the torch ops do.
-    return build("cpu_layer_ops", SOURCES, "CPU layer ops", ("-ffp-contract=off",))
+    return build("cpu_layer_ops", SOURCES, "CPU layer ops", ("-ffp-contract=off",), isa)
 
 
 def is_available() -> bool:

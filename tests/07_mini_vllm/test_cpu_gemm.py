@@ -13,6 +13,7 @@ from mini_vllm.engine_config import EngineConfig
 from mini_vllm.models import cpu_gemm
 from mini_vllm.models.layers import Linear
 from mini_vllm.models.loader import get_model, process_weights_after_loading
+from paged_attention import cpu_ops
 
 needs_kernel = pytest.mark.skipif(cpu_gemm.kernel_unavailable_reason(torch.zeros(1, 1)) is not None,
                                   reason="the C++ GEMM kernel does not build here")
@@ -56,6 +57,24 @@ def test_panel_linear_equals_f_linear(rows, bias):
     assert torch.equal(cpu_gemm.panel_linear(xt, packed, b), out)
     # Row r's result does not depend on the other rows (a decode batch of any size).
     assert torch.equal(cpu_gemm.panel_linear(x[-1:], packed, b), out[-1:])
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", cpu_ops.ISA_ORDER)
+def test_every_instruction_set_variant_computes_f_linear(isa):
+    """The kernel is compiled per instruction set (a panel is 3 of its vectors: 48, 24 or 3
+    columns). The engine loads the best one this CPU runs, so the others are built here by name:
+    a scalar build that did not compile once went unnoticed until someone tried it by hand."""
+    if cpu_ops.ISA_ORDER.index(isa) < cpu_ops.ISA_ORDER.index(cpu_ops.cpu_isa()):
+        pytest.skip(f"this CPU cannot run {isa}")
+    kernel = cpu_gemm.load_kernel(isa)
+    assert kernel.isa() == isa and kernel.panel_width == {"avx512": 48, "avx2": 24, "scalar": 3}[isa]
+    torch.manual_seed(0)
+    w, b = torch.randn(100, 83), torch.randn(100)
+    panels = kernel.pack_panels(w)
+    for rows in (1, 3, 5, 97):
+        x = torch.randn(rows, 83)
+        assert_close(kernel.panel_gemm(x, panels, b, 100), F.linear(x, w, b), dtype=torch.float32)
 
 
 @needs_kernel

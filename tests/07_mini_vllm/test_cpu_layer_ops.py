@@ -12,6 +12,7 @@ from mini_vllm.models import cpu_layer_ops
 from mini_vllm.models.attention import SelfAttention
 from mini_vllm.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
 from mini_vllm.models.loader import get_model, use_cpu_layer_ops
+from paged_attention import cpu_ops
 
 pytestmark = pytest.mark.skipif(not cpu_layer_ops.is_available(), reason=f"{cpu_layer_ops.unavailable_reason()}")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -66,6 +67,33 @@ def test_rope_split_qkv_is_bit_for_bit_the_torch_path(dtype, heads, kv_heads, he
     assert torch.equal(k, apply_rotary_emb(k_ref.view(T, kv_heads, head_dim), cos, sin))
     assert torch.equal(v, v_ref.reshape(T, kv_heads, head_dim))
     assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+
+
+@pytest.mark.parametrize("isa", cpu_ops.ISA_ORDER)
+def test_every_instruction_set_variant_computes_the_torch_layers(isa):
+    """The ops are compiled per instruction set (chapter 01's vector header); the engine loads the
+    best one this CPU runs, so the others are built here by name. Widths with a vector tail."""
+    if cpu_ops.ISA_ORDER.index(isa) < cpu_ops.ISA_ORDER.index(cpu_ops.cpu_isa()):
+        pytest.skip(f"this CPU cannot run {isa}")
+    ops = cpu_layer_ops.load(isa)
+    assert ops.isa() == isa
+    norm = RMSNorm(33, 1e-5)
+    norm.weight.data = rows(1, 33, torch.float32, False, 1)[0]
+    x, residual = rows(7, 33, torch.float32, True, 2), rows(7, 33, torch.float32, False, 3)
+    assert_close(ops.rms_norm(x, None, norm.weight, norm.eps), norm(x), dtype=torch.float32)
+    expected_out, expected_residual = norm(x.clone(), residual.clone())
+    assert_close(ops.rms_norm(x, residual, norm.weight, norm.eps), expected_out, dtype=torch.float32)
+    assert torch.equal(residual, expected_residual)
+    gate_up = rows(9, 2 * 37, torch.float32, False, 4)
+    assert_close(ops.silu_and_mul(gate_up), SiluAndMul()(gate_up), dtype=torch.float32)
+    T, heads, kv_heads, head_dim = 5, 4, 2, 16
+    qkv = rows(T, (heads + 2 * kv_heads) * head_dim, torch.float32, True, 5)
+    cos, sin = RotaryEmbedding(head_dim, 4096, 1e5, None, torch.float32).cos_sin(torch.tensor([0, 1, 9, 500, 4095]))
+    q, k, v = ops.rope_split_qkv(qkv, cos.view(T, -1), sin.view(T, -1), heads, kv_heads, head_dim)
+    q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    assert torch.equal(q, apply_rotary_emb(q_ref.view(T, heads, head_dim), cos, sin))
+    assert torch.equal(k, apply_rotary_emb(k_ref.view(T, kv_heads, head_dim), cos, sin))
+    assert torch.equal(v, v_ref.reshape(T, kv_heads, head_dim))
 
 
 def test_bad_shapes_are_refused_with_a_message():
