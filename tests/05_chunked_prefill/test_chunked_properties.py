@@ -91,9 +91,9 @@ def test_random_chunked_workloads(data):
 
 # Workloads that livelocked before idle holders of loaded remote KV could give their blocks
 # up (`Scheduler._allocate_slots`): the first found by a random CI run (2026-11-27), the others
-# by 30 000 more random workloads on the old code. Each one: a long partial prefill running
-# alone grows until the pool is full and preempts itself, the next one does the same, while
-# deferred requests whose remote KV has landed keep their blocks.
+# by 30 000 more random workloads on the old code. The first, traced: a long partial prefill
+# running alone grows until the pool is full and preempts itself, the next one does the same,
+# while deferred requests whose remote KV has landed keep their blocks.
 @pytest.mark.parametrize("workload", [
     (2, 8, "fcfs", "recompute", 2, 1, 0, 0, 29, 2, False, 0, True, 14),
     (2, 12, "fcfs", "recompute", 2, 1, 0, 0, 17, 4, False, 3632191859, True, 29),
