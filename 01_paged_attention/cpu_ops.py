@@ -91,6 +91,11 @@ def cpu_isa() -> str:
     return forced
 
 
+def runnable_isas() -> tuple[str, ...]:
+    """The variants this CPU runs, best first: `cpu_isa()` and every one below it."""
+    return ISA_ORDER[ISA_ORDER.index(cpu_isa()):]
+
+
 def compiler() -> str | None:
     """The C++ compiler torch's extension builder will call ($CXX, else c++), or None."""
     return shutil.which(os.environ.get("CXX", "c++"))
@@ -133,6 +138,34 @@ def clear_stale_build_lock(name: str) -> pathlib.Path | None:
     return lock
 
 
+def build_extension(name: str, sources: list[pathlib.Path], isa: str, what: str,
+                    extra_cflags: tuple[str, ...] = ()):
+    """Compile (first time, 15-60 s) or load from torch's extension cache the C++ extension `name`
+    for `isa`, with this chapter's csrc/ (the vector header) on the include path; the module must
+    report `isa()` as asked. RuntimeError naming `what` and the reason when it cannot: no compiler
+    or ninja, a compile error (the compiler's output is in the message), flags the compiler
+    ignored. Chapter 07's kernels are built by it too."""
+    missing = missing_build_tool()
+    if missing:
+        raise RuntimeError(missing.replace("CPU attention kernel", what))
+    from torch.utils.cpp_extension import load as load_extension
+    try:
+        clear_stale_build_lock(name)
+        module = load_extension(
+            name=name,
+            sources=[str(s) for s in sources],
+            extra_include_paths=[str(CSRC)],
+            extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG", *extra_cflags, *ISA_FLAGS[isa]],
+            extra_ldflags=["-fopenmp"],
+            verbose=False)           # (ninja tracks the headers: an edited .h rebuilds too)
+    except Exception as e:                   # noqa: BLE001 — a build error becomes one clear message
+        raise RuntimeError(f"building the {what} ({isa}) failed: {type(e).__name__}: {e}") from e
+    if module.isa() != isa:
+        raise RuntimeError(f"the {isa} build of the {what} reports instruction set {module.isa()!r}: "
+                           f"the compiler ignored {ISA_FLAGS[isa]}")
+    return module
+
+
 def load(isa: str | None = None):
     """Build (first call on this machine, ~20 s) or load (cached) the extension for `isa`
     (default: `cpu_isa()`), and return the module. Raises RuntimeError with the reason when
@@ -144,26 +177,11 @@ def load(isa: str | None = None):
         return _modules[isa]
     if isa in _failures:                     # don't retry a 20-second failing build per call
         raise RuntimeError(_failures[isa])
-    missing = missing_build_tool()
-    if missing:
-        _failures[isa] = missing
-        raise RuntimeError(missing)
-    from torch.utils.cpp_extension import load as load_extension
     try:
-        clear_stale_build_lock(f"vfs_cpu_attention_{isa}")
-        module = load_extension(
-            name=f"vfs_cpu_attention_{isa}",
-            sources=[str(CSRC / s) for s in SOURCES],
-            extra_include_paths=[str(CSRC)],
-            extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG", *ISA_FLAGS[isa]],
-            extra_ldflags=["-fopenmp"],
-            verbose=False)           # (ninja tracks the headers: an edited .h rebuilds too)
-    except Exception as e:                   # noqa: BLE001 — a build error becomes one clear message
-        _failures[isa] = f"building the CPU attention kernel ({isa}) failed: {type(e).__name__}: {e}"
-        raise RuntimeError(_failures[isa]) from e
-    if module.isa() != isa:
-        raise RuntimeError(f"the {isa} build reports instruction set {module.isa()!r}: the compiler ignored "
-                           f"{ISA_FLAGS[isa]}")
+        module = build_extension(f"vfs_cpu_attention_{isa}", [CSRC / s for s in SOURCES], isa, "CPU attention kernel")
+    except RuntimeError as e:
+        _failures[isa] = str(e)
+        raise
     _modules[isa] = module
     if requested is None:
         _modules[None] = module

@@ -54,28 +54,11 @@ def build(stem: str, sources: tuple[str, ...], what: str, extra_cflags: tuple[st
 def _build(name: str, sources: tuple[str, ...], what: str, extra_cflags: tuple[str, ...], isa: str):
     if name in _failures:                    # don't retry a failing build on every call
         raise RuntimeError(_failures[name])
-    missing = attention_cpu_ops.missing_build_tool()
-    if missing:
-        _failures[name] = missing.replace("CPU attention kernel", what)
-        raise RuntimeError(_failures[name])
-    from torch.utils.cpp_extension import load as load_extension
     try:
-        attention_cpu_ops.clear_stale_build_lock(name)
-        module = load_extension(
-            name=name,
-            sources=[str(CSRC / s) for s in sources],
-            extra_include_paths=[str(attention_cpu_ops.CSRC)],     # chapter 01's cpu_attention_vec.h
-            extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG", *extra_cflags,
-                          *attention_cpu_ops.ISA_FLAGS[isa]],
-            extra_ldflags=["-fopenmp"],
-            verbose=False)
-    except Exception as e:                   # noqa: BLE001 — a build error becomes one clear message
-        _failures[name] = f"building the {what} ({isa}) failed: {type(e).__name__}: {e}"
-        raise RuntimeError(_failures[name]) from e
-    if module.isa() != isa:
-        raise RuntimeError(f"the {isa} build of the {what} reports instruction set {module.isa()!r}: "
-                           f"the compiler ignored {attention_cpu_ops.ISA_FLAGS[isa]}")
-    return module
+        return attention_cpu_ops.build_extension(name, [CSRC / s for s in sources], isa, what, extra_cflags)
+    except RuntimeError as e:
+        _failures[name] = str(e)
+        raise
 
 
 def load(isa: str | None = None):

@@ -216,7 +216,7 @@ def test_same_functions_as_the_other_backend_modules():
 @pytest.mark.parametrize("isa", ["avx2", "scalar"])
 def test_other_instruction_sets(isa):
     """The AVX2 and scalar builds (each compiled on first use) give the same answers."""
-    if cpu_ops.ISA_ORDER.index(isa) < cpu_ops.ISA_ORDER.index(cpu_ops.cpu_isa()):
+    if isa not in cpu_ops.runnable_isas():
         pytest.skip(f"this CPU cannot run {isa}")
     ext = cpu_ops.load(isa)
     assert ext.isa() == isa
