@@ -74,19 +74,24 @@ def run_chunked_workload(max_num_seqs, budget, policy, preemption_mode, partial,
     assert kv.num_free_cpu_blocks == 8 and not kv.req_to_block_hashes
 
 
+def draw_workload(integers, choice, boolean) -> tuple:
+    """The arguments of `run_chunked_workload`, from the ranges the property test covers.
+    `integers(lo, hi)`, `choice(values)` and `boolean()` are Hypothesis draws in the test below
+    and a `random.Random` in search_workloads.py: one distribution, two ways to sample it."""
+    max_num_seqs, partial = integers(1, 6), integers(1, 3)
+    return (max_num_seqs, integers(max(8, max_num_seqs), 40), choice(POLICIES), choice(["recompute", "swap"]),
+            partial, integers(1, partial), choice([0, 4, 12, 30]), integers(0, 2), integers(8, 30),
+            choice([2, 4, 8]), boolean(), integers(0, 2**32 - 1), boolean(), integers(1, 30))
+
+
 # derandomize: the same 50 workloads on every run, so CI is reproducible; what a random run
 # finds (see below) becomes a test of its own.
 @settings(max_examples=50, deadline=None, derandomize=True)
 @given(st.data())
 def test_random_chunked_workloads(data):
-    max_num_seqs = data.draw(st.integers(1, 6))
-    partial = data.draw(st.integers(1, 3))
-    run_chunked_workload(
-        max_num_seqs, data.draw(st.integers(max(8, max_num_seqs), 40)), data.draw(st.sampled_from(POLICIES)),
-        data.draw(st.sampled_from(["recompute", "swap"])), partial, data.draw(st.integers(1, partial)),
-        data.draw(st.sampled_from([0, 4, 12, 30])), data.draw(st.integers(0, 2)), data.draw(st.integers(8, 30)),
-        data.draw(st.sampled_from([2, 4, 8])), data.draw(st.booleans()), data.draw(st.integers(0, 2**32 - 1)),
-        data.draw(st.booleans(), label="connector"), data.draw(st.integers(1, 30)))
+    run_chunked_workload(*draw_workload(lambda lo, hi: data.draw(st.integers(lo, hi)),
+                                        lambda values: data.draw(st.sampled_from(values)),
+                                        lambda: data.draw(st.booleans())))
 
 
 # Workloads that livelocked before idle holders of loaded remote KV could give their blocks
