@@ -32,7 +32,9 @@ Build: on first use, `torch.utils.cpp_extension.load` compiles csrc/ with g++ (-
 so a build never uses an instruction the machine lacks) into torch's extension cache
 (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), once per machine and instruction
 set; later processes load the cached library in ~0.1 s. VFS_CPU_ATTENTION_ISA=avx512|avx2|
-scalar forces a variant (tests use it to check all three on one machine). Without a C++
+scalar forces a variant; `load(isa)` builds one by name (tests check every variant the machine
+runs, and "avx512_simde": the AVX-512 source with its intrinsics emulated by SIMDe, so the
+AVX-512 code is checked on AVX2 machines too -- simde.py). Without a C++
 compiler (or ninja, which torch builds with), `load()` raises a RuntimeError saying so and
 `is_available()` is False: callers (the backend dispatch) fall back to the torch path.
 
@@ -52,6 +54,7 @@ import torch
 
 from paged_attention import checks
 from paged_attention import cache_ops
+from paged_attention import simde
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "reshape_and_cache", "unified_attention",
            "is_available", "load", "plan"]
@@ -69,6 +72,11 @@ ISA_FLAGS = {
     "scalar": [],
 }
 ISA_ORDER = ("avx512", "avx2", "scalar")          # best first
+# Tests only: the AVX-512 variant's source on an AVX2 CPU, its intrinsics emulated by SIMDe
+# (paged_attention/simde.py says why). Never the engine's choice: it proves what the AVX-512
+# code computes, not how fast it runs.
+EMULATED_ISAS = {"avx512_simde": "avx2"}          # variant -> what the CPU must run
+ALL_ISAS = ISA_ORDER + tuple(EMULATED_ISAS)
 HEAD_DIM_MULTIPLE = 8                              # AVX2 vectors hold 8 fp32 lanes
 
 _modules: dict[str | None, object] = {}     # None: the default variant (cpu_isa())
@@ -84,16 +92,37 @@ def cpu_isa() -> str:
     forced = os.environ.get(ISA_ENV, "").strip().lower()
     if not forced:
         return supported
-    if forced not in ISA_FLAGS:
-        raise ValueError(f"{ISA_ENV}={forced!r}; choose one of {ISA_ORDER}")
-    if ISA_ORDER.index(forced) < ISA_ORDER.index(supported):
+    if forced not in ALL_ISAS:
+        raise ValueError(f"{ISA_ENV}={forced!r}; choose one of {ALL_ISAS}")
+    if ISA_ORDER.index(EMULATED_ISAS.get(forced, forced)) < ISA_ORDER.index(supported):
         raise RuntimeError(f"{ISA_ENV}={forced} but this CPU only supports {supported} (torch reports {capability})")
     return forced
 
 
+def why_not_runnable(isa: str) -> str | None:
+    """Why this machine cannot run the `isa` variant (None when it can): the CPU lacks the
+    instructions, or (emulated variants) SIMDe's headers are missing."""
+    best = cpu_isa()
+    native = EMULATED_ISAS.get(isa, isa)
+    if native not in ISA_ORDER:
+        return f"unknown instruction set {isa!r}; choose one of {ALL_ISAS}"
+    if ISA_ORDER.index(native) < ISA_ORDER.index(EMULATED_ISAS.get(best, best)):
+        return f"this CPU cannot run {native}"
+    return simde.missing_reason() if isa in EMULATED_ISAS else None
+
+
 def runnable_isas() -> tuple[str, ...]:
-    """The variants this CPU runs, best first: `cpu_isa()` and every one below it."""
-    return ISA_ORDER[ISA_ORDER.index(cpu_isa()):]
+    """The variants this machine runs: `cpu_isa()`, every native one below it, best first, then
+    the emulated ones when SIMDe's headers are here (tests build each by name)."""
+    return tuple(isa for isa in ALL_ISAS if why_not_runnable(isa) is None)
+
+
+def isa_flags(isa: str) -> list[str]:
+    """The compiler flags of the `isa` variant (an emulated one adds SIMDe's include folder)."""
+    if isa not in EMULATED_ISAS:
+        return list(ISA_FLAGS[isa])
+    include = simde.include_dir()
+    return [*ISA_FLAGS[EMULATED_ISAS[isa]], "-DVFS_CPU_SIMDE_AVX512", *([f"-I{include}"] if include else [])]
 
 
 def compiler() -> str | None:
@@ -145,7 +174,7 @@ def build_extension(name: str, sources: list[pathlib.Path], isa: str, what: str,
     report `isa()` as asked. RuntimeError naming `what` and the reason when it cannot: no compiler
     or ninja, a compile error (the compiler's output is in the message), flags the compiler
     ignored. Chapter 07's kernels are built by it too."""
-    missing = missing_build_tool()
+    missing = missing_build_tool() or (simde.missing_reason() if isa in EMULATED_ISAS else None)
     if missing:
         raise RuntimeError(missing.replace("CPU attention kernel", what))
     from torch.utils.cpp_extension import load as load_extension
@@ -155,14 +184,14 @@ def build_extension(name: str, sources: list[pathlib.Path], isa: str, what: str,
             name=name,
             sources=[str(s) for s in sources],
             extra_include_paths=[str(CSRC)],
-            extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG", *extra_cflags, *ISA_FLAGS[isa]],
+            extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG", *extra_cflags, *isa_flags(isa)],
             extra_ldflags=["-fopenmp"],
             verbose=False)           # (ninja tracks the headers: an edited .h rebuilds too)
     except Exception as e:                   # noqa: BLE001 — a build error becomes one clear message
         raise RuntimeError(f"building the {what} ({isa}) failed: {type(e).__name__}: {e}") from e
     if module.isa() != isa:
         raise RuntimeError(f"the {isa} build of the {what} reports instruction set {module.isa()!r}: "
-                           f"the compiler ignored {ISA_FLAGS[isa]}")
+                           f"the compiler ignored {isa_flags(isa)}")
     return module
 
 

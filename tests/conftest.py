@@ -23,8 +23,11 @@ if not HAS_CUDA:
 def pytest_report_header(config):
     """What the CPU kernels were tested on: their best variant here is the one the engine runs."""
     from paged_attention import cpu_ops
+    avx512 = ("native" if "avx512" in cpu_ops.runnable_isas() else
+              "emulated by SIMDe" if "avx512_simde" in cpu_ops.runnable_isas() else
+              f"not run ({cpu_ops.why_not_runnable('avx512_simde')})")
     return (f"CPU kernels: {cpu_ops.cpu_isa()} (torch CPU capability "
-            f"{torch.backends.cpu.get_cpu_capability()}); CUDA: {HAS_CUDA}")
+            f"{torch.backends.cpu.get_cpu_capability()}); their AVX-512 builds: {avx512}; CUDA: {HAS_CUDA}")
 
 
 def pytest_collection_modifyitems(config, items):

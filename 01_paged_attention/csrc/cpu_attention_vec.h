@@ -1,6 +1,6 @@
 // The few vector operations the CPU attention kernel needs, for one instruction set chosen
 // at COMPILE time: AVX-512 (16 fp32 lanes), AVX2 + FMA (8 lanes), or portable scalar code
-// (1 lane). The Python loader picks the flags from a runtime check of the CPU
+// (1 lane) -- and, for tests, the AVX-512 branch emulated by SIMDe on a CPU without it. The Python loader picks the flags from a runtime check of the CPU
 // (paged_attention/cpu_ops.py), so one source builds the best variant each machine can run.
 //
 // Why a tiny wrapper instead of letting the compiler vectorise plain loops: the two inner
@@ -17,7 +17,10 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#if defined(VFS_CPU_SIMDE_AVX512)        // tests: the AVX-512 branch, emulated (cpu_attention_simde.h)
+#define VFS_CPU_AVX512 1
+#include "cpu_attention_simde.h"
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #define VFS_CPU_AVX512 1
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -78,7 +81,11 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #if defined(VFS_CPU_AVX512)
 // ---------------------------------------------------------------------------------- AVX-512
+#if defined(VFS_CPU_SIMDE_AVX512)
+constexpr const char* kIsaName = "avx512_simde";
+#else
 constexpr const char* kIsaName = "avx512";
+#endif
 constexpr int W = 16;                       // fp32 lanes per vector
 using V = __m512;
 using Mask = __mmask16;                     // one bit per lane

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 COMPILE_SCRIPT = r"""
-import json, os, re, subprocess, sys
+import json, os, re, subprocess, sys, tempfile
 os.environ["TRITON_INTERPRET"] = "0"
 import torch
 import triton
@@ -39,11 +39,12 @@ def signature(fn, const, ptr_types, default_ptr):
 
 def compile_one(label, fn, const, ptr_types, default_ptr):
     kernel = triton.compile(ASTSource(fn, signature(fn, const, ptr_types, default_ptr), const), target=TARGET)
-    ptx = f"/tmp/{os.getpid()}_{label}.ptx"
-    with open(ptx, "w") as f:
-        f.write(kernel.asm["ptx"])
-    log = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", ptx, "-o", ptx + ".cubin"],
-                         capture_output=True, text=True, check=True).stderr
+    with tempfile.TemporaryDirectory() as d:       # ptxas's input and output, gone afterwards
+        ptx = os.path.join(d, f"{label}.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        log = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", ptx, "-o", ptx + ".cubin"],
+                             capture_output=True, text=True, check=True).stderr
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", log))
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     return {"label": label, "spills": spills, "regs": regs, "cubin": len(kernel.asm["cubin"])}

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 COMPILE_SCRIPT = r"""
-import json, os, re, subprocess
+import json, os, re, subprocess, tempfile
 os.environ["TRITON_INTERPRET"] = "0"
 import triton
 import triton.backends.nvidia as nvidia
@@ -29,11 +29,12 @@ for no_q in (False, True):
         sig = {n: ("constexpr" if n in const else PTRS.get(n, "i32")) for n in fn.arg_names}
         kernel = triton.compile(ASTSource(fn, sig, const), target=TARGET)
         label = f"q{int(not no_q)}_g{int(greedy)}_r{int(rand)}"
-        ptx = f"/tmp/{os.getpid()}_rej_{label}.ptx"
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        log = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", ptx, "-o", ptx + ".cubin"],
-                             capture_output=True, text=True, check=True).stderr
+        with tempfile.TemporaryDirectory() as d:   # ptxas's input and output, gone afterwards
+            ptx = os.path.join(d, f"rej_{label}.ptx")
+            with open(ptx, "w") as f:
+                f.write(kernel.asm["ptx"])
+            log = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", ptx, "-o", ptx + ".cubin"],
+                                 capture_output=True, text=True, check=True).stderr
         spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", log))
         regs = int(re.search(r"Used (\d+) registers", log).group(1))
         results.append({"label": label, "spills": spills, "regs": regs, "cubin": len(kernel.asm["cubin"])})

@@ -60,15 +60,15 @@ def test_panel_linear_equals_f_linear(rows, bias):
 
 
 @needs_kernel
-@pytest.mark.parametrize("isa", cpu_ops.ISA_ORDER)
+@pytest.mark.parametrize("isa", cpu_ops.ALL_ISAS)
 def test_every_instruction_set_variant_computes_f_linear(isa):
     """The kernel is compiled per instruction set (a panel is 3 of its vectors: 48, 24 or 3
     columns). The engine loads the best one this CPU runs, so the others are built here by name:
     a scalar build that did not compile once went unnoticed until someone tried it by hand."""
-    if isa not in cpu_ops.runnable_isas():
-        pytest.skip(f"this CPU cannot run {isa}")
+    if reason := cpu_ops.why_not_runnable(isa):
+        pytest.skip(reason)
     kernel = cpu_gemm.load_kernel(isa)
-    assert kernel.isa() == isa and kernel.panel_width == {"avx512": 48, "avx2": 24, "scalar": 3}[isa]
+    assert kernel.isa() == isa and kernel.panel_width == {"avx512": 48, "avx512_simde": 48, "avx2": 24, "scalar": 3}[isa]
     torch.manual_seed(0)
     w, b = torch.randn(100, 83), torch.randn(100)
     panels = kernel.pack_panels(w)

@@ -69,12 +69,12 @@ def test_rope_split_qkv_is_bit_for_bit_the_torch_path(dtype, heads, kv_heads, he
     assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
 
 
-@pytest.mark.parametrize("isa", cpu_ops.ISA_ORDER)
+@pytest.mark.parametrize("isa", cpu_ops.ALL_ISAS)
 def test_every_instruction_set_variant_computes_the_torch_layers(isa):
     """The ops are compiled per instruction set (chapter 01's vector header); the engine loads the
     best one this CPU runs, so the others are built here by name. Widths with a vector tail."""
-    if isa not in cpu_ops.runnable_isas():
-        pytest.skip(f"this CPU cannot run {isa}")
+    if reason := cpu_ops.why_not_runnable(isa):
+        pytest.skip(reason)
     ops = cpu_layer_ops.load(isa)
     assert ops.isa() == isa
     norm = RMSNorm(33, 1e-5)
