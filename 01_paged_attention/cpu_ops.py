@@ -118,11 +118,13 @@ def runnable_isas() -> tuple[str, ...]:
 
 
 def isa_flags(isa: str) -> list[str]:
-    """The compiler flags of the `isa` variant (an emulated one adds SIMDe's include folder)."""
+    """The compiler flags of the `isa` variant. An emulated one adds SIMDe's include folder, and
+    -O1 (after build_extension's -O3, so it wins): optimising SIMDe's inlined emulation at -O3
+    took 4x longer (~55 s for the attention kernel), and speed is not what that build is for."""
     if isa not in EMULATED_ISAS:
         return list(ISA_FLAGS[isa])
     include = simde.include_dir()
-    return [*ISA_FLAGS[EMULATED_ISAS[isa]], "-DVFS_CPU_SIMDE_AVX512", *([f"-I{include}"] if include else [])]
+    return [*ISA_FLAGS[EMULATED_ISAS[isa]], "-DVFS_CPU_SIMDE_AVX512", "-O1", *([f"-I{include}"] if include else [])]
 
 
 def compiler() -> str | None:

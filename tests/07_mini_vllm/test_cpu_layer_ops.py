@@ -62,11 +62,18 @@ def test_rope_split_qkv_is_bit_for_bit_the_torch_path(dtype, heads, kv_heads, he
     positions = torch.tensor([0, 1, 2, 17, 500, 4095, 3, 3, 64, 1000, 7])
     cos, sin = rope.cos_sin(positions)                                     # [T, 1, D] each
     q, k, v = cpu_layer_ops.rope_split_qkv(qkv, cos.view(T, -1), sin.view(T, -1), heads, kv_heads, head_dim)
+    assert_rope_split_is_the_torch_path(q, k, v, qkv, cos, sin, heads, kv_heads, head_dim)
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+
+
+def assert_rope_split_is_the_torch_path(q, k, v, qkv, cos, sin, heads, kv_heads, head_dim):
+    """q, k rotated and v split out of qkv [T, (heads + 2 kv_heads) * head_dim] bit for bit as
+    the torch layers do it (cos, sin: RotaryEmbedding.cos_sin, [T, 1, head_dim])."""
+    T = qkv.shape[0]
     q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     assert torch.equal(q, apply_rotary_emb(q_ref.view(T, heads, head_dim), cos, sin))
     assert torch.equal(k, apply_rotary_emb(k_ref.view(T, kv_heads, head_dim), cos, sin))
     assert torch.equal(v, v_ref.reshape(T, kv_heads, head_dim))
-    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
 
 
 @pytest.mark.parametrize("isa", cpu_ops.ALL_ISAS)
@@ -90,10 +97,7 @@ def test_every_instruction_set_variant_computes_the_torch_layers(isa):
     qkv = rows(T, (heads + 2 * kv_heads) * head_dim, torch.float32, True, 5)
     cos, sin = RotaryEmbedding(head_dim, 4096, 1e5, None, torch.float32).cos_sin(torch.tensor([0, 1, 9, 500, 4095]))
     q, k, v = ops.rope_split_qkv(qkv, cos.view(T, -1), sin.view(T, -1), heads, kv_heads, head_dim)
-    q_ref, k_ref, v_ref = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    assert torch.equal(q, apply_rotary_emb(q_ref.view(T, heads, head_dim), cos, sin))
-    assert torch.equal(k, apply_rotary_emb(k_ref.view(T, kv_heads, head_dim), cos, sin))
-    assert torch.equal(v, v_ref.reshape(T, kv_heads, head_dim))
+    assert_rope_split_is_the_torch_path(q, k, v, qkv, cos, sin, heads, kv_heads, head_dim)
 
 
 def test_bad_shapes_are_refused_with_a_message():
