@@ -42,6 +42,9 @@ def sides_for(weights: dict[str, torch.Tensor]) -> dict[str, dict]:
     if cpu_gemm.kernel_unavailable_reason(next(iter(weights.values()))) is None:
         panels = {n: cpu_gemm.pack_panels(w) for n, w in weights.items()}
         sides["ours (C++ panels)"] = {n: (lambda x, p=p: cpu_gemm.panel_linear(x, p, None)) for n, p in panels.items()}
+        # The same kernel without its next-panel prefetch (csrc/cpu_gemm.cpp): what the prefetch buys.
+        sides["ours, no prefetch"] = {n: (lambda x, p=p: cpu_gemm.panel_linear(x, p, None, prefetch_next_panel=False))
+                                      for n, p in panels.items()}
     return sides
 
 

@@ -74,8 +74,10 @@ inline void from_float(float f, fp16* dst) {
 #endif
 }
 
-// Ask for a cache line ahead of use (a hint: never faults, even on a bad address).
+// Ask for a cache line ahead of use (a hint: never faults, even on a bad address): into L1,
+// or only as far as L2 (for data that is read from there, as the GEMM's weight panels are).
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 

@@ -72,9 +72,12 @@ def pack_panels(weight: torch.Tensor) -> PanelWeight:
     return PanelWeight(load_kernel().pack_panels(weight.detach()), weight.shape[0])
 
 
-def panel_linear(x: torch.Tensor, packed_weight: PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [T, in] @ W^T (+ b) -> [T, out] with W packed by `pack_panels`."""
-    return load_kernel().panel_gemm(x, packed_weight.panels, bias, packed_weight.out_features)
+def panel_linear(x: torch.Tensor, packed_weight: PanelWeight, bias: torch.Tensor | None,
+                 prefetch_next_panel: bool = True) -> torch.Tensor:
+    """x [T, in] @ W^T (+ b) -> [T, out] with W packed by `pack_panels`. prefetch_next_panel=False
+    (benchmarks: what the prefetch buys) skips fetching each thread's next panel during this one's
+    row tiles; the result is bit for bit the same."""
+    return load_kernel().panel_gemm(x, packed_weight.panels, bias, packed_weight.out_features, prefetch_next_panel)
 
 
 def onednn_available() -> bool:

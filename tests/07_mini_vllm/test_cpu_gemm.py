@@ -60,6 +60,27 @@ def test_panel_linear_equals_f_linear(rows, bias):
 
 
 @needs_kernel
+def test_next_panel_prefetch_changes_no_bit():
+    """Each row tile prefetches a share of its thread's next panel (csrc/cpu_gemm.cpp): a memory
+    hint, so with it or without it, on one thread or two (each with its own run of panels), and
+    for one row, a remainder tile, one row block and past it, every output is bit for bit the same."""
+    torch.manual_seed(0)
+    w, b = torch.randn(1000, 300) / 300 ** 0.5, torch.randn(1000)   # 42 panels on AVX2: split between threads
+    packed = cpu_gemm.pack_panels(w)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for rows in (1, 5, 64, 200):
+                x = torch.randn(rows, 300)
+                out = cpu_gemm.panel_linear(x, packed, b)
+                assert torch.equal(out, cpu_gemm.panel_linear(x, packed, b, prefetch_next_panel=False))
+                assert_close(out, F.linear(x, w, b), dtype=torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
 @pytest.mark.parametrize("isa", cpu_ops.ALL_ISAS)
 def test_every_instruction_set_variant_computes_f_linear(isa):
     """The kernel is compiled per instruction set (a panel is 3 of its vectors: 48, 24 or 3
