@@ -57,15 +57,15 @@ constexpr int64_t kCacheLine = 64;                   // bytes
 
 // The part of the thread's next panel not yet prefetched, handed out to the tiles in shares.
 struct NextPanel {
-  const char* next = nullptr;      // first line not yet handed out
+  const char* cursor = nullptr;    // first line not yet handed out
   const char* end = nullptr;
   int64_t lines_per_tile = 0;      // at most K: a tile prefetches one line per k step
 
   // The next share: (first line, number of lines) for one tile to prefetch.
   std::pair<const char*, int64_t> take() {
-    const int64_t n = std::min<int64_t>(lines_per_tile, (end - next) / kCacheLine);
-    const char* first = next;
-    next += n * kCacheLine;
+    const int64_t n = std::min<int64_t>(lines_per_tile, (end - cursor) / kCacheLine);
+    const char* first = cursor;
+    cursor += n * kCacheLine;
     return {first, n};
   }
 };
