@@ -2,22 +2,24 @@
 reports no register spills. Runs in a subprocess with TRITON_INTERPRET=0, because this
 test session may have the interpreter switched on (conftest, CPU machines)."""
 import json
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
+TESTS_DIR = pathlib.Path(__file__).resolve().parent.parent
 COMPILE_SCRIPT = r"""
-import json, os, re, subprocess, sys, tempfile
+import json, os, sys
 os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, sys.argv[1])             # tests/: ptxas_report
 import torch
 import triton
-import triton.backends.nvidia as nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from paged_attention import triton_ops as T
+from ptxas_report import ptxas_report
 
-PTXAS = os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas")
 TARGET = GPUTarget("cuda", 90, 32)
 DT = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
 PRECISION = {"fp32": "ieee", "fp16": "tf32", "bf16": "tf32"}   # triton_common.dot_precision
@@ -39,15 +41,7 @@ def signature(fn, const, ptr_types, default_ptr):
 
 def compile_one(label, fn, const, ptr_types, default_ptr):
     kernel = triton.compile(ASTSource(fn, signature(fn, const, ptr_types, default_ptr), const), target=TARGET)
-    with tempfile.TemporaryDirectory() as d:       # ptxas's input and output, gone afterwards
-        ptx = os.path.join(d, f"{label}.ptx")
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        log = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", ptx, "-o", ptx + ".cubin"],
-                             capture_output=True, text=True, check=True).stderr
-    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", log))
-    regs = int(re.search(r"Used (\d+) registers", log).group(1))
-    return {"label": label, "spills": spills, "regs": regs, "cubin": len(kernel.asm["cubin"])}
+    return ptxas_report(kernel, label)
 
 results = []
 for dt in ("fp16", "bf16", "fp32"):
@@ -78,7 +72,8 @@ print(json.dumps(results))
 
 @pytest.fixture(scope="module")
 def compiled():
-    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, str(TESTS_DIR)], capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -2,21 +2,23 @@
 constexpr configuration the dispatcher uses, and ptxas reports no register spills. Runs in
 a subprocess with TRITON_INTERPRET=0 (this session may have the interpreter on)."""
 import json
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
+TESTS_DIR = pathlib.Path(__file__).resolve().parent.parent
 COMPILE_SCRIPT = r"""
-import json, os, re, subprocess, tempfile
+import json, os, sys
 os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, sys.argv[1])             # tests/: ptxas_report
 import triton
-import triton.backends.nvidia as nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from spec_decode import triton_ops as T
+from ptxas_report import ptxas_report
 
-PTXAS = os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas")
 TARGET = GPUTarget("cuda", 90, 32)
 PTRS = {"out_ptr": "*i32", "cu_num_draft_ptr": "*i32", "draft_ptr": "*i32", "draft_probs_ptr": "*fp32",
         "target_probs_ptr": "*fp32", "target_argmax_ptr": "*i32", "bonus_ptr": "*i32", "is_greedy_ptr": "*i8",
@@ -29,22 +31,15 @@ for no_q in (False, True):
         sig = {n: ("constexpr" if n in const else PTRS.get(n, "i32")) for n in fn.arg_names}
         kernel = triton.compile(ASTSource(fn, sig, const), target=TARGET)
         label = f"q{int(not no_q)}_g{int(greedy)}_r{int(rand)}"
-        with tempfile.TemporaryDirectory() as d:   # ptxas's input and output, gone afterwards
-            ptx = os.path.join(d, f"rej_{label}.ptx")
-            with open(ptx, "w") as f:
-                f.write(kernel.asm["ptx"])
-            log = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", ptx, "-o", ptx + ".cubin"],
-                                 capture_output=True, text=True, check=True).stderr
-        spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", log))
-        regs = int(re.search(r"Used (\d+) registers", log).group(1))
-        results.append({"label": label, "spills": spills, "regs": regs, "cubin": len(kernel.asm["cubin"])})
+        results.append(ptxas_report(kernel, label))
 print(json.dumps(results))
 """
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, str(TESTS_DIR)], capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
