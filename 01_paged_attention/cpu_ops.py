@@ -181,19 +181,20 @@ def build_extension(name: str, sources: list[pathlib.Path], isa: str, what: str,
         raise RuntimeError(missing.replace("CPU attention kernel", what))
     from torch.utils.cpp_extension import load as load_extension
     try:
+        flags = isa_flags(isa)
         clear_stale_build_lock(name)
         module = load_extension(
             name=name,
             sources=[str(s) for s in sources],
             extra_include_paths=[str(CSRC)],
-            extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG", *extra_cflags, *isa_flags(isa)],
+            extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG", *extra_cflags, *flags],
             extra_ldflags=["-fopenmp"],
             verbose=False)           # (ninja tracks the headers: an edited .h rebuilds too)
     except Exception as e:                   # noqa: BLE001 — a build error becomes one clear message
         raise RuntimeError(f"building the {what} ({isa}) failed: {type(e).__name__}: {e}") from e
     if module.isa() != isa:
         raise RuntimeError(f"the {isa} build of the {what} reports instruction set {module.isa()!r}: "
-                           f"the compiler ignored {isa_flags(isa)}")
+                           f"the compiler ignored {flags}")
     return module
 
 

@@ -53,27 +53,30 @@ def candidates() -> list[pathlib.Path]:
                                       "/usr/include") if p]
 
 
+def _usable(include: pathlib.Path) -> bool:
+    """include/ holds SIMDe at MIN_VERSION or newer."""
+    version = _version(include)
+    return version is not None and version >= MIN_VERSION
+
+
 def include_dir() -> pathlib.Path | None:
     """A folder holding simde/ at MIN_VERSION or newer, or None."""
-    for folder in candidates():
-        version = _version(folder)
-        if version is not None and version >= MIN_VERSION:
-            return folder
-    return None
+    return next((folder for folder in candidates() if _usable(folder)), None)
 
 
 def missing_reason() -> str | None:
     """Why the emulated AVX-512 builds cannot be made here (None when they can)."""
     if include_dir() is not None:
         return None
-    found = {str(f): _version(f) for f in candidates() if _version(f) is not None}
+    versions = {str(f): _version(f) for f in candidates()}
+    found = {f: v for f, v in versions.items() if v is not None}
     return (f"the avx512_simde builds need SIMDe >= {'.'.join(map(str, MIN_VERSION))} headers "
             f"(found: {found or 'none'} in {[str(c) for c in candidates()]}); `make setup` installs them "
             f"into the venv (`python -m paged_attention.simde install`)")
 
 
-def _deb_member(deb: bytes, prefix: bytes) -> tuple[bytes, bytes]:
-    """(name, contents) of the first member of an ar archive whose name starts with prefix."""
+def _deb_member(deb: bytes, prefix: bytes) -> bytes:
+    """The contents of the first member of an ar archive whose name starts with prefix."""
     if not deb.startswith(b"!<arch>\n"):
         raise ValueError("not a .deb (ar) archive")
     pos = 8
@@ -81,7 +84,7 @@ def _deb_member(deb: bytes, prefix: bytes) -> tuple[bytes, bytes]:
         header = deb[pos:pos + 60]                     # name[16] mtime[12] uid[6] gid[6] mode[8] size[10] magic[2]
         name, size = header[:16].rstrip(b" /"), int(header[48:58])
         if name.startswith(prefix):
-            return name, deb[pos + 60:pos + 60 + size]
+            return deb[pos + 60:pos + 60 + size]
         pos += 60 + size + (size & 1)                  # members are 2-byte aligned
     raise ValueError(f"no {prefix!r} member in the .deb")
 
@@ -90,14 +93,14 @@ def install(dest: pathlib.Path | None = None) -> pathlib.Path:
     """Download the pinned libsimde-dev .deb, check its hash, unpack usr/include/simde into
     dest (default: the venv's include/). Returns dest."""
     dest = pathlib.Path(dest or os.path.join(sys.prefix, "include"))
-    if _version(dest) is not None and _version(dest) >= MIN_VERSION:
+    if _usable(dest):
         return dest
     with urllib.request.urlopen(DEB_URL, timeout=120) as response:
         deb = response.read()
     digest = hashlib.sha256(deb).hexdigest()
     if digest != DEB_SHA256:
         raise RuntimeError(f"{DEB_URL}: SHA-256 {digest}, expected {DEB_SHA256}")
-    _, data = _deb_member(deb, b"data.tar")
+    data = _deb_member(deb, b"data.tar")
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:   # data.tar.xz: tarfile finds the compression
         members = [m for m in tar.getmembers() if m.name.startswith("./usr/include/simde/") and m.isfile()]
         for m in members:

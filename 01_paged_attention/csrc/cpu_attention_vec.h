@@ -1,7 +1,8 @@
 // The few vector operations the CPU attention kernel needs, for one instruction set chosen
 // at COMPILE time: AVX-512 (16 fp32 lanes), AVX2 + FMA (8 lanes), or portable scalar code
-// (1 lane) -- and, for tests, the AVX-512 branch emulated by SIMDe on a CPU without it. The Python loader picks the flags from a runtime check of the CPU
-// (paged_attention/cpu_ops.py), so one source builds the best variant each machine can run.
+// (1 lane) -- and, for tests, the AVX-512 branch emulated by SIMDe on a CPU without it. The
+// Python loader picks the flags from a runtime check of the CPU (paged_attention/cpu_ops.py),
+// so one source builds the best variant each machine can run.
 //
 // Why a tiny wrapper instead of letting the compiler vectorise plain loops: the two inner
 // loops the kernel lives in are a dot product (a reduction, which -O3 will not reorder
