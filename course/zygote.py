@@ -27,7 +27,12 @@ import threading
 
 # Not triton: it fixes interpreter-or-compiler when first configured, and each grading process
 # chooses that itself (tests/conftest.py sets TRITON_INTERPRET=1 on machines without CUDA).
-PRELOAD = ("numpy", "torch", "hypothesis", "pytest", "transformers", "tokenizers", "safetensors")
+# transformers loads its classes lazily, on first attribute access: its Auto* classes (which
+# our tests and engine use) are imported here by module (~3 s a process otherwise). Not
+# transformers.models.llama.modeling_llama: it imports triton.
+PRELOAD = ("numpy", "torch", "hypothesis", "pytest", "tokenizers", "safetensors", "transformers",
+           "transformers.models.auto.configuration_auto", "transformers.models.auto.modeling_auto",
+           "transformers.models.auto.tokenization_auto", "transformers.modeling_rope_utils")
 
 
 def preload() -> None:

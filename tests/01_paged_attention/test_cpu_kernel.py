@@ -28,6 +28,7 @@ from paged_attention import cpu_ops
 from paged_attention.reference import dense_attention
 from paged_attention.synthetic import make_paged_kv
 from tolerances import assert_close
+from cpu_isas import skip_unless_tested_here
 
 if cpu_ops.missing_build_tool():
     pytest.skip(cpu_ops.missing_build_tool(), allow_module_level=True)
@@ -218,8 +219,7 @@ def test_other_instruction_sets(isa):
     """Every build this machine runs (each compiled on first use, the AVX-512 one emulated by
     SIMDe where the CPU lacks it) gives the same answers: fp32/bf16/fp16, a head_dim with a
     vector tail, split KV, query tiles."""
-    if reason := cpu_ops.why_not_runnable(isa):
-        pytest.skip(reason)
+    skip_unless_tested_here(isa)
     ext = cpu_ops.load(isa)
     assert ext.isa() == isa
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -14,6 +14,7 @@ from mini_vllm.models import cpu_gemm
 from mini_vllm.models.layers import Linear
 from mini_vllm.models.loader import get_model, process_weights_after_loading
 from paged_attention import cpu_ops
+from cpu_isas import skip_unless_tested_here
 
 needs_kernel = pytest.mark.skipif(cpu_gemm.kernel_unavailable_reason(torch.zeros(1, 1)) is not None,
                                   reason="the C++ GEMM kernel does not build here")
@@ -86,8 +87,7 @@ def test_every_instruction_set_variant_computes_f_linear(isa):
     """The kernel is compiled per instruction set (a panel is 3 of its vectors: 48, 24 or 3
     columns). The engine loads the best one this CPU runs, so the others are built here by name:
     a scalar build that did not compile once went unnoticed until someone tried it by hand."""
-    if reason := cpu_ops.why_not_runnable(isa):
-        pytest.skip(reason)
+    skip_unless_tested_here(isa)
     kernel = cpu_gemm.load_kernel(isa)
     assert kernel.isa() == isa and kernel.panel_width == {"avx512": 48, "avx512_simde": 48, "avx2": 24, "scalar": 3}[isa]
     torch.manual_seed(0)

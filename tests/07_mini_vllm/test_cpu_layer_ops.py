@@ -13,6 +13,7 @@ from mini_vllm.models.attention import SelfAttention
 from mini_vllm.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
 from mini_vllm.models.loader import get_model, use_cpu_layer_ops
 from paged_attention import cpu_ops
+from cpu_isas import skip_unless_tested_here
 
 pytestmark = pytest.mark.skipif(not cpu_layer_ops.is_available(), reason=f"{cpu_layer_ops.unavailable_reason()}")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -80,8 +81,7 @@ def assert_rope_split_is_the_torch_path(q, k, v, qkv, cos, sin, heads, kv_heads,
 def test_every_instruction_set_variant_computes_the_torch_layers(isa):
     """The ops are compiled per instruction set (chapter 01's vector header); the engine loads the
     best one this CPU runs, so the others are built here by name. Widths with a vector tail."""
-    if reason := cpu_ops.why_not_runnable(isa):
-        pytest.skip(reason)
+    skip_unless_tested_here(isa)
     ops = cpu_layer_ops.load(isa)
     assert ops.isa() == isa
     norm = RMSNorm(33, 1e-5)

@@ -15,6 +15,7 @@ def test_sees_its_own_world():
     assert sys.path[0] == os.environ["EXPECT_CWD"] and os.environ["EXPECT_PATH"] in sys.path
     import helper_only_here                      # found through PYTHONPATH
     assert "mini_vllm" not in sys.modules and "paged_attention" not in sys.modules
+    assert "triton" not in sys.modules           # each process configures it (TRITON_INTERPRET)
 
 def test_fails():
     assert False, "expected failure"
