@@ -8,6 +8,9 @@ Two jobs that must happen before any kernel module is imported:
 And one rule for every engine a test builds (chapter 07, integration): it registers in
 `engine_registry`, and after EVERY test each registered engine must be idle with all its KV
 blocks free (device and CPU tier) and consistent bookkeeping.
+
+And one speed-up: the CPU kernels' builds that only the per-ISA tests use compile in the
+background, at the lowest priority, from the start of the session (tests/cpu_isas.py).
 """
 import os
 
@@ -28,6 +31,16 @@ def pytest_report_header(config):
               f"not run ({cpu_ops.why_not_runnable('avx512_simde')})")
     return (f"CPU kernels: {cpu_ops.cpu_isa()} (torch CPU capability "
             f"{torch.backends.cpu.get_cpu_capability()}); their AVX-512 builds: {avx512}; CUDA: {HAS_CUDA}")
+
+
+def pytest_collection_finish(session):
+    from cpu_isas import prebuild_in_background
+    session.config._vfs_prebuild = prebuild_in_background(session.items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from cpu_isas import wait_for
+    wait_for(getattr(session.config, "_vfs_prebuild", None), exitstatus == pytest.ExitCode.INTERRUPTED)
 
 
 def pytest_collection_modifyitems(config, items):

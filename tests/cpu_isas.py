@@ -1,15 +1,71 @@
-"""Which instruction-set builds of the CPU kernels a per-ISA test runs on this machine."""
+"""Which instruction-set builds of the CPU kernels the per-ISA tests run on this machine, and
+their builds started ahead, in the background (tests/conftest.py)."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 from paged_attention import cpu_ops
 
+# Each per-ISA test, and the kernel loader it builds its variants with (module, function).
+PER_ISA_TESTS = {
+    "test_other_instruction_sets": ("paged_attention.cpu_ops", "load"),
+    "test_every_instruction_set_variant_computes_f_linear": ("mini_vllm.models.cpu_gemm", "load_kernel"),
+    "test_every_instruction_set_variant_computes_the_torch_layers": ("mini_vllm.models.cpu_layer_ops", "load"),
+}
 
-def skip_unless_tested_here(isa: str) -> None:
-    """Skip the `isa` case where this machine cannot run it, and the SIMDe-emulated build where
-    the CPU runs the real instructions: it is the same source as the native case, which tests
-    it on the hardware (and a redundant -O1 build of every kernel costs CI a minute)."""
+
+def why_not_tested_here(isa: str) -> str | None:
+    """Why the `isa` case is skipped here (None: it runs): this machine cannot run it, or it is
+    the SIMDe-emulated build and the CPU runs the real instructions -- the same source as the
+    native case, which tests it on the hardware (a redundant -O1 build of each kernel)."""
     if reason := cpu_ops.why_not_runnable(isa):
-        pytest.skip(reason)
+        return reason
     emulated = isa.removesuffix("_simde")          # "avx512_simde" emulates "avx512"
     if isa in cpu_ops.EMULATED_ISAS and cpu_ops.why_not_runnable(emulated) is None:
-        pytest.skip(f"this CPU runs {emulated} natively: the {emulated} case tests this code")
+        return f"this CPU runs {emulated} natively: the {emulated} case tests this code"
+    return None
+
+
+def skip_unless_tested_here(isa: str) -> None:
+    if reason := why_not_tested_here(isa):
+        pytest.skip(reason)
+
+
+def prebuild_in_background(items) -> subprocess.Popen | None:
+    """Start building the variants the collected per-ISA tests will ask for, other than the one
+    the engine uses (built by the first test that runs a kernel). Each is one 15-30 s compile
+    and there are up to six, while a test session keeps only ~1.3 of CI's 2 cores busy: at the
+    lowest CPU priority they compile in the idle time, and the tests find them built (or wait
+    on torch's build lock for the one in progress). Nothing depends on it: a test that finds no
+    build makes it itself, as it always did."""
+    loaders = sorted({PER_ISA_TESTS[item.originalname] for item in items
+                      if getattr(item, "originalname", None) in PER_ISA_TESTS})
+    isas = [isa for isa in cpu_ops.ALL_ISAS if isa != cpu_ops.cpu_isa() and why_not_tested_here(isa) is None]
+    if not loaders or not isas or cpu_ops.missing_build_tool():
+        return None
+    jobs = [f"{module}:{function}:{isa}" for isa in isas for module, function in loaders]
+    return subprocess.Popen([sys.executable, __file__, *jobs], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(19))
+
+
+def wait_for(builder: subprocess.Popen | None, interrupted: bool) -> None:
+    """Let the builder finish the build it is in (a killed build leaves torch's lock behind)."""
+    if builder is None:
+        return
+    try:
+        builder.wait(timeout=60 if interrupted else 900)
+    except subprocess.TimeoutExpired:
+        builder.kill()
+        builder.wait()
+
+
+if __name__ == "__main__":                          # the builder: MODULE:FUNCTION:ISA ...
+    import importlib
+    for job in sys.argv[1:]:
+        module, function, isa = job.split(":")
+        try:
+            getattr(importlib.import_module(module), function)(isa)
+        except Exception:                           # noqa: BLE001 — the test that needs it reports it
+            pass
