@@ -33,14 +33,17 @@ def pytest_report_header(config):
             f"{torch.backends.cpu.get_cpu_capability()}); their AVX-512 builds: {avx512}; CUDA: {HAS_CUDA}")
 
 
+PREBUILD = pytest.StashKey()
+
+
 def pytest_collection_finish(session):
     from cpu_isas import prebuild_in_background
-    session.config._vfs_prebuild = prebuild_in_background(session.items)
+    session.config.stash[PREBUILD] = prebuild_in_background(session.items)
 
 
 def pytest_sessionfinish(session, exitstatus):
     from cpu_isas import wait_for
-    wait_for(getattr(session.config, "_vfs_prebuild", None), exitstatus == pytest.ExitCode.INTERRUPTED)
+    wait_for(session.config.stash.get(PREBUILD, None), exitstatus == pytest.ExitCode.INTERRUPTED)
 
 
 def pytest_collection_modifyitems(config, items):

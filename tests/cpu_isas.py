@@ -33,12 +33,6 @@ def skip_unless_tested_here(isa: str) -> None:
         pytest.skip(reason)
 
 
-def _build_order(job: tuple[str, str, str]) -> tuple[int, int]:
-    """The order the tests ask: chapter 01's attention first, then 07's kernels; each ISA in turn."""
-    isa, module, _ = job
-    return [m for m, _ in PER_ISA_TESTS.values()].index(module), cpu_ops.ALL_ISAS.index(isa)
-
-
 def prebuild_in_background(items) -> subprocess.Popen | None:
     """Start building the variants the collected per-ISA tests will ask for, other than the one
     the engine uses (built by the first test that runs a kernel). Each is one 15-30 s compile
@@ -46,9 +40,9 @@ def prebuild_in_background(items) -> subprocess.Popen | None:
     lowest CPU priority they compile in the idle time, and the tests find them built (or wait
     on torch's build lock for the one in progress). Nothing depends on it: a test that finds no
     build makes it itself, as it always did."""
-    wanted = {(item.callspec.params["isa"], *PER_ISA_TESTS[item.originalname]) for item in items
-              if getattr(item, "originalname", None) in PER_ISA_TESTS}
-    jobs = [f"{module}:{function}:{isa}" for isa, module, function in sorted(wanted, key=_build_order)
+    wanted = dict.fromkeys((item.callspec.params["isa"], *PER_ISA_TESTS[item.originalname]) for item in items
+                           if getattr(item, "originalname", None) in PER_ISA_TESTS)   # in the order they run
+    jobs = [f"{module}:{function}:{isa}" for isa, module, function in wanted
             if isa != cpu_ops.cpu_isa() and why_not_tested_here(isa) is None]
     if not jobs or cpu_ops.missing_build_tool() or items[0].config.option.collectonly:
         return None

@@ -164,9 +164,10 @@ at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& packed, const std::
   float* C = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, kMinWeightsPerThread / (K * NR));
   at::parallel_for(0, P, grain, [&](int64_t p_begin, int64_t p_end) {    // this thread's panels
+    const int64_t panel_lines = K * NR * int64_t(sizeof(float)) / kCacheLine;
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const int64_t rows = std::min(kRowBlock, M - m0);
-      const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows, panel_lines = K * NR * int64_t(sizeof(float)) / kCacheLine;
+      const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows;
       for (int64_t p = p_begin; p < p_end; ++p) {
         const int n_valid = int(std::min<int64_t>(NR, N - p * NR));
         const char* following = reinterpret_cast<const char*>(B + (p + 1) * K * NR);   // this thread's next panel
