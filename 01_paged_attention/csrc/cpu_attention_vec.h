@@ -98,13 +98,27 @@ inline Mask first_lanes(int n) {            // lanes [0, n) set; n may be <= 0 o
 }
 inline V zero() { return _mm512_setzero_ps(); }
 inline V set1(float x) { return _mm512_set1_ps(x); }
-inline V load(const float* p, Mask m) { return _mm512_maskz_loadu_ps(m, p); }
+// A whole vector (m = every lane, which most callers know at compile time) takes the plain
+// load/store, not the masked one. That is not about the instruction's speed: GCC 12 keeps an
+// array of vectors in memory when its values pass through a masked-load builtin, and then
+// stores every accumulator of a register tile to the stack on each loop iteration — csrc/
+// cpu_gemm.cpp's 4 x 3 tile did 12 64-byte stores per k step and ran at half the speed of
+// oneDNN (measured on a 2-core AVX-512 EPYC, `python -m benchmarks.bench_cpu_gemm`).
+inline bool every_lane(Mask m) { return m == Mask(0xFFFF); }
+inline V load(const float* p, Mask m) { return every_lane(m) ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p); }
 inline V load(const bf16* p, Mask m) {
-  __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  const __m256i h = every_lane(m) ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                  : _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-inline V load(const fp16* p, Mask m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
-inline void store(float* p, V v, Mask m) { _mm512_mask_storeu_ps(p, m, v); }
+inline V load(const fp16* p, Mask m) {
+  return _mm512_cvtph_ps(every_lane(m) ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                                       : _mm256_maskz_loadu_epi16(m, p));
+}
+inline void store(float* p, V v, Mask m) {
+  if (every_lane(m)) _mm512_storeu_ps(p, v);
+  else _mm512_mask_storeu_ps(p, m, v);
+}
 inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
 inline V add(V a, V b) { return _mm512_add_ps(a, b); }
