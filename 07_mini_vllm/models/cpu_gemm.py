@@ -25,8 +25,9 @@ linears read SmolLM2's 538 MB of weights at 8.3 GB/s on a 2-core EPYC, where the
 ~17). Our kernel (`cpu_gemm_backend="cpu"`, auto's first choice, fp32) packs each weight into
 column panels that one thread streams front to back, and keeps a 4-row x 3-vector tile of the
 output in registers: a decode step's linears 2.05x / 1.60x / 1.44x / 1.26x faster than oneDNN's
-at 1 / 8 / 32 / 64 rows, the same time at 2048 (`python -m benchmarks.bench_cpu_gemm`). The why
-and the layout: the .cpp's top comment.
+at 1 / 8 / 32 / 64 rows on a 2-core AVX2 EPYC, 1.47x / 1.33x / 1.20x / 1.15x on a 2-core AVX-512 one,
+the same time at 2048 (`python -m benchmarks.bench_cpu_gemm`). The why and the layout: the .cpp's
+top comment.
 """
 from __future__ import annotations
 
