@@ -17,9 +17,10 @@ import subprocess
 
 import pytest
 
+from mini_vllm.models.cpu_layer_ops import CSRC as ENGINE_CSRC
 from paged_attention import cpu_ops
 
-GEMM_SOURCE = cpu_ops.CSRC.parent.parent / "07_mini_vllm" / "csrc" / "cpu_gemm.cpp"
+GEMM_SOURCE = ENGINE_CSRC / "cpu_gemm.cpp"           # the source the engine's extension is built from
 # The micro-kernel and what it uses: from the anonymous namespace's start to the first function after it.
 KERNEL_START, KERNEL_END = "namespace {", "// All `rows` rows against one panel"
 VECTOR_REGISTER = {"avx512": "zmm", "avx2": "ymm"}
@@ -63,7 +64,7 @@ def inner_loops(asm: str) -> list[list[str]]:
         jump = re.fullmatch(r"j\w+\s+(\.L\w+)", line)
         if jump and where.get(jump.group(1), i) < i:
             body = lines[where[jump.group(1)] + 1:i + 1]
-            if not any(line.endswith(":") for line in body):
+            if not any(instruction.endswith(":") for instruction in body):
                 bodies.append(body)
     return bodies
 
