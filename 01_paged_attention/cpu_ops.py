@@ -78,6 +78,8 @@ ISA_ORDER = ("avx512", "avx2", "scalar")          # best first
 EMULATED_ISAS = {"avx512_simde": "avx2"}          # variant -> what the CPU must run
 ALL_ISAS = ISA_ORDER + tuple(EMULATED_ISAS)
 HEAD_DIM_MULTIPLE = 8                              # AVX2 vectors hold 8 fp32 lanes
+# Every variant's compile flags before its ISA's (tests compile single kernels with them too).
+BASE_CFLAGS = ("-O3", "-std=c++17", "-fopenmp", "-DNDEBUG")
 
 _modules: dict[str | None, object] = {}     # None: the default variant (cpu_isa())
 _failures: dict[str, str] = {}
@@ -187,7 +189,7 @@ def build_extension(name: str, sources: list[pathlib.Path], isa: str, what: str,
             name=name,
             sources=[str(s) for s in sources],
             extra_include_paths=[str(CSRC)],
-            extra_cflags=["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG", *extra_cflags, *flags],
+            extra_cflags=[*BASE_CFLAGS, *extra_cflags, *flags],
             extra_ldflags=["-fopenmp"],
             verbose=False)           # (ninja tracks the headers: an edited .h rebuilds too)
     except Exception as e:                   # noqa: BLE001 — a build error becomes one clear message

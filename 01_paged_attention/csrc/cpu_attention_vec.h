@@ -106,15 +106,13 @@ inline V set1(float x) { return _mm512_set1_ps(x); }
 // oneDNN (measured on a 2-core AVX-512 EPYC, `python -m benchmarks.bench_cpu_gemm`).
 inline bool every_lane(Mask m) { return m == Mask(0xFFFF); }
 inline V load(const float* p, Mask m) { return every_lane(m) ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p); }
+inline __m256i load_16bit_lanes(const void* p, Mask m) {    // bf16 / fp16: 16 lanes of 2 bytes
+  return every_lane(m) ? _mm256_loadu_si256(static_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi16(m, p);
+}
 inline V load(const bf16* p, Mask m) {
-  const __m256i h = every_lane(m) ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                  : _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load_16bit_lanes(p, m)), 16));
 }
-inline V load(const fp16* p, Mask m) {
-  return _mm512_cvtph_ps(every_lane(m) ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
-                                       : _mm256_maskz_loadu_epi16(m, p));
-}
+inline V load(const fp16* p, Mask m) { return _mm512_cvtph_ps(load_16bit_lanes(p, m)); }
 inline void store(float* p, V v, Mask m) {
   if (every_lane(m)) _mm512_storeu_ps(p, v);
   else _mm512_mask_storeu_ps(p, m, v);

@@ -47,7 +47,7 @@ def micro_kernel_source() -> str:
 def assembly(isa: str, tmp_path) -> str:
     src = tmp_path / "tile.cpp"
     src.write_text(micro_kernel_source())
-    cmd = [cpu_ops.compiler(), "-O3", "-std=c++17", "-DNDEBUG", *cpu_ops.isa_flags(isa),
+    cmd = [cpu_ops.compiler(), *cpu_ops.BASE_CFLAGS, *cpu_ops.isa_flags(isa),
            f"-I{cpu_ops.CSRC}", "-S", "-o", "-", str(src)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"compiling the micro-kernel failed:\n{done.stderr[-3000:]}"
