@@ -91,16 +91,20 @@ def generate_block_hash_extra_keys(request: Any, block_index: int) -> tuple | No
 
 
 def append_block_hashes(block_hashes: list[BlockHash], request: Any, block_size: int,
-                        hash_fn: HashFn = sha256_hash) -> list[BlockHash]:
+                        hash_fn: HashFn = sha256_hash, *, root_hash: int | None = None) -> list[BlockHash]:
     """Extend `block_hashes` (in place) to cover every FULL block of `request.all_token_ids`.
 
     Incremental on purpose: a decoding request gains one token per step, and rehashing its
     whole prompt each step would make the scheduler O(prompt length) per token.
+
+    `root_hash` is the first block's parent (None: NONE_HASH). One engine needs no other; a
+    cache shared by engines (chapter 06) seeds the chain with the model's identity, so the
+    chains of two models never meet — the role of vLLM's per-deployment hash seed.
     """
     ### BEGIN SOLUTION
     token_ids = request.all_token_ids
     num_full_blocks = len(token_ids) // block_size
-    parent = block_hashes[-1].hash_value if block_hashes else None
+    parent = block_hashes[-1].hash_value if block_hashes else root_hash
     for i in range(len(block_hashes), num_full_blocks):
         block_tokens = token_ids[i * block_size:(i + 1) * block_size]
         h = hash_block_tokens(parent, block_tokens, generate_block_hash_extra_keys(request, i), hash_fn)
@@ -110,8 +114,9 @@ def append_block_hashes(block_hashes: list[BlockHash], request: Any, block_size:
     ### END SOLUTION
 
 
-def hash_request_tokens(block_size: int, request: Any, hash_fn: HashFn = sha256_hash) -> list[BlockHash]:
+def hash_request_tokens(block_size: int, request: Any, hash_fn: HashFn = sha256_hash, *,
+                        root_hash: int | None = None) -> list[BlockHash]:
     """The hash chain of every full block of a request (one-shot form of `append_block_hashes`)."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    return append_block_hashes([], request, block_size, hash_fn)
+    return append_block_hashes([], request, block_size, hash_fn, root_hash=root_hash)

@@ -96,6 +96,10 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     return False
 
 
+def _connector_fault(error: Exception) -> str:
+    return f"the KV connector failed on this request's remote KV: {type(error).__name__}: {error}"
+
+
 class Scheduler:
     # Chapter 05's subclass sets this: only it may split a prompt across steps.
     splits_prompts: ClassVar[bool] = False
@@ -376,7 +380,11 @@ class Scheduler:
                 # Requests running this step are computing more of its prefix: wait one step and
                 # hit them, rather than compute the same K/V twice.
                 return "skipped"
-            external = self._external_tokens(request, num_local)
+            try:
+                external = self._external_tokens(request, num_local)
+            except Exception as e:        # a fault in THIS request's remote KV: it fails alone
+                self._finish_unscheduled(request, RequestStatus.FINISHED_ERROR, _connector_fault(e), owns_kv=False)
+                return "ignored"
             if external is None:
                 return "skipped"          # the connector cannot tell yet: ask again next step
             num_external, load_kv_async = external
@@ -404,8 +412,12 @@ class Scheduler:
         if new_blocks is None:
             return "blocked"         # no room in the KV cache; the running requests will free some
         if num_external:
-            self.connector.update_state_after_alloc(
-                request, self.kv_cache_manager.get_block_ids(request.request_id), num_external)
+            try:
+                self.connector.update_state_after_alloc(
+                    request, self.kv_cache_manager.get_block_ids(request.request_id), num_external)
+            except Exception as e:
+                self._finish_unscheduled(request, RequestStatus.FINISHED_ERROR, _connector_fault(e), owns_kv=True)
+                return "ignored"
         if load_kv_async:
             # It owns its blocks now and waits, in its place in the queue, for the load to land.
             request.num_computed_tokens = num_computed_tokens
@@ -582,9 +594,13 @@ class Scheduler:
     def _ignore_request(self, request: Request, message: str) -> None:
         """Fail a request that can never fit (the KV manager said so: RequestTooLargeError),
         with the reason, instead of preempting everyone or retrying it forever."""
-        owns_kv = self._owns_kv(request)
+        self._finish_unscheduled(request, RequestStatus.FINISHED_IGNORED, message, self._owns_kv(request))
+
+    def _finish_unscheduled(self, request: Request, status: RequestStatus, message: str, owns_kv: bool) -> None:
+        """Finish a request inside schedule() (not scheduled this step) with the reason; its
+        output is reported by the next update_from_output."""
         request.stop_reason = message
-        self._free_request(request, RequestStatus.FINISHED_IGNORED, owns_kv)
+        self._free_request(request, status, owns_kv)
         self._ignored_outputs.append(EngineCoreOutput(request.request_id, [], request.get_finished_reason(),
                                                       message, max(request.num_cached_tokens, 0)))
 
@@ -715,9 +731,10 @@ class Scheduler:
         if message is not None:
             request.stop_reason = message
         delay_free = False
-        if owns_kv and self.connector is not None and not request.kv_swapped_out:
-            delay_free = self.connector.request_finished(
-                request, self.kv_cache_manager.get_block_ids(request.request_id))
+        if self.connector is not None:     # told of every finished request, holding blocks or not
+            on_device = owns_kv and not request.kv_swapped_out
+            block_ids = self.kv_cache_manager.get_block_ids(request.request_id) if on_device else []
+            delay_free = self.connector.request_finished(request, block_ids) and on_device
         if delay_free:
             self._delayed_free[request.request_id] = request
         elif owns_kv:

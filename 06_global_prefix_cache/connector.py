@@ -49,12 +49,11 @@ from global_prefix_cache.grouping import Region, build_transfer_params
 from global_prefix_cache.kv_layout import BlockSegment, KVLayout, NodeSpec
 from global_prefix_cache.layers import LoadError, PoolHit, ScratchLayer, classify, hit_node_id
 from global_prefix_cache.rpc import RpcClient, RpcError, RpcServer
-from kvcache.hashing import BlockHash, append_block_hashes, sha256_hash
+from global_prefix_cache.transfer_params import decode_hashes, encode_hashes, parse_kv_transfer_params
+from kvcache.hashing import (BlockHash, append_block_hashes, generate_block_hash_extra_keys, hash_block_tokens,
+                             sha256_hash)
+from kvcache.kv_cache_manager import cdiv
 from scheduler.kv_connector import KVConnectorBase
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVConnectorRole(enum.Enum):
@@ -72,6 +71,7 @@ class LoadSpec:
     num_blocks: int
     hits: list[PoolHit] = field(default_factory=list)          # pool
     push: dict[str, Any] = field(default_factory=dict)          # push: the prefill node's kv_transfer_params
+    expected_hashes: list[int] = field(default_factory=list)   # push: our tokens' hashes of the blocks loaded
     block_ids: list[int] = field(default_factory=list)         # local destination blocks (set after alloc)
 
 
@@ -82,6 +82,7 @@ class SaveSpec:
     block_hashes: list[int]
     push_block_ids: list[int] = field(default_factory=list)    # stage for a decode node (prompt complete)
     push_num_tokens: int = 0
+    push_block_hashes: list[int] = field(default_factory=list)  # the staged tokens' hashes, one per block
 
 
 @dataclass
@@ -121,6 +122,7 @@ class _Staged:
     slots: list[int]
     num_tokens: int
     expires: float
+    block_hashes: list[int]           # of the staged tokens: what a decode node's request must match
     sent: bool = False
 
 
@@ -142,6 +144,7 @@ class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
         self.layer = self._make_layer()
         self.layout: KVLayout | None = None
         self.spec: NodeSpec | None = None
+        self._root_hash: int | None = None           # the spec's: seeds every block-hash chain we share
         # scheduler side
         self._hashes: dict[str, list[BlockHash]] = {}
         self._requests: dict[str, Any] = {}
@@ -181,29 +184,23 @@ class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
         """Read by chapter 03's scheduler when a load fails: "recompute" or "fail"."""
         return self.config.kv_load_failure_policy
 
-    def validate_kv_transfer_params(self, params: dict | None) -> None:
-        """ValueError, before a request is queued, if this node cannot do what its
-        kv_transfer_params ask: a role that cannot (a consumer asked to send, a producer asked
-        to load), missing fields, or a prefill node whose K/V is not interchangeable with ours
-        (another model, block size, layer count, KV heads, head_dim or dtype)."""
-        if not params:
-            return
-        if not isinstance(params, dict):
-            raise ValueError(f"kv_transfer_params must be a dict, got {type(params).__name__}")
-        if params.get("do_remote_decode"):
+    def validate_kv_transfer_params(self, params: dict | None) -> dict | None:
+        """The canonical form of a request's kv_transfer_params (`transfer_params.py`: every
+        field type- and range-checked), before the request is queued; the request must carry
+        that form. ValueError if they are malformed or ask what this node cannot do: a role
+        that cannot (a consumer asked to send, a producer asked to load), or a prefill node
+        whose K/V is not interchangeable with ours (another model, block size, layer count,
+        KV heads, head_dim or dtype)."""
+        parsed = parse_kv_transfer_params(params)
+        if parsed is None:
+            return None
+        if parsed.get("do_remote_decode"):
             self.config.require("save")
-        if params.get("do_remote_prefill"):
+        if parsed.get("do_remote_prefill"):
             self.config.require("load")
-            missing = [k for k in ("remote_session", "remote_request_id", "num_tokens", "spec") if k not in params]
-            if missing:
-                raise ValueError(f"kv_transfer_params with do_remote_prefill needs {missing} "
-                                 "(pass the prefill node's returned kv_transfer_params unchanged)")
-            try:
-                remote = NodeSpec(**params["spec"])
-            except TypeError as e:
-                raise ValueError(f"kv_transfer_params['spec'] is not a node spec: {e}") from None
             if self.spec is not None:
-                self.spec.check_compatible(remote, "the prefill node")
+                self.spec.check_compatible(NodeSpec(**parsed["spec"]), "the prefill node")
+        return parsed
 
     # ================================================================ worker: setup
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -217,6 +214,7 @@ class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
                              f"got {tuple(first.shape)}")
         self.spec = NodeSpec(self.config.extra["model"], self.block_size, len(kv_caches) // 2, first.shape[2],
                              first.shape[3], str(first.dtype).removeprefix("torch."))
+        self._root_hash = self.spec.root_hash()
         self.layer.start(self.layout, self.spec)
         if self.config.is_kv_producer:
             self.send_segment = BlockSegment(self.layout, self.config.extra["send_capacity_blocks"])
@@ -226,10 +224,23 @@ class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
 
     # ================================================================ scheduler side
     def _block_hashes(self, request) -> list[BlockHash]:
-        # sha256: the chain must be the same number on every node (Python's hash of a str
-        # is salted per process).
+        """The chained hashes of the request's full blocks, as every node of this spec computes
+        them: sha256 (Python's hash of a str is salted per process) from the spec's root (two
+        models' chains never meet, whatever their tokens)."""
         hashes = self._hashes.setdefault(request.request_id, [])
-        return append_block_hashes(hashes, request, self.block_size, sha256_hash)
+        return append_block_hashes(hashes, request, self.block_size, sha256_hash, root_hash=self._root_hash)
+
+    def _token_hashes(self, request, num_tokens: int) -> list[int]:
+        """One chained hash per block of the request's first `num_tokens` tokens, the last one
+        over a partial block if num_tokens is not block-aligned (what a staged prompt is)."""
+        num_full = num_tokens // self.block_size
+        hashes = [h.hash_value for h in self._block_hashes(request)[:num_full]]
+        if num_tokens % self.block_size:
+            parent = hashes[-1] if hashes else self._root_hash
+            tail = request.all_token_ids[num_full * self.block_size:num_tokens]
+            extra_keys = generate_block_hash_extra_keys(request, num_full)
+            hashes.append(hash_block_tokens(parent, tail, extra_keys, sha256_hash).hash_value)
+        return hashes
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens after the local hit (`num_computed_tokens`, block-aligned) whose K/V can be
@@ -260,10 +271,14 @@ class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
         if self._pool_is_down():
             return 0, False
         self.stats["lookups"] += 1
+        wanted = [h.hash_value for h in hashes[first:last]]
         try:
-            hits = self.layer.pool_query([h.hash_value for h in hashes[first:last]])
+            hits = self.layer.pool_query(wanted)
         except (RpcError, ConnectionError, OSError) as e:      # metadata/master unreachable: a miss
             self._pool_failed(e)
+            return 0, False
+        if [h.block_hash for h in hits] != wanted[:len(hits)]:  # the server answered another question
+            self._count_failure("mismatch")
             return 0, False
         if not hits:
             return 0, False
@@ -273,21 +288,34 @@ class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
         ### END SOLUTION
 
     def _match_push(self, request, num_computed_tokens: int, params: dict) -> tuple[int, bool]:
-        """Disaggregation: the prefill node has K/V for params['num_tokens'] tokens."""
-        for key in ("remote_session", "remote_request_id", "num_tokens", "spec"):
-            if key not in params:
-                raise ValueError(f"kv_transfer_params with do_remote_prefill needs {key!r}; got {sorted(params)}")
-        self.spec.check_compatible(NodeSpec(**params["spec"]), "the prefill node")
+        """Disaggregation: the prefill node staged K/V for params['num_tokens'] tokens (params in
+        the canonical form `validate_kv_transfer_params` returned when the request was added).
+        Only the staged tokens that are this request's own are loaded: K/V of another prompt
+        must never become this one's, whatever request id the params name."""
         if request.request_id in self._no_remote:
             return 0, False
-        available = min(int(params["num_tokens"]), request.num_tokens - 1)
+        staged = decode_hashes(params["block_hashes"])
+        available = min(self._num_own_tokens(request, staged, params["num_tokens"]), request.num_tokens - 1)
         n = available - num_computed_tokens
         if n <= 0:
             return 0, False
-        first = num_computed_tokens // self.block_size
-        num_blocks = cdiv(num_computed_tokens + n, self.block_size) - first
-        self._matched[request.request_id] = LoadSpec(request.request_id, "push", first, num_blocks, push=dict(params))
+        first, last = num_computed_tokens // self.block_size, cdiv(available, self.block_size)
+        self._matched[request.request_id] = LoadSpec(request.request_id, "push", first, last - first,
+                                                     push=dict(params), expected_hashes=staged[first:last])
         return n, True
+
+    def _num_own_tokens(self, request, staged_hashes: list[int], num_staged: int) -> int:
+        """How many of the staged tokens are this request's: the end of the last staged block
+        whose hash equals the hash of our tokens over the same range. The chain makes block i's
+        equality cover blocks 0..i, so the first difference ends the match."""
+        ours = self._token_hashes(request, min(num_staged, request.num_tokens))
+        num_own = 0
+        for i, (theirs, mine) in enumerate(zip(staged_hashes, ours)):
+            end = min((i + 1) * self.block_size, num_staged)
+            if theirs != mine or end > request.num_tokens:
+                break
+            num_own = end
+        return num_own
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """The request now owns its blocks: plan the load into the ones the match covers."""
@@ -348,6 +376,7 @@ class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
             state.staged = True
             save.push_block_ids = state.block_ids[:cdiv(state.prompt_len, self.block_size)]
             save.push_num_tokens = state.prompt_len
+            save.push_block_hashes = self._token_hashes(request, state.prompt_len)
         return save if (save.block_ids or save.push_block_ids) else None
 
     def request_finished(self, request, block_ids: Sequence[int]) -> bool:
@@ -376,7 +405,7 @@ class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
             if staged is not None:    # None: its prompt never completed here, nothing to fetch
                 self._params_out[rid] = {"do_remote_prefill": True, "remote_session": self.side_channel.address,
                                          "remote_request_id": rid, "num_tokens": staged.num_tokens,
-                                         "spec": self.spec.as_dict()}
+                                         "spec": self.spec.as_dict(), "block_hashes": encode_hashes(staged.block_hashes)}
         return False
 
     def take_kv_transfer_params(self, request_id: str) -> dict | None:
@@ -435,7 +464,7 @@ class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
         header = {"op": "pull_kv", "request_id": spec.push["remote_request_id"], "target": self.layer.engine.session_id,
                   "regions": [[r.base, r.block_len, r.num_blocks] for r in self.layout.regions],
                   "first_block": spec.first_block, "block_ids": spec.block_ids, "tag": job.tag,
-                  "spec": self.spec.as_dict(), "wait_s": timeout}
+                  "spec": self.spec.as_dict(), "block_hashes": encode_hashes(spec.expected_hashes), "wait_s": timeout}
         client = RpcClient(spec.push["remote_session"], timeout)
         try:
             reply, _ = client.call(header)
@@ -444,6 +473,14 @@ class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
             raise LoadError(classify(str(e)), str(e)) from None
         finally:
             client.close()
+        try:
+            pushed = decode_hashes(reply.get("block_hashes"), "the reply's block_hashes")
+        except ValueError as e:
+            raise LoadError("mismatch", f"request {spec.request_id}: {e}") from None
+        if pushed != spec.expected_hashes:
+            # Never trust the sender's own check: these blocks hold K/V of other tokens.
+            raise LoadError("mismatch", f"request {spec.request_id}: the pushed blocks are of other tokens "
+                                        "(their block hashes differ from this request's)")
         if self.layout.block_checksums(spec.block_ids) != reply["checksums"]:
             raise LoadError("checksum", f"request {spec.request_id}: pushed blocks fail their checksums")
         return reply["num_bytes"]
@@ -582,17 +619,20 @@ class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
                 self.layer.pool_abort_save(handle)
             if slots:
                 with self._staged_cv:
-                    self._staged[save.request_id] = _Staged(slots, save.push_num_tokens, time.monotonic() + keep)
+                    self._staged[save.request_id] = _Staged(slots, save.push_num_tokens, time.monotonic() + keep,
+                                                            save.push_block_hashes)
                     self._staged_cv.notify_all()
         self._save_handles = []
 
     # ================================================================ prefill node: the push
     def _serve_pull(self, header: dict, _payload) -> dict:
         """Side channel (vLLM: ZMQ): a decode node asks for request `request_id`'s K/V to be
-        written into its blocks. Wait (bounded) until the prompt's K/V is staged, then push."""
-        NodeSpec(**header["spec"]).check_compatible(self.spec, "this prefill node")
-        rid = header["request_id"]
-        deadline = time.monotonic() + min(float(header["wait_s"]), self.config.extra["send_keep_s"])
+        written into its blocks. Wait (bounded) until the prompt's K/V is staged, then push.
+        A request for other tokens than the staged ones (its block hashes differ) is refused
+        before anything moves, and the staged K/V stays for the request it belongs to."""
+        rid, first, dst_ids, expected, wait_s = _check_pull_header(header)
+        NodeSpec.from_dict(header["spec"]).check_compatible(self.spec, "this prefill node")
+        deadline = time.monotonic() + min(wait_s, self.config.extra["send_keep_s"])
         with self._staged_cv:
             while (staged := self._staged.get(rid)) is None or staged.sent:
                 left = deadline - time.monotonic()
@@ -601,12 +641,12 @@ class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
                 if left <= 0:
                     raise TimeoutError(f"request {rid} has no staged K/V here (not computed, or expired)")
                 self._staged_cv.wait(left)
+            if staged.block_hashes[first:first + len(dst_ids)] != expected:
+                raise LookupError(f"request {rid}: block hash mismatch — the staged K/V is of other tokens than "
+                                  "the decode request's")
             staged.sent = True
         ### BEGIN SOLUTION
-        first, dst_ids = header["first_block"], header["block_ids"]
         src_slots = staged.slots[first:first + len(dst_ids)]
-        if len(src_slots) != len(dst_ids):
-            raise ValueError(f"request {rid}: {len(staged.slots)} blocks staged, asked for {first}..{first + len(dst_ids) - 1}")
         remote = [Region(*r) for r in header["regions"]]
         buffers, peer_addrs, lengths = build_transfer_params(self.send_segment.regions, remote, src_slots, dst_ids)
         rc = self.layer.engine.batch_transfer_sync_write(header["target"], buffers, peer_addrs, lengths, tag=header["tag"])
@@ -619,7 +659,8 @@ class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
         if rc != 0:
             raise IOError(f"push of request {rid} failed: {self.layer.engine.last_error}")
         self.stats["pushed_blocks"] += len(dst_ids)
-        return {"checksums": checksums, "num_bytes": sum(lengths), "num_transfers": len(lengths)}
+        return {"checksums": checksums, "num_bytes": sum(lengths), "num_transfers": len(lengths),
+                "block_hashes": encode_hashes(staged.block_hashes[first:first + len(dst_ids)])}
 
     def _drain_sending(self, now: float) -> set[str]:
         with self._staged_cv:
@@ -639,6 +680,24 @@ class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
         if self.side_channel is not None:
             self.side_channel.close()
         self.layer.close()
+
+
+def _check_pull_header(header: dict) -> tuple[str, int, list[int], list[int], float]:
+    """(request_id, first_block, block_ids, block_hashes, wait_s) of a decode node's pull,
+    ValueError if any is malformed: it comes from another process."""
+    rid, first, ids, wait_s = (header.get(k) for k in ("request_id", "first_block", "block_ids", "wait_s"))
+    if not isinstance(rid, str) or not rid:
+        raise ValueError(f"pull_kv: request_id must be a non-empty str, got {rid!r}")
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        raise ValueError(f"pull_kv: first_block must be an int >= 0, got {first!r}")
+    if not isinstance(ids, list) or not ids or not all(isinstance(b, int) and b >= 0 for b in ids):
+        raise ValueError(f"pull_kv: block_ids must be a non-empty list of block ids, got {ids!r}")
+    if not isinstance(wait_s, (int, float)) or not wait_s > 0:
+        raise ValueError(f"pull_kv: wait_s must be a positive number, got {wait_s!r}")
+    hashes = decode_hashes(header.get("block_hashes"), "pull_kv: block_hashes")
+    if len(hashes) != len(ids):
+        raise ValueError(f"pull_kv: {len(ids)} blocks asked for with {len(hashes)} block hashes")
+    return rid, first, ids, hashes, float(wait_s)
 
 
 class GlobalKVPoolConnector(KVConnectorBase_V1):

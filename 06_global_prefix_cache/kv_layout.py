@@ -14,12 +14,13 @@ from __future__ import annotations
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from global_prefix_cache.grouping import Region
 from kvcache.cache_engine import CacheEngine, KVCacheSpec
+from kvcache.hashing import sha256_hash
 
 
 @dataclass(frozen=True)
@@ -37,8 +38,30 @@ class NodeSpec:
         return cls(model, spec.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim,
                    str(spec.dtype).removeprefix("torch."))
 
+    @classmethod
+    def from_dict(cls, fields: Any, what: str = "spec") -> "NodeSpec":
+        """A spec that arrived from another process: every field present, of its type, in range.
+        ValueError otherwise (never a TypeError from deep inside a later comparison)."""
+        if not isinstance(fields, dict):
+            raise ValueError(f"{what} must be a dict of {list(_SPEC_TYPES)}, got {type(fields).__name__}")
+        if set(fields) != set(_SPEC_TYPES):
+            raise ValueError(f"{what} must have exactly the keys {sorted(_SPEC_TYPES)}, got {sorted(fields)}")
+        for key, kind in _SPEC_TYPES.items():
+            value = fields[key]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"{what}[{key!r}] must be a {kind.__name__}, got {value!r}")
+            if kind is int and value <= 0:
+                raise ValueError(f"{what}[{key!r}] must be positive, got {value}")
+        return cls(**fields)
+
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+    def root_hash(self) -> int:
+        """The parent of the first block's hash in every chain this node shares (chapter 02's
+        `root_hash`): K/V is a function of the model as much as of the tokens, so the same
+        tokens under two specs hash to different blocks and can never be mistaken for each other."""
+        return sha256_hash(("NodeSpec", tuple(sorted(self.as_dict().items()))))
 
     def check_compatible(self, other: "NodeSpec", what: str = "the remote node") -> None:
         """ValueError naming every field that differs: such nodes cannot share K/V blocks."""
@@ -48,6 +71,10 @@ class NodeSpec:
             raise ValueError(f"K/V of {what} is not interchangeable with this node's ("
                              + "; ".join(diffs) + "): prefill and decode nodes must run the same model "
                              "with the same block size and KV dtype")
+
+
+_SPEC_TYPES = {"model": str, "block_size": int, "num_layers": int, "num_kv_heads": int, "head_dim": int,
+               "dtype": str}
 
 
 def kv_caches_from_cache_engine(cache_engine: CacheEngine) -> dict[str, torch.Tensor]:

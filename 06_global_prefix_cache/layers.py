@@ -29,7 +29,8 @@ from global_prefix_cache.transfer_engine import LinkModel, TransferEngine
 
 class LoadError(RuntimeError):
     """A remote load failed; `reason` is one of: unreachable, timeout, checksum, stale,
-    refused. The request falls back to computing its K/V locally."""
+    mismatch (K/V of other tokens), refused. The request falls back to computing its K/V
+    locally."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
@@ -49,6 +50,8 @@ def classify(error: str) -> str:
     e = error.lower()
     if "checksum" in e:
         return "checksum"
+    if "mismatch" in e:
+        return "mismatch"
     if "within" in e or "timed out" in e or "timeout" in e:
         return "timeout"
     if "refused" in e or "closed" in e or "reset" in e or "unreachable" in e or "failed" in e:
@@ -87,6 +90,14 @@ class ScratchLayer:
             # A refused node (different model/block size) is a configuration error: raise.
             self.metadata.register_node(self.node_id, self.engine.session_id, spec.as_dict(), regions,
                                         self.segment.capacity)
+        elif self.config.is_kv_consumer:
+            # A reader joins too: another model's node must not read this pool (its block hashes
+            # could never hit, being seeded with its spec, but the mistake deserves an error).
+            # An unreachable server is not fatal for a reader: it computes until the pool is back.
+            try:
+                self.metadata.join(self.node_id, spec.as_dict())
+            except RpcError:
+                pass
 
     # ---- pool ------------------------------------------------------------------------
     def pool_query(self, block_hashes: Sequence[int]) -> list[PoolHit]:

@@ -69,8 +69,10 @@ class MetadataServer:
         self.stats = {"queries": 0, "query_blocks": 0, "hit_blocks": 0, "published": 0, "evicted": 0}
 
     # ---- nodes -------------------------------------------------------------------
-    def register_node(self, node_id: str, session: str, spec: dict, regions: Sequence[Sequence[int]],
-                      capacity: int) -> None:
+    def join(self, node_id: str, spec: dict) -> None:
+        """Every node that uses the pool, reader or writer, joins with its spec: the pool holds
+        one model's K/V (the first node's spec), and a node of another model, block size or
+        dtype is refused here, at start-up, with the fields that differ."""
         with self._lock:
             if self.spec is None:
                 self.spec = dict(spec)
@@ -79,6 +81,12 @@ class MetadataServer:
                          if spec.get(k) != self.spec.get(k)}
                 raise ValueError(f"node {node_id!r} cannot join this pool: its K/V differ {diffs} "
                                  "(node's value, pool's value) — same model, block size and dtype required")
+
+    def register_node(self, node_id: str, session: str, spec: dict, regions: Sequence[Sequence[int]],
+                      capacity: int) -> None:
+        """A node that contributes pool memory (a producer): join, then its segment's slots."""
+        with self._lock:
+            self.join(node_id, spec)
             if node_id in self.nodes:
                 self._drop_node(node_id)      # a restarted node: its old slots are gone
             self.nodes[node_id] = NodeInfo(node_id, session, [tuple(r) for r in regions], int(capacity))
@@ -203,6 +211,7 @@ class MetadataService:
         self._rpc = RpcServer({
             "register_node": lambda h, _: (s.register_node(h["node_id"], h["session"], h["spec"], h["regions"],
                                                            h["capacity"]) or {}),
+            "join": lambda h, _: (s.join(h["node_id"], h["spec"]) or {}),
             "remove_node": lambda h, _: {"removed": s.remove_node(h["node_id"])},
             "allocate": lambda h, _: {"slots": s.allocate(h["node_id"], h["hashes"])},
             "publish": lambda h, _: {"published": s.publish(h["node_id"], h["entries"], h["size"])},
@@ -245,11 +254,18 @@ class MetadataClient:
     def _call(self, op: str, **kw) -> dict:
         return self._rpc.call({"op": op, **kw})[0]
 
+    def join(self, node_id: str, spec: dict) -> None:
+        """ValueError (not an RpcError) when the pool refuses the node: a configuration error."""
+        self._call_refusable("join", node_id=node_id, spec=spec)
+
     def register_node(self, node_id: str, session: str, spec: dict, regions, capacity: int) -> None:
         """ValueError (not an RpcError) when the pool refuses the node: a configuration error."""
+        self._call_refusable("register_node", node_id=node_id, session=session, spec=spec,
+                             regions=[list(r) for r in regions], capacity=capacity)
+
+    def _call_refusable(self, op: str, **kw) -> None:
         try:
-            self._call("register_node", node_id=node_id, session=session, spec=spec,
-                       regions=[list(r) for r in regions], capacity=capacity)
+            self._call(op, **kw)
         except RpcError as e:
             if e.remote_type == "ValueError":
                 raise ValueError(str(e)) from None

@@ -116,8 +116,12 @@ class KVNode:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], max_tokens: int = 1,
                     kv_transfer_params: dict | None = None) -> None:
-        request = Request(request_id, prompt_token_ids, max_tokens, ignore_eos=True)
-        request.kv_transfer_params = kv_transfer_params
+        if kv_transfer_params is not None:
+            if self.connector is None:
+                raise ValueError("kv_transfer_params given to a node without a KV connector")
+            kv_transfer_params = self.connector.validate_kv_transfer_params(kv_transfer_params)
+        request = Request(request_id, prompt_token_ids, max_tokens, ignore_eos=True,
+                          kv_transfer_params=kv_transfer_params)
         self.scheduler.add_request(request)
         self.requests[request_id] = request
         self.records[request_id] = RequestRecord(request_id, len(prompt_token_ids))

@@ -11,6 +11,7 @@ default theta (10000) would still run but give wrong answers, so both are read e
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -149,6 +150,23 @@ class ModelConfig:
             max_model_len=max_model_len if max_model_len is not None else limit,
             hf_config=hf,
         )
+
+
+def weights_fingerprint(path: Path, sample_bytes: int = 1 << 16) -> str:
+    """A short id of a checkpoint's weights: sha256 over config.json and, per weight file, its
+    name, size and three samples (start, middle, end). Two engines' K/V are interchangeable only
+    if their weights are the same (chapter 06 keys shared K/V by this): a name or config.json
+    alone would let a fine-tune, or another random initialisation of the same architecture,
+    read this model's K/V. Milliseconds for any model size."""
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for weights in sorted(path.glob("*.safetensors")):
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with weights.open("rb") as f:
+            for offset in sorted({0, max(0, size // 2 - sample_bytes // 2), max(0, size - sample_bytes)}):
+                f.seek(offset)
+                digest.update(f.read(sample_bytes))
+    return digest.hexdigest()[:16]
 
 
 def check_model_dir(path: Path) -> None:

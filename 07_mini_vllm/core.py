@@ -18,7 +18,6 @@ given to the scheduler: one object plays vLLM's scheduler-side and worker-side c
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ import torch
 from kvcache import BlockSpaceManager, KVCacheManager
 from scheduler import EngineCoreOutput, FinishReason, Request, RequestStatus, Scheduler, SchedulerOutput
 
-from mini_vllm.config import ModelConfig
+from mini_vllm.config import ModelConfig, weights_fingerprint
 from mini_vllm.engine_config import GiB, EngineConfig
 from mini_vllm.model_inputs import ModelInputs
 from mini_vllm.kv_memory import (DEFAULT_CPU_KV_CACHE_MEMORY, GPUMemorySnapshot, KVCacheReport,
@@ -95,17 +94,15 @@ class EngineCore:
     # ------------------------------------------------------------------ KV connector (chapter 06)
     def _make_kv_connector(self):
         """vLLM's KVConnectorFactory: the config's connector name picks the class. The K/V of two
-        engines is interchangeable only for the same model, so the connector's node spec names
-        it (directory name + a hash of config.json) unless kv_connector_extra_config["model"] does."""
+        engines is interchangeable only for the same weights, so the connector's node spec names
+        them (directory name + `weights_fingerprint`) unless kv_connector_extra_config["model"] does."""
         kv_config = self.config.kv_transfer_config
         if kv_config is None:
             return None
         from global_prefix_cache.connector import create_connector
         extra = dict(kv_config.kv_connector_extra_config)
         if not extra.get("model"):
-            config_json = self.model_config.model / "config.json"
-            digest = hashlib.sha256(config_json.read_bytes()).hexdigest()[:12] if config_json.exists() else "?"
-            extra["model"] = f"{self.model_config.model.name}@{digest}"
+            extra["model"] = f"{self.model_config.model.name}@{weights_fingerprint(self.model_config.model)}"
         connector = create_connector(dataclasses.replace(kv_config, kv_connector_extra_config=extra),
                                      self.config.block_size)
         try:
@@ -115,15 +112,16 @@ class EngineCore:
             raise
         return connector
 
-    def validate_kv_transfer_params(self, params: dict | None) -> None:
-        """ValueError if this engine cannot do what a request's kv_transfer_params ask (no
-        connector, a role that cannot, a prefill node of another model or block size)."""
+    def validate_kv_transfer_params(self, params: dict | None) -> dict | None:
+        """The canonical form of a request's kv_transfer_params, which the request must carry;
+        ValueError if they are malformed or ask what this engine cannot do (no connector, a role
+        that cannot, a prefill node of another model or block size)."""
         if params is None:
-            return
+            return None
         if self.kv_connector is None:
             raise ValueError("kv_transfer_params given, but this engine has no kv_transfer_config "
                              "(LLM(..., kv_transfer_config={'kv_connector': ..., 'kv_role': ...}))")
-        self.kv_connector.validate_kv_transfer_params(params)
+        return self.kv_connector.validate_kv_transfer_params(params)
 
     def take_kv_transfer_params(self, request_id: str) -> dict | None:
         """What a finished request produced for another engine (a prefill node's: where its K/V

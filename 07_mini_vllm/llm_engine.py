@@ -85,7 +85,7 @@ class LLMEngine:
             prompt, prompt_token_ids = self.processor.process_inputs(prompt, params)
         else:   # ids from a caller: validated like any other prompt (one bad id would fail every step)
             prompt_token_ids = self.processor.validate(prompt_token_ids, params)
-        self.engine_core.validate_kv_transfer_params(kv_transfer_params)
+        kv_transfer_params = self.engine_core.validate_kv_transfer_params(kv_transfer_params)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         eos_ids = self.model_config.eos_token_ids
         request = Request(

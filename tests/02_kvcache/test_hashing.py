@@ -84,6 +84,23 @@ def test_lora_keys_every_block_salt_only_the_first():
     assert hash_request_tokens(4, SimpleRequest("z", list(range(8)), lora_int_id=0)) == plain
 
 
+def test_root_hash_seeds_the_whole_chain():
+    """A cache shared by engines seeds the chain with the model's identity (chapter 06): the same
+    tokens under two roots share no block hash, and root None is the one-engine chain."""
+    r = SimpleRequest("r", list(range(12)))
+    plain = hash_request_tokens(4, r)
+    assert hash_request_tokens(4, r, root_hash=None) == plain
+    assert plain[0].parent_hash_value == NONE_HASH
+    seeded = hash_request_tokens(4, r, root_hash=1234)
+    assert seeded[0].parent_hash_value == 1234
+    assert not {h.hash_value for h in seeded} & {h.hash_value for h in plain}
+    other = hash_request_tokens(4, r, root_hash=1235)
+    assert not {h.hash_value for h in seeded} & {h.hash_value for h in other}
+    incremental = append_block_hashes(hash_request_tokens(4, SimpleRequest("r", list(range(4))), root_hash=1234),
+                                      r, 4, root_hash=1234)
+    assert incremental == seeded
+
+
 def test_sha256_is_stable_across_processes_builtin_str_hash_is_not():
     code = ("from kvcache import SimpleRequest, hash_request_tokens;"
             "r = SimpleRequest('r', list(range(8)), cache_salt='s');"

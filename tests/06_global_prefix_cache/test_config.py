@@ -63,7 +63,7 @@ def test_connector_level_errors(metadata_service, pool_config):
         prod = KVNode(pool_config(metadata_service.address, role="kv_producer", save_to_pool=False), block_size=4)
         try:
             params = {"do_remote_prefill": True, "remote_session": "127.0.0.1:1", "remote_request_id": "x",
-                      "num_tokens": 8, "spec": prod.connector.spec.as_dict()}
+                      "num_tokens": 8, "spec": prod.connector.spec.as_dict(), "block_hashes": ["0" * 64] * 2}
             with pytest.raises(ValueError, match="cannot load remote K/V"):
                 prod.run("r", list(range(10)), kv_transfer_params=params)
         finally:
@@ -71,7 +71,7 @@ def test_connector_level_errors(metadata_service, pool_config):
         # A decode node told to fetch K/V from a prefill node of another model: refused.
         bad = dict(a.connector.spec.as_dict(), model="another-model")
         params = {"do_remote_prefill": True, "remote_session": "127.0.0.1:1", "remote_request_id": "x",
-                  "num_tokens": 8, "spec": bad}
+                  "num_tokens": 8, "spec": bad, "block_hashes": ["0" * 64] * 2}
         with pytest.raises(ValueError, match="model: here 'fake-kv', the prefill node 'another-model'"):
             a.run("r2", list(range(10)), kv_transfer_params=params)
     finally:

@@ -11,7 +11,8 @@ import time
 import pytest
 
 import gpc_engine_cases as cases
-from gpc_engine_cases import assert_recomputed, on_decode, on_prefill, publish
+from gpc_engine_cases import BLOCK, ENGINE_KW, assert_recomputed, on_decode, on_prefill, publish
+from mini_vllm.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,65 @@ def test_disaggregation_vllm_form_recomputes_one_token(cluster, prompts, referen
 
 def test_shared_pool_second_engine_skips_the_system_prompt(cluster, prompts, reference):
     cases.shared_pool(cluster, prompts, reference)
+
+
+def long_chat(prompts, index: int, question: str, repeats: int) -> list[int]:
+    return prompts.chat(prompts.system(index) + " Follow the house rules." * repeats, question)
+
+
+def test_params_of_another_prompt_never_become_its_tokens(cluster, prompts, reference):
+    """A decode request for prompt Y that carries the params of the prefill node's prompt X:
+    with nothing shared, nothing is loaded; with a shared system prompt, only the shared full
+    blocks are. Either way Y's tokens are the plain engine's."""
+    x = long_chat(prompts, 300, "Name a mineral.", 14)
+    y = long_chat(prompts, 301, "How old is the oldest fossil?", 34)
+    assert len(x) >= 130 and len(y) >= 230 and prompts.shared_prefix(x, y) < BLOCK
+    params_x = on_prefill(cluster, "x", x, params={"do_remote_decode": True})["kv_transfer_params"]
+    ry = on_decode(cluster, "y", y, 8, params_x)
+    assert ry["external_tokens"] == 0 and ry["trace"][0][0] == "RUNNING"
+    assert ry["token_ids"] == reference(y, 8)
+    y2 = long_chat(prompts, 300, "How old is the oldest fossil?", 14)     # X's system prompt, another question
+    shared = prompts.shared_prefix(x, y2) // BLOCK * BLOCK
+    assert shared >= 6 * BLOCK
+    ry2 = on_decode(cluster, "y2", y2, 8, params_x)
+    assert ry2["external_tokens"] == shared and not ry2["failed_load"]
+    assert ry2["token_ids"] == reference(y2, 8)
+    cluster.prefill.check()
+
+
+def test_malformed_params_are_refused_and_the_neighbour_is_served(cluster, prompts, reference):
+    engine = cluster.decode
+    good = prompts.chat(prompts.system(302), "What is amber?")
+    params = on_prefill(cluster, "p302", good, params={"do_remote_decode": True})["kv_transfer_params"]
+    engine.add_request("good", good, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    for bad in ({**params, "num_tokens": "many"}, {**params, "num_tokens": None}, {**params, "spec": "smollm2"}):
+        with pytest.raises(ValueError, match="kv_transfer_params"):
+            engine.add_request("bad", good, SamplingParams(max_tokens=6), kv_transfer_params=bad)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert list(finals) == ["good"] and list(finals["good"].outputs[0].token_ids) == reference(good, 6)
+
+
+def test_a_consumer_of_another_model_cannot_join_the_pool(cluster, tmp_path):
+    """A random model with SmolLM2's exact K/V layout (30 layers x 3 KV heads x 64, fp32), started
+    as a kv_consumer of SmolLM2's pool in its own process: refused at start-up, by name."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from global_prefix_cache.engine_node import EngineProcess
+    from mini_vllm import default_model_path
+
+    config = AutoConfig.for_model("llama", vocab_size=49152, hidden_size=192, intermediate_size=64,
+                                  num_hidden_layers=30, num_attention_heads=3, num_key_value_heads=3, head_dim=64,
+                                  max_position_embeddings=1024, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(tmp_path)
+    kv_config = {"kv_connector": "GlobalKVPoolConnector", "kv_role": "kv_consumer",
+                 "kv_connector_extra_config": {"metadata_server": cluster.server.address}}
+    with pytest.raises(RuntimeError, match="cannot join this pool.*model"):
+        EngineProcess(model=str(tmp_path), kv_transfer_config=kv_config, **ENGINE_KW).close()
 
 
 def test_corrupted_payload(cluster, prompts, reference):

@@ -59,11 +59,11 @@ def hash_block_tokens(parent_block_hash, curr_block_token_ids, extra_keys=None, 
     return hashing.BlockHash(hash_fn((parent, tokens, extra_keys)), parent, tokens, extra_keys)
 
 
-def append_block_hashes(block_hashes, request, block_size, hash_fn=hashing.sha256_hash):
+def append_block_hashes(block_hashes, request, block_size, hash_fn=hashing.sha256_hash, *, root_hash=None):
     tokens = request.all_token_ids
     while len(block_hashes) < len(tokens) // block_size:
         i = len(block_hashes)
-        parent = block_hashes[-1].hash_value if block_hashes else None
+        parent = block_hashes[-1].hash_value if block_hashes else root_hash
         block_hashes.append(hash_block_tokens(parent, tokens[i * block_size:(i + 1) * block_size],
                                               hashing.generate_block_hash_extra_keys(request, i), hash_fn))
     return block_hashes
