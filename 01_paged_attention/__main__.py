@@ -3,7 +3,7 @@
 1. Two requests' KV stored in shuffled blocks; paged decode attention == attention over the
    same K/V stored contiguously.
 2. KV-cache utilisation of contiguous reservation vs paging on a ShareGPT-like workload
-   (the thesis' Fig. 3.2 argument).
+   (the argument of [Kwon 2025, Fig. 3.2]).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def demo_memory_waste(block_size: int = 16, max_seq_len: int = 2048) -> dict[str
         print(f"  {POLICY_LABELS[policy]:42s} {100 * u.utilization:5.1f}% used  "
               f"(reserved {100 * u.reserved / u.allocated:4.1f}%, internal fragmentation {100 * u.internal / u.allocated:4.1f}%)")
     print("  (external fragmentation of the reservation schemes is not modelled: their real numbers are lower;"
-          " the thesis measured 20.4%-38.2%)")
+          " [Kwon 2025, §3.3.1] measured 20.4%-38.2%)")
     return result
 
 

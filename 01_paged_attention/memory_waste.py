@@ -1,7 +1,7 @@
-"""How much KV-cache memory holds real tokens: contiguous reservation vs paging (thesis Fig. 3.2).
+"""How much KV-cache memory holds real tokens: contiguous reservation vs paging [Kwon 2025, Fig. 3.2].
 
 A system that stores each request's KV contiguously must reserve the whole chunk up front,
-because the output length is unknown. The thesis (§3.3, §3.6.1) names three such policies,
+because the output length is unknown. The thesis [Kwon 2025, §3.3, §3.6.1] names three such policies,
 after its Orca baselines, and three kinds of waste:
 
   * reserved:     slots for tokens the request WILL produce but has not yet — idle now;
@@ -86,8 +86,8 @@ def kv_usage(snapshot: Snapshot, policy: str, block_size: int = 16, max_seq_len:
 
 def sharegpt_like_snapshot(num_requests: int = 1000, max_seq_len: int = 2048, seed: int = 0) -> Snapshot:
     """A synthetic but realistic workload: log-normal prompt and output lengths with the means
-    the vLLM paper reports for ShareGPT (161 prompt / 338 output tokens; 8.4x and 5.8x
-    Alpaca's, as the thesis states), each request at a uniformly random point of its decode."""
+    the vLLM paper [Kwon 2023] reports for ShareGPT (161 prompt / 338 output tokens; 8.4x and 5.8x
+    Alpaca's, as [Kwon 2025, §3.6.1] states), each request at a uniformly random point of its decode."""
     g = torch.Generator().manual_seed(seed)
 
     def lognormal(mean: float, sigma: float) -> torch.Tensor:

@@ -4,8 +4,9 @@
     "torch"      torch_ops.py   the same maths vectorized in PyTorch (runs anywhere)
     "triton"     triton_ops.py  Triton kernels: a GPU, or CPU tensors under TRITON_INTERPRET=1
     "cuda"       cuda_ops.py    CUDA C++ kernels (kernels_cuda/): a GPU only
-    "cpu"        cpu_ops.py     a C++/OpenMP kernel reading K/V in place, as vLLM's csrc/cpu:
-                                CPU tensors, built on first use (needs a C++ compiler and ninja)
+    "cpu"        cpu_ops.py     a C++/OpenMP kernel reading K/V in place, as vLLM's csrc/cpu
+                                (kernels_cpu/): CPU tensors, built on first use (needs a C++
+                                compiler and ninja)
 
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values, backend)
     paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, backend, ...)

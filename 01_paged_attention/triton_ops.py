@@ -41,7 +41,7 @@ __all__ = ["choose_num_kv_splits", "interpreting", "paged_decode_attention", "pa
 
 # Launch shapes, chosen so that every kernel compiles for sm_90 without register spills
 # (tests/01_paged_attention/test_triton_compile.py checks with ptxas). Not tuned on a GPU.
-DEFAULT_TILE = 16       # KV tokens per decode inner-loop step (4 warps: ~140 registers at head_dim 128)
+DEFAULT_TILE = 16       # KV tokens per decode inner-loop step (4 warps; no spills on sm_90: test_triton_compile.py)
 PREFILL_BLOCKS = {torch.float16: (64, 16), torch.bfloat16: (64, 16), torch.float32: (32, 16)}   # (BLOCK_M, BLOCK_N)
 SPLIT_TARGET_PROGRAMS = 256  # split-KV aims for about this many programs (2 per SM on an H100, 132 SMs)
 MIN_TOKENS_PER_SPLIT = 256   # below this a split costs more in the reduce than it saves

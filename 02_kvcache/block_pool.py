@@ -36,7 +36,7 @@ class BlockPool:
             blocks chained after it are still cached (they would become orphans: matching
             stops at the first miss, so no lookup could reach them). See
             `_hoist_descendants_of_head`.
-        verify_tokens: seed 001's collision defence: a hit must also match the stored parent
+        verify_tokens: the collision defence of [v1 prefix caching]: a hit must also match the stored parent
             hash, token ids and extra keys, not just the hash value. With a 64-bit hash a
             collision is astronomically unlikely; with a weak hash it is a wrong answer.
     """

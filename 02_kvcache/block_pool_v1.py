@@ -1,6 +1,6 @@
 """BlockPool, rung 1 of the ladder: allocate and free, nothing else.
 
-This is all PagedAttention itself needs (thesis §3.4.2): fixed-size blocks handed out
+This is all PagedAttention itself needs [Kwon 2025, §3.4.2]: fixed-size blocks handed out
 from a free list, so a request's KV grows one block at a time with no reservation and
 no external fragmentation. What it lacks: when a request finishes, its K/V is thrown
 away, so the next request with the same system prompt computes it all again (rung 2).

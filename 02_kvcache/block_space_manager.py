@@ -2,7 +2,7 @@
 sharing and a CPU swap tier — on top of chapter 02's v1 `KVCacheManager`.
 
 Mirrors v0's `vllm/core/block_manager.py: BlockSpaceManager` (`fork`, `append_slots`,
-`swap_out`, `swap_in`, `CpuGpuBlockAllocator`). The thesis teaches both (§3.4.4 copy-on-write
+`swap_out`, `swap_in`, `CpuGpuBlockAllocator`). The thesis [Kwon 2025] teaches both (§3.4.4 copy-on-write
 for parallel sampling and beam search, §3.4.5 swapping vs recomputation); vLLM v1 recomputes
 on preemption and shares prompts through the prefix cache instead.
 
@@ -30,7 +30,8 @@ from kvcache.block import KVCacheBlock
 from kvcache.block_pool_v1 import BlockPoolV1
 from kvcache.hashing import HashFn
 from kvcache.interfaces import KVCacheBlocks, KVCacheRequest, RequestTooLargeError
-from kvcache.kv_cache_manager import KVCacheManager, cdiv
+from kvcache.kv_cache_manager import KVCacheManager
+from paged_attention import cdiv
 
 
 @dataclass
@@ -87,7 +88,7 @@ class BlockSpaceManager(KVCacheManager):
         the new tokens would write into is first replaced by a private fresh block. Returns
         (new blocks, [(src, dst)] to copy with copy_blocks before the step), or None — no state
         change — if it does not fit. Only a partially filled shared block needs its contents
-        copied; that is the one pair (thesis §3.4.4: 'only copying one block of data')."""
+        copied; that is the one pair ([Kwon 2025, §3.4.4]: 'only copying one block of data')."""
         rid = request.request_id
         blocks = self.req_to_blocks.get(rid)
         if blocks is None:

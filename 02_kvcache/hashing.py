@@ -55,8 +55,8 @@ class BlockHash(NamedTuple):
     """What a cached block is keyed by, plus what the collision check compares.
 
     `hash_value` alone indexes the cache. `parent_hash_value`, `token_ids` and `extra_keys`
-    are the hashed content itself, kept so that a lookup can verify a hit (seed 001's
-    collision defence) and so that chain-aware eviction can find a block's parent.
+    are the hashed content itself, kept so that a lookup can verify a hit (the
+    collision defence of [v1 prefix caching]) and so that chain-aware eviction can find a block's parent.
     """
     hash_value: int
     parent_hash_value: int

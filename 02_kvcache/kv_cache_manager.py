@@ -3,7 +3,7 @@
 Mirrors vLLM v1's `vllm/v1/core/kv_cache_manager.py` (get_computed_blocks, allocate_slots,
 cache_blocks, free, free_block_hashes, reset_prefix_cache, make_prefix_cache_stats, usage) on
 top of `BlockPool` (`block_pool.py`). vLLM v0's copy-on-write and CPU swap tier, which v1
-dropped but the thesis (§3.4.4-3.4.5) teaches, are `BlockSpaceManager` (block_space_manager.py),
+dropped but the thesis [Kwon 2025, §3.4.4-3.4.5] teaches, are `BlockSpaceManager` (block_space_manager.py),
 a subclass of this one.
 
 A request's life, as the scheduler drives it:
@@ -23,8 +23,9 @@ higher-priority one), a KV connector's load may fail, the forward pass may fail 
 request. If its blocks were registered at allocation, they go back to the free queue still
 carrying their hashes, and the next request with that prefix attends to K/V nobody wrote —
 silently wrong text. Registering what the model runner has actually written makes that
-impossible by construction; the price is that two requests arriving in the same step with the
-same prefix both compute it (the second one hits from the next step on).
+impossible by construction; the price is that a request arriving while another computes its
+prefix cannot hit those blocks in that step: `num_pending_tokens` tells the scheduler, which
+lets it wait one step and hit them instead of computing the same K/V twice.
 
 The manager only moves block ids. The model runner moves bytes: K/V writes through the slot
 mapping (chapter 01) and, with a BlockSpaceManager, the copy/swap pairs it returns.
@@ -36,10 +37,7 @@ from kvcache.block_pool import BlockPool
 from kvcache.hashing import BlockHash, HashFn, append_block_hashes, get_hash_fn
 from kvcache.interfaces import KVCacheBlocks, KVCacheRequest, RequestTooLargeError
 from kvcache.stats import PrefixCacheStats
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from paged_attention import cdiv
 
 
 _NO_NEW_BLOCKS = KVCacheBlocks([])     # shared, never mutated: allocate_slots' "nothing new" answer
@@ -52,11 +50,12 @@ class KVCacheManager:
         enable_caching: prefix caching on/off. Off: no hashing, no hits, freed blocks are plain free.
         eviction_policy: "lru" (vLLM) or "chain_aware" (see `BlockPool`).
         hash_fn: "sha256" (the default, as in vLLM since CVE-2025-25183: collision resistant and
-            identical in every process), "builtin" (Python `hash`: ~2x faster, but its collisions
-            can be constructed, so one tenant's prompt could be served another's K/V) or a callable.
-        verify_tokens: compare stored tokens on every hit (seed 001's collision defence).
+            identical in every process), "builtin" (Python `hash`: cheaper per block —
+            `python -m benchmarks.bench_kvcache` measures both — but its collisions can be
+            constructed, so one tenant's prompt could be served another's K/V) or a callable.
+        verify_tokens: compare stored tokens on every hit (the collision defence of [v1 prefix caching]).
         free_order: "reverse" (vLLM: tail blocks enter the free queue first) or "forward"
-            (head first, as in seed 003's timeline) — an ablation only, for the orphan-block
+            (head first, as in the timeline of [vLLM 2.0 part 2, §6.3.3]) — an ablation only, for the orphan-block
             experiment: forward order puts a chain's parent ahead of its children in the LRU
             queue, so the parent is evicted first and the children become unreachable.
     """

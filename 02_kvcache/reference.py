@@ -6,7 +6,7 @@ vllm/_custom_ops.py, called by v0's worker/cache_engine.py: CacheEngine.copy / s
 swap_out). The block manager decides WHICH blocks move and returns (src, dst) pairs; these
 ops move the bytes, for every layer's key and value cache at once:
 
-    copy_blocks  within one device — copy-on-write (fork + append, thesis §3.4.4)
+    copy_blocks  within one device — copy-on-write (fork + append, [Kwon 2025, §3.4.4])
     swap_blocks  between two sets of caches, typically GPU <-> pinned CPU — swap preemption
 
 Cache layout (chapter 01): per layer, key_cache and value_cache are

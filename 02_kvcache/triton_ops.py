@@ -4,7 +4,7 @@ swap_blocks alike. Same signatures as `kvcache.reference`.
 How it reaches num_layers x 2 separate cache tensors in ONE launch: like vLLM's CUDA
 copy_blocks, it takes a table of base addresses (int64 tensor, one per cache) and casts
 each entry back to a pointer in the kernel. One launch for all layers and pairs instead
-of 2 x num_layers x num_pairs tiny copies — the "fused block copy" of thesis §3.5.1.
+of 2 x num_layers x num_pairs tiny copies — the "fused block copy" of [Kwon 2025, §3.5.1].
 
 Why copy words instead of the cache's float type: a copy does not care what the bits
 mean. The kernel moves the widest integer word that divides the block and the base

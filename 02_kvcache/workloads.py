@@ -1,16 +1,16 @@
-"""Synthetic workloads with the sharing patterns of seed 001's hit-rate table.
+"""Synthetic workloads with the sharing patterns of the hit-rate table in [v1 prefix caching].
 
 Each workload is a list of conversations; a conversation is a list of turns that must
 run in order (turn k+1's prompt contains turn k's prompt AND its output). Single-turn
 workloads are conversations of one turn. Token ids are arbitrary integers: only which
 requests share which prefixes matters to a prefix cache, not what the tokens say.
 
-    chatbot         fixed system prompt + a fresh user message       (seed: 92-97% hit)
-    multi_turn      system prompt + the growing conversation history (seed: 80-95%)
+    chatbot         fixed system prompt + a fresh user message       (table: 92-97% hit)
+    multi_turn      system prompt + the growing conversation history (table: 80-95%)
     rag             shared instructions + a document drawn (Zipf) from a
-                    pool, so popular documents recur + a question     (seed: 25-40%)
-    summarization   a 64-token instruction + a distinct document      (seed: 8-15%)
-    random          nothing shared                                    (seed: 0-2%)
+                    pool, so popular documents recur + a question     (table: 25-40%)
+    summarization   a 64-token instruction + a distinct document      (table: 8-15%)
+    random          nothing shared                                    (table: 0-2%)
 """
 from __future__ import annotations
 

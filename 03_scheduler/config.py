@@ -32,8 +32,8 @@ class SchedulerConfig:
 
     policy: SchedulingPolicy = "fcfs"
     """Order of the waiting queue: fcfs (vLLM's default), priority (lower value first, ties by
-    arrival), srtf (shortest remaining tokens first, thesis Algorithm 2) or two_level (FIFO into
-    a small staging queue, SRTF inside it, thesis §4.5.3)."""
+    arrival), srtf (shortest remaining tokens first, [Kwon 2025, Algorithm 2]) or two_level (FIFO into
+    a small staging queue, SRTF inside it, [Kwon 2025, §4.5.3])."""
 
     staging_size: int = 8
     """two_level only: how many requests the FIFO level moves into the staging queue at once."""

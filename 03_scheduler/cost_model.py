@@ -6,11 +6,11 @@ Scheduling experiments need step times, not logits. One step of a decoder-only m
   c·context reads the K/V of every token each scheduled request attends to (attention is
            memory-bound: context = Σ seq_len over the scheduled requests).
 The sum is the usual linear approximation of a roofline max(); simulators such as Vidur and
-the Sarathi paper fit exactly these terms. A swap adds blocks · block_bytes / PCIe bandwidth.
+the Sarathi paper [Agrawal 2023] fit exactly these terms. A swap adds blocks · block_bytes / PCIe bandwidth.
 
 `StepCostModel.from_hardware` derives a, b, c from first principles (bytes and FLOPs over
 bandwidth and peak throughput), so every number is stated and reproducible; the default
-`OPT_13B_A100` is the thesis' main setting (§3.6.1, Table 3.1): OPT-13B in fp16 on one
+`OPT_13B_A100` is the thesis' main setting [Kwon 2025, §3.6.1, Table 3.1]: OPT-13B in fp16 on one
 A100-40GB, 800 KB of K/V per token (2 · 5120 hidden · 40 layers · 2 bytes).
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ class StepCostModel:
         """a = weight bytes / HBM bandwidth; b = 2·params FLOPs / (peak · MFU);
         c = K/V bytes per token / HBM bandwidth; swap = block bytes / PCIe bandwidth plus a fixed
         latency per copy — a block is `copies_per_block` separate copies (K and V of every layer),
-        which is why small blocks make swapping slow (thesis §3.7.3, Fig. 3.19a)."""
+        which is why small blocks make swapping slow [Kwon 2025, §3.7.3, Fig. 3.19a]."""
         if not 0 < mfu <= 1:
             raise ValueError(f"mfu must be in (0, 1], got {mfu}")
         return cls(a=num_params * bytes_per_param / mem_bandwidth,
@@ -57,7 +57,7 @@ class StepCostModel:
                    name=name)
 
 
-# OPT-13B fp16 on A100-40GB (thesis Table 3.1): 13e9 params x 2 B; 800 KB K/V per token;
+# OPT-13B fp16 on A100-40GB [Kwon 2025, Table 3.1]: 13e9 params x 2 B; 800 KB K/V per token;
 # 1555 GB/s HBM2; 312 TFLOP/s fp16 tensor cores at an assumed 50% MFU; 25 GB/s effective
 # PCIe 4.0 x16 for swapping, 80 copies per block (K and V of 40 layers) at an assumed 5 us each.
 # -> a = 16.7 ms, b = 0.167 ms/token, c = 0.53 us/context token, swap = 0.92 ms per 16-token block.
@@ -68,7 +68,7 @@ def opt_13b_a100(block_size: int = 16) -> StepCostModel:
         copy_latency=5e-6, name=f"OPT-13B fp16, A100-40GB, block {block_size}")
 
 
-# KV capacity of that setting (Table 3.1): 12 GB for the cache / 800 KB per token = 15.7K slots.
+# KV capacity of that setting [Kwon 2025, Table 3.1]: 12 GB for the cache / 800 KB per token = 15.7K slots.
 OPT_13B_A100_KV_TOKENS = 15_700
 
 

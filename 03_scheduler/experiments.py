@@ -2,10 +2,10 @@
 notebook plots them small, `benchmarks/sim_*.py` runs them full size and writes JSON.
 
   batching_sweep     static vs continuous batching vs Orca reservation (Max / Pow2 / Oracle):
-                     normalized latency, throughput, TTFT, ITL versus request rate (thesis §3.6.2)
+                     normalized latency, throughput, TTFT, ITL versus request rate [Kwon 2025, §3.6.2]
   policy_comparison  FCFS / priority / SRTF / two-level on two traces built to expose
-                     head-of-line blocking and starvation (thesis §4.5)
-  preemption_sweep   recompute vs swap across block sizes under memory pressure (thesis §3.7.3)
+                     head-of-line blocking and starvation [Kwon 2025, §4.5]
+  preemption_sweep   recompute vs swap across block sizes under memory pressure [Kwon 2025, §3.7.3]
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def make_scheduler(kind: str, *, kv_tokens: int = OPT_13B_A100_KV_TOKENS, block_
     prompt must fit in what the running decodes leave of the budget (they are scheduled
     first, as in vLLM V1), so a budget of exactly max_model_len would make a near-max-length
     prompt wait until almost every running request has finished — head-of-line blocking that
-    chapter 05 removes, and that the thesis-era vLLM avoided with prefill-only steps."""
+    chapter 05 removes, and that vLLM's first scheduler [Kwon 2023] avoided with prefill-only steps."""
     num_blocks = kv_tokens // block_size
     if kind == "static":
         return StaticBatchScheduler(max_num_seqs, max_model_len, kv_tokens)
@@ -40,7 +40,7 @@ def make_scheduler(kind: str, *, kv_tokens: int = OPT_13B_A100_KV_TOKENS, block_
                              max_num_batched_tokens=max_num_batched_tokens or max_model_len + max_num_seqs,
                              max_model_len=max_model_len, policy=policy, preemption_mode=preemption_mode)
     if kind == "continuous":
-        # Swap tier as large as the device cache: what is swapped out never exceeds it (thesis §3.4.5).
+        # Swap tier as large as the device cache: what is swapped out never exceeds it [Kwon 2025, §3.4.5].
         kv = BlockSpaceManager(num_blocks, block_size, enable_caching=enable_caching,
                             num_cpu_blocks=num_blocks if preemption_mode == "swap" else 0)
     elif kind.startswith("orca-"):

@@ -2,7 +2,7 @@
 
 Mirrors `Request` and `RequestStatus` in vLLM's `vllm/v1/request.py`.
 
-The whole scheduling state of a request is two numbers (thesis §4.4.2, Table 4.1):
+The whole scheduling state of a request is two numbers [Kwon 2025, §4.4.2, Table 4.1]:
 
     num_tokens           = len(prompt) + len(output)      the target: tokens that exist
     num_computed_tokens  = tokens whose KV is in the cache  the progress
@@ -128,7 +128,7 @@ class Request:
         # scheduled as extra tokens (num_tokens_with_spec) but are not part of num_tokens until
         # the target model accepts them; update_from_output rolls back the rejected ones.
         self.spec_token_ids: list[int] = []
-        # Streaming input (Table 4.1, "streaming prefills"): while True, more prompt tokens may
+        # Streaming input ([Kwon 2025, Table 4.1], "streaming prefills"): while True, more prompt tokens may
         # arrive (append_prompt_tokens) and no output token is sampled yet.
         self.streaming_input = streaming_input
 

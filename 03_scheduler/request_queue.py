@@ -2,7 +2,7 @@
 
 Mirrors vLLM's `vllm/v1/core/sched/request_queue.py` (`RequestQueue`, `FCFSRequestQueue`,
 `PriorityRequestQueue`, `create_request_queue`) and adds the two policies of the thesis
-(§4.5.2-4.5.3): `SRTFRequestQueue` (Algorithm 2) and `TwoLevelRequestQueue`.
+[Kwon 2025, §4.5.2-4.5.3]: `SRTFRequestQueue` (Algorithm 2) and `TwoLevelRequestQueue`.
 
 The scheduler's loop is the same for every policy — it asks the queue for the next
 candidate (`peek_request`), tries to give it KV blocks and budget, and `pop_request`s it if
@@ -11,7 +11,7 @@ that worked. So a policy is nothing but the order in which `peek_request` hands 
   fcfs       arrival order (a deque): predictable, fair, but head-of-line blocking
   priority   (priority, arrival) min-heap: lower value first
   srtf       fewest remaining tokens first, re-evaluated at every peek because admitting
-             one request can create prefix-cache hits for others (Algorithm 2's inner loop);
+             one request can create prefix-cache hits for others (the inner loop of [Kwon 2025, Algorithm 2]);
              optimal mean TTFT, but long prompts can starve and every peek costs O(waiting)
   two_level  FIFO moves a batch of `staging_size` requests into a staging queue only when it
              is empty; SRTF orders the staging queue. Starvation-free (a staged request is
@@ -142,10 +142,10 @@ class PriorityRequestQueue(RequestQueue):
 
 
 class SRTFRequestQueue(RequestQueue):
-    """Shortest Remaining Token First (thesis Algorithm 2) over the waiting requests.
+    """Shortest Remaining Token First [Kwon 2025, Algorithm 2] over the waiting requests.
 
     `remaining_tokens(request)` is asked afresh at every peek — the refresh loop of
-    Algorithm 2 (lines 4-7): a prefix-cache hit created by an admission a moment ago can
+    [Kwon 2025, Algorithm 2] (lines 4-7): a prefix-cache hit created by an admission a moment ago can
     shrink another waiting request's remaining work. Ties go to the earlier arrival.
     """
 
@@ -196,7 +196,7 @@ class SRTFRequestQueue(RequestQueue):
 
 
 class TwoLevelRequestQueue(RequestQueue):
-    """Two-level scheduling (thesis §4.5.3): FIFO waiting queue -> staging queue -> SRTF.
+    """Two-level scheduling [Kwon 2025, §4.5.3]: FIFO waiting queue -> staging queue -> SRTF.
 
     The FIFO level refills the staging queue with up to `staging_size` requests ONLY when the
     staging queue is empty. That is what prevents starvation: once staged, a request is served

@@ -1,4 +1,4 @@
-"""Reservation-based KV allocation: the Orca baselines of thesis §3.6.1.
+"""Reservation-based KV allocation: the Orca [Yu 2022] baselines of [Kwon 2025, §3.6.1].
 
 Before PagedAttention, a serving system stored each request's K/V in ONE contiguous region,
 so it had to reserve, at admission, room for every token the request might ever have.
@@ -8,7 +8,7 @@ The thesis re-implements Orca with a buddy allocator and three reservation rules
   Orca (Pow2)    reserve prompt + next_power_of_2(output): at most 2x over-reservation;
   Orca (Oracle)  reserve prompt + the exact output length (impossible in practice: an upper bound).
 
-The waste (thesis §3.3.1, Fig. 3.2-3.3): reserved-but-not-yet-used slots, internal
+The waste [Kwon 2025, §3.3.1, Fig. 3.2-3.3]: reserved-but-not-yet-used slots, internal
 fragmentation (over-reservation, buddy rounding to powers of two) and external
 fragmentation (free space split into chunks too small for the next request).
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Literal
 
 from kvcache import KVCacheBlock, KVCacheBlocks, RequestTooLargeError
-from kvcache.kv_cache_manager import cdiv
+from paged_attention import cdiv
 
 ReservationMode = Literal["max", "pow2", "oracle"]
 

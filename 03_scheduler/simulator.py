@@ -13,7 +13,7 @@ do; only the duration of each step is modelled (`cost_model.StepCostModel`). Eac
 stops after its trace output length (ignore_eos, max_tokens = output_len).
 
 Reported, per request: TTFT (first token - arrival), inter-token latencies, end-to-end
-latency and normalized latency (latency / output tokens, the thesis' §3.6.1 metric).
+latency and normalized latency (latency / output tokens, the metric of [Kwon 2025, §3.6.1]).
 """
 from __future__ import annotations
 

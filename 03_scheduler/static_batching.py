@@ -1,11 +1,11 @@
 """Static (request-level) batching: the baseline continuous batching replaces.
 
-The thesis' Baseline 1 (§3.6.1): FasterTransformer behind a dynamic batcher such as
+The thesis' Baseline 1 [Kwon 2025, §3.6.1]: FasterTransformer behind a dynamic batcher such as
 Triton's — take up to B of the earliest requests, run them as ONE padded batch until the
 last of them finishes, only then take the next batch. B is as large as memory allows when
 every request reserves a contiguous max_model_len of K/V (no paging).
 
-Two wastes continuous batching removes (seed 003 §8.3, thesis §3.2.3):
+Two wastes continuous batching removes ([vLLM 2.0 part 2, §8.3]; [Kwon 2025, §3.2.3]):
   * queueing: a request arriving just after a batch started waits for the whole batch;
   * padding: prompts are padded to the longest in the batch, and a finished request keeps
     its row (computing padding) until the slowest one is done.
@@ -23,7 +23,7 @@ from collections import deque
 
 from scheduler.output import CachedRequestData, EngineCoreOutput, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler import check_stop
+from scheduler.utils import check_stop
 
 
 class StaticBatchScheduler:

@@ -1,6 +1,6 @@
 """Synthetic request traces: Poisson arrivals, ShareGPT-like and Alpaca-like lengths.
 
-The thesis (§3.6.1) synthesizes its workloads the same way: input/output lengths from the
+The thesis [Kwon 2025, §3.6.1] synthesizes its workloads the same way: input/output lengths from the
 ShareGPT and Alpaca datasets, arrival times from a Poisson process at a given request rate.
 We do not ship the datasets; the lengths come from stated log-normal distributions whose
 means keep the thesis' ratios — ShareGPT prompts are 8.4x and outputs 5.8x longer than
@@ -9,9 +9,9 @@ Alpaca's on average — with ShareGPT's heavier spread:
     ShareGPT-like: prompt mean 161 (sigma 1.0), output mean 338 (sigma 0.9)
     Alpaca-like:   prompt mean 19.3 (sigma 0.6), output mean 58.5 (sigma 0.8)
 
-(means before clipping to [4, 2048]; 161/19.3 = 8.3x, 338/58.5 = 5.8x. After clipping and
-fitting prompt + output into max_model_len = 2048, 100k ShareGPT-like requests average
-160.5 / 330 tokens, Alpaca-like 19.3 / 58.5: ratios 8.3x and 5.6x.)
+(means before clipping — ShareGPT-like to [4, 2048], Alpaca-like to [4, 1024]; 161/19.3 = 8.3x,
+338/58.5 = 5.8x. Clipping, and fitting prompt + output into max_model_len, shorten the long
+tail a little; tests/03_scheduler/test_simulator.py checks the sampled means keep the ratios.)
 Everything is drawn from one seeded numpy Generator: a trace is a pure function of its
 arguments.
 """

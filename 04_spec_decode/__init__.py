@@ -4,6 +4,7 @@ one forward pass, and rejection sampling keeps the target's exact output distrib
     from spec_decode import RejectionSampler, SpecDecodeMetadata, PLACEHOLDER_TOKEN_ID
     from spec_decode.ops import rejection_sample        # backend: reference | torch | triton | cuda
     from spec_decode import NgramProposer, DraftModelProposer, LayerSkipDraftModel, EagleProposer
+    from spec_decode.scheduler import SpecDecodeScheduler   # chapter 03's Scheduler + drafts in Δ
 
 Triton and CUDA modules are imported lazily, so importing this package never imports triton.
 """

@@ -2,7 +2,8 @@
 
 Converts ids to int32 and makes every tensor contiguous (the kernel indexes raw storage),
 then calls the extension, built on demand on a GPU machine by `kernels_cuda.load`. On CPU
-machines the same device code is checked through the emulator in tests/04_spec_decode.
+machines the same .cu file (kernel and launcher) runs in the emulator, kernels_cuda/emulator
+(tests/04_spec_decode/test_cuda_kernels_emulated.py).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Model drafters: a separate small model, or the target's own first layers (LayerSkip).
 
 Mirrors vLLM's `vllm/v1/spec_decode/draft_model.py` (a draft model with its own forward
-passes and KV cache) and the self-speculative idea of LayerSkip (Elhoushi et al. 2024):
+passes and KV cache) and the self-speculative idea of LayerSkip [Elhoushi 2024]:
 exit after the first N layers, reuse the target's final norm and LM head.
 
 The model is injected; the proposer only needs the engine's model protocol
@@ -12,8 +12,8 @@ The model is injected; the proposer only needs the engine's model protocol
 so any of chapter 07's models (or `LayerSkipDraftModel` around one) plugs in unchanged.
 
 The draft keeps its OWN paged KV cache, managed by chapter 02's `KVCacheManager` over its
-own blocks — and its own two counters per request, exactly like the target's (thesis
-Table 4.1): `num_computed` (draft K/V present) and the request's verified tokens. Each
+own blocks — and its own two counters per request, exactly like the target's ([Kwon 2025,
+Table 4.1]): `num_computed` (draft K/V present) and the request's verified tokens. Each
 `propose` call:
 
   1. rolls back: the draft cached K/V for its previous drafts d_1..d_{k-1}; the ones the

@@ -1,4 +1,4 @@
-"""EAGLE: a one-layer draft head over the TARGET's hidden states (seed 003 §9.2).
+"""EAGLE: a one-layer draft head over the TARGET's hidden states ([EAGLE 2024]; [vLLM 2.0 part 2, §9.2]).
 
 Mirrors vLLM's `vllm/v1/spec_decode/eagle.py: EagleProposer` and the EAGLE-1 Llama head
 (`vllm/model_executor/models/llama_eagle.py`: `fc` over [embedding; hidden], then decoder

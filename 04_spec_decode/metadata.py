@@ -4,8 +4,8 @@ verify them.
 Mirrors vLLM's `vllm/v1/spec_decode/metadata.py: SpecDecodeMetadata` and the model runner's
 `GPUModelRunner._calc_spec_decode_metadata` (vllm/v1/worker/gpu_model_runner.py).
 
-Why drafts need no special batch: a request with k drafts is scheduled k + 1 tokens (thesis
-Table 4.1: Δ = 1 + L_draft). They are laid out in the flat batch like any other tokens:
+Why drafts need no special batch: a request with k drafts is scheduled k + 1 tokens ([Kwon 2025,
+Table 4.1]: Δ = 1 + L_draft). They are laid out in the flat batch like any other tokens:
 
     request i's scheduled tokens:  [ t_last | d_1 | d_2 | ... | d_k ]
     logits at those k + 1 positions:  p_1    p_2   p_3  ...   p_{k+1}
@@ -138,7 +138,8 @@ def spec_decode_metadata_from_scheduler_output(
     input_ids: torch.Tensor,                               # [num_tokens] flat, requests in req_ids order
     device: torch.device | str | None = None,
 ) -> SpecDecodeMetadata:
-    """The model runner's entry point: chapter 03's SchedulerOutput -> SpecDecodeMetadata.
+    """The model runner's entry point: chapter 03's SchedulerOutput (its
+    scheduled_spec_decode_tokens filled by this chapter's SpecDecodeScheduler) -> SpecDecodeMetadata.
 
     The drafts are already part of each request's scheduled tokens (the scheduler counts them
     in Δ), so the flat batch needs no change; this only says which rows to verify. Checks that

@@ -9,7 +9,7 @@ Mirrors vLLM's `vllm/v1/spec_decode/metrics.py: SpecDecodingStats` (and the form
     per-position rate[j]   = steps whose draft j was accepted / steps
 
 With acceptance rate a per draft (independent), k drafts give an expected
-(1 - a^(k+1)) / (1 - a) tokens per target pass (Leviathan et al. 2023): the quantity a
+(1 - a^(k+1)) / (1 - a) tokens per target pass [Leviathan 2023]: the quantity a
 speed-up is made of, before the drafting cost.
 """
 from __future__ import annotations

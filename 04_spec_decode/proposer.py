@@ -13,8 +13,9 @@ per request carries all of them, and a proposer reads what it needs:
                    how an engine turns speculation down per request (spec_decode.adaptive)
 
 The engine's flow (vLLM's, see README): after the target's step is sampled and verified,
-`propose` runs, and its drafts go to `Scheduler.update_draft_token_ids` so that the NEXT
-step schedules them as extra tokens (`Request.spec_token_ids`).
+`propose` runs, and its drafts go to `SpecDecodeScheduler.update_draft_token_ids`
+(spec_decode/scheduler.py) so that the NEXT step schedules them as extra tokens
+(`Request.spec_token_ids`).
 """
 from __future__ import annotations
 

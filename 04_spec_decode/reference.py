@@ -1,6 +1,6 @@
 """Rejection sampling, one request and one draft at a time — the oracle.
 
-The algorithm (Leviathan et al. 2023, Chen et al. 2023). A drafter proposed tokens
+The algorithm ([Leviathan 2023]; [Chen 2023]). A drafter proposed tokens
 d_1..d_k, each sampled from its distribution q_j; one target forward pass gave the target
 distributions p_1..p_{k+1} at those positions. For j = 1..k:
 

@@ -1,8 +1,8 @@
 """A minimal speculative-decoding driver: one target model, one proposer, no scheduler.
 
-For tests and the notebook only — chapter 07's engine does the same through chapter 03's
-scheduler (drafts become `Request.spec_token_ids`, see the README). What it shows in ~100
-lines is the whole cycle and its two counters per request:
+For tests and the notebook only — chapter 07's engine does the same through this chapter's
+`SpecDecodeScheduler` (scheduler.py: drafts become `Request.spec_token_ids`, see the README).
+What it shows in ~100 lines is the whole cycle and its two counters per request:
 
     prefill    target forward over the prompt           num_computed = len(prompt)
                sample the first token                    tokens += [t]

@@ -1,8 +1,8 @@
 """Self-distil an EAGLE head from a target model, on the CPU, in minutes.
 
-    python -m spec_decode.train_eagle [--model DIR] [--out DIR] [--steps N] ...
+    python -m spec_decode.train_eagle --model "$(python -m mini_vllm.default_model)" [--out DIR] [--steps N] ...
 
-Recipe (EAGLE, Li et al. 2024, shrunk to a CPU budget):
+Recipe ([EAGLE 2024], shrunk to a CPU budget):
   1. the TARGET writes the training text: HF `generate` (sampling, T=0.7) answers a set of
      instructions — the head learns the target's own feature dynamics on the target's own
      distribution (no external dataset);
@@ -20,9 +20,9 @@ Recipe (EAGLE, Li et al. 2024, shrunk to a CPU budget):
   5. the head is saved as config.json + model.safetensors (bf16, a few MB), with the data,
      the training settings and the measured acceptance in config.json's "extra".
 
-The target is any HF-format Llama-style checkpoint; by default the project's converted
-SmolLM2-135M-Instruct (found through mini_vllm.default_model, imported lazily in __main__
-only — this chapter never imports the engine).
+The target is any HF-format Llama-style checkpoint (`--model`): the project's head was trained
+on the converted SmolLM2-135M-Instruct, whose directory `python -m mini_vllm.default_model`
+prints (this chapter never imports the engine, so the caller names the directory).
 """
 from __future__ import annotations
 
@@ -220,14 +220,10 @@ def replay_ngram(seqs: list[list[int]], prompt_lens: list[int], k: int, lo: int 
     return Replay(stats, passes, tokens)
 
 
-def default_model_dir() -> str:
-    import importlib
-    return str(importlib.import_module("mini_vllm.default_model").default_model_path())
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="HF-format target directory (default: the converted SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", required=True,
+                    help='HF-format target directory (SmolLM2: --model "$(python -m mini_vllm.default_model)")')
     ap.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "eagle_smollm2"))
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -251,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model_dir = args.model or default_model_dir()
+    model_dir = args.model
     t0 = time.time()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)

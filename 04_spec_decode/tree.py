@@ -5,7 +5,7 @@ Mirrors vLLM's tree attention (`vllm/v1/attention/backends/tree_attn.py`:
 proposer path of `vllm/v1/spec_decode/eagle.py` (`propose_tree`).
 
 A chain of k drafts can only be right in one way; a TREE keeps several guesses per depth
-(seed 003 §9.2.3):
+([EAGLE-2 2024]; [vLLM 2.0 part 2, §9.2.3]):
 
         root (last verified token, at position P)
         ├── A (P+1)

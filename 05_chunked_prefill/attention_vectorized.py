@@ -49,10 +49,8 @@ from chunked_prefill.attention_reference import FLOAT_DTYPES
 from paged_attention.checks import check_paged_attention_args
 
 # 2048 rows x 3 KV heads x 64 dims x 4 bytes = 1.5 MB per gathered K (and V) for SmolLM2
-# fp32: SDPA reads the gathered K/V while they are still in L2/L3. Chosen by
-# `python -m benchmarks.bench_unified_attention --sweep-rows` (64 decodes, 2-core EPYC:
-# 1536-3072 rows are best; 512 pays per-call overhead, 8192+ spills the caches, one
-# padded 64 x 768 batch is ~4x slower).
+# fp32: SDPA reads the gathered K/V while they are still in L2/L3; fewer rows pay more calls,
+# more rows spill the caches. Chosen by `python -m benchmarks.bench_unified_attention --sweep-rows`.
 KV_ROWS_PER_BATCH = 2048
 
 

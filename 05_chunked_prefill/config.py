@@ -1,6 +1,6 @@
 """Chunked-prefill knobs: chapter 03's `SchedulerConfig` plus the three that split prompts.
 
-Mirrors vLLM's `vllm/config/scheduler.py` (seed 003 §10.3): `enable_chunked_prefill`,
+Mirrors vLLM's `vllm/config/scheduler.py` [vLLM 2.0 part 2, §10.3]: `enable_chunked_prefill`,
 `max_num_partial_prefills`, `max_long_partial_prefills`, `long_prefill_token_threshold`,
 validated as vLLM's `SchedulerConfig.__post_init__` / `verify_max_model_len` do.
 

@@ -1,4 +1,4 @@
-"""The TTFT / ITL experiment of seed 003 §10.4.2, in the simulator.
+"""The TTFT / ITL experiment of [vLLM 2.0 part 2, §10.4.2], in the simulator.
 
 Set-up: `num_decoders` requests with short prompts are decoding; then ONE long prompt
 arrives. Measured:
@@ -8,10 +8,10 @@ arrives. Measured:
 Swept over the chunk size (= `max_num_batched_tokens` with chunking on; "off" = chunk
 prefill disabled, budget = max_model_len).
 
-What to expect, and what the seed gets wrong: chunking bounds the decoders' stall to ~one
+What to expect, and what that source gets wrong: chunking bounds the decoders' stall to ~one
 chunk's step time, roughly chunk/prompt of the unchunked stall. The LONG prompt's own TTFT
 does not shrink — it grows a little, because every chunk pays the fixed per-step cost
-(reading the weights) again and shares its step with the decodes. The seed's
+(reading the weights) again and shares its step with the decodes. Its
 "TTFT ≈ chunk/prompt × original TTFT" is the decoders' stall, not the long prompt's TTFT.
 
 `measure_ttft_itl` only reads per-request token timestamps (`RequestMetrics`), so the same
@@ -33,8 +33,8 @@ from chunked_prefill.scheduler import ChunkedPrefillScheduler
 
 @dataclass(frozen=True)
 class TTFTITLSetup:
-    prompt_len: int = 4096          # the long prompt (seed: 4096 tokens)
-    num_decoders: int = 8           # concurrent decodes (seed: 8)
+    prompt_len: int = 4096          # the long prompt (source: 4096 tokens)
+    num_decoders: int = 8           # concurrent decodes (source: 8)
     decoder_prompt_len: int = 32
     decoder_output_len: int = 256
     long_arrival_s: float = 0.05    # the decoders are mid-generation when it arrives

@@ -3,9 +3,9 @@
 The engine (chapter 07) calls this on every layer of every step; its config picks the
 backend, in the project's one vocabulary (chapter 01's `paged_attention.ops`):
 "reference" (the per-request loop, the oracle), "torch" (vectorized SDPA), "triton" (one
-kernel launch; CUDA, or the Triton interpreter on a CPU), "cpu" (chapter 01's C++/OpenMP
-kernel, which already handles the unified varlen case: K/V read in place through the block
-table — the engine's CPU default when it builds).
+kernel launch; CUDA, or the Triton interpreter on a CPU), "cpu" (the C++/OpenMP kernel of
+kernels_cpu/attention.py, which handles the unified varlen case: K/V read in place through the
+block table — the engine's CPU default when it builds).
 All take the same arguments, in the project's one order
 
     (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, ...)
@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 
 from chunked_prefill import attention_reference, attention_vectorized
+from kernels_cpu import attention as cpu_attention
+from paged_attention.checks import check_paged_attention_args, contiguous_index
 from paged_attention.metadata import AttentionMetadata
 
 BACKENDS = ("reference", "torch", "triton", "cpu")
@@ -60,9 +62,30 @@ def unified_attention(
         from chunked_prefill import triton_ops     # imported lazily: triton is optional for the CPU path
         return triton_ops.unified_attention(*args, **kwargs)
     if backend == "cpu":
-        from paged_attention import cpu_ops        # chapter 01's kernel: one house, no copy here
-        return cpu_ops.unified_attention(*args, **kwargs)
+        return cpu_unified_attention(*args, **kwargs)
     return attention_reference.unified_attention(*args, **kwargs)
+
+
+def cpu_unified_attention(
+    query: torch.Tensor,            # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,        # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,     # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,         # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    scale: float,
+    check_values: bool = True,
+    *,
+    max_query_len: int | None = None,   # validated only: the kernel plans its own tiles
+    max_seq_len: int | None = None,
+) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
+    """Backend "cpu": the checks every backend runs, then the C++ kernel (kernels_cpu/attention.py),
+    which adds its own layout needs (CPU tensors, head_dim a multiple of 8)."""
+    seq_lens, query_start_loc = contiguous_index(seq_lens), contiguous_index(query_start_loc)
+    check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                               check_values=check_values, max_query_len=max_query_len, max_seq_len=max_seq_len)
+    return cpu_attention.unified_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                           scale)
 
 
 def build_attention_plan(attn_metadata: AttentionMetadata, block_size: int, backend: str) -> object | None:

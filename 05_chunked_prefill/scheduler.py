@@ -1,13 +1,13 @@
 """Chunked prefill: chapter 03's scheduler, allowed to cut a prompt into chunks.
 
-Why (seed 003 §10.1, Sarathi): without chunking, a long prompt is one huge step. Every
+Why ([vLLM 2.0 part 2, §10.1]; Sarathi [Agrawal 2023]): without chunking, a long prompt is one huge step. Every
 running request waits for it: its next token is delayed by the whole prefill (the "dam").
 With chunking, the prompt goes through in budget-sized pieces, each batched with the
 decodes of the other requests, so no step is longer than the budget allows — decoders'
 inter-token latency stays bounded, and the GPU mixes compute-bound prefill tokens with
 memory-bound decode tokens in one pass.
 
-In the two-counter view (thesis Table 4.1) chunking is nothing more than choosing
+In the two-counter view [Kwon 2025, Table 4.1] chunking is nothing more than choosing
 Δ < L_prompt: num_computed_tokens advances by a chunk per step, no token is sampled until
 it reaches num_tokens. So this is NOT a separate scheduler: it is chapter 03's `Scheduler`
 with one decision changed (`_num_new_tokens`: how big is Δ) and one admission rule added
@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 from chunked_prefill.config import ChunkedPrefillConfig
 from scheduler import Request, Scheduler, SchedulingBudget
-from scheduler.kv_connector import KVConnector
 
 
 @dataclass
@@ -38,10 +37,10 @@ class PartialPrefillBudget(SchedulingBudget):
 class ChunkedPrefillScheduler(Scheduler):
     splits_prompts = True
 
-    def __init__(self, config: ChunkedPrefillConfig, kv_cache_manager, *, connector: KVConnector | None = None) -> None:
+    def __init__(self, config: ChunkedPrefillConfig, kv_cache_manager, **kwargs) -> None:
         if not isinstance(config, ChunkedPrefillConfig):
             raise TypeError(f"ChunkedPrefillScheduler needs a ChunkedPrefillConfig, got {type(config).__name__}")
-        super().__init__(config, kv_cache_manager, connector=connector)
+        super().__init__(config, kv_cache_manager, **kwargs)
         self.config: ChunkedPrefillConfig = config
 
     def _is_long(self, num_remaining_tokens: int) -> bool:
@@ -78,8 +77,6 @@ class ChunkedPrefillScheduler(Scheduler):
             num_new_tokens = min(num_new_tokens, budget.prefill_slot_budget)
         num_new_tokens = min(num_new_tokens, budget.token_budget)     # the chunk: cut at the budget
         ### END SOLUTION
-        if num_new_tokens == remaining and request.spec_token_ids:    # caught up: drafts may ride along
-            num_new_tokens += self._num_drafts(request, num_new_tokens, budget)
         return num_new_tokens
 
     def _defer_admission(self, request: Request, num_computed_tokens: int, num_new_tokens: int,

@@ -17,12 +17,13 @@ _EXPORTS = {
     "MetadataServer": "metadata", "MetadataService": "metadata", "MetadataClient": "metadata",
     "MetadataServerProcess": "metadata", "KVBlockMeta": "metadata",
     "TransferEngine": "transfer_engine", "LinkModel": "transfer_engine", "TransferResult": "transfer_engine",
+    "KVConnectorBase": "scheduler", "KVConnectorScheduler": "scheduler",
+    "ShadowKVConnector": "shadow_connector", "ShadowKVConnectorRunner": "shadow_connector",
     "KVConnectorBase_V1": "connector", "GlobalKVPoolConnector": "connector", "MooncakeConnector": "connector",
     "KVConnectorRole": "connector", "GlobalPrefixCacheConnectorMetadata": "connector", "create_connector": "connector",
     "LoadError": "layers", "ScratchLayer": "layers",
     "MooncakeMaster": "mooncake_layer", "MooncakeEngine": "mooncake_layer", "MooncakeLayer": "mooncake_layer",
     "KVNode": "node", "NodeProcess": "node", "FakeKVModel": "node",
-    "EngineProcess": "engine_node", "run_requests": "engine_node", "engine_stats": "engine_node",
 }
 
 __all__ = sorted(_EXPORTS)

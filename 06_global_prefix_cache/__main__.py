@@ -8,7 +8,7 @@
 
 Everything it needs it starts (metadata server or mooncake_master) and stops. Phase 1 has no
 model: K/V come from `FakeKVModel`, and a node spends `--ms-per-token` per computed token
-as a stand-in for prefill compute (default 0.5 ms: seed 003 §7.4.4's figure).
+as a stand-in for prefill compute (default 0.5 ms: the figure of [vLLM 2.0 part 2, §7.4.4]).
 """
 from __future__ import annotations
 

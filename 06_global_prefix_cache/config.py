@@ -28,7 +28,7 @@ _COMMON = {
     "save_to_pool": True,           # producer: publish full prompt blocks to the pool
 }
 CONNECTOR_EXTRA_KEYS: dict[str, dict[str, Any]] = {
-    # From scratch: our metadata server + our transfer engine (seed 003 §7.5).
+    # From scratch: our metadata server + our transfer engine [vLLM 2.0 part 2, §7.5].
     "GlobalKVPoolConnector": {**_COMMON,
                               "metadata_server": "",          # "host:port" of a MetadataService
                               "pool_capacity_blocks": 256,     # this node's share of the pool

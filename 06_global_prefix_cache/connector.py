@@ -3,7 +3,7 @@
 Mirrors `KVConnectorBase_V1` (`vllm/distributed/kv_transfer/kv_connector/v1/base.py`) and,
 for the push path, `MooncakeConnector` (`.../v1/mooncake/mooncake_connector.py`).
 
-Scheduler side (called by chapter 03's `Scheduler`; `scheduler.KVConnectorBase` is its half):
+Scheduler side (called by `scheduler.KVConnectorScheduler`; `scheduler.KVConnectorBase` is its half):
   get_num_new_matched_tokens(request, num_computed_tokens) -> (num_external_tokens, load_async)
   update_state_after_alloc(request, blocks, num_external_tokens)
   build_connector_meta(scheduler_output) -> GlobalPrefixCacheConnectorMetadata
@@ -14,18 +14,18 @@ Worker side (called by the model runner around the forward pass):
   get_finished(finished_req_ids) -> (finished_sending, finished_recving)
   get_block_ids_with_load_errors()  /  get_failed_loads()
 
-Two ways K/V arrive, one code path in the scheduler (thesis §4.4: a remote prefix hit):
+Two ways K/V arrive, one code path in the scheduler ([Kwon 2025, §4.4]: a remote prefix hit):
   * pool (global prefix cache): a producer publishes the full blocks of every prompt;
     any consumer whose prompt starts with those blocks loads them instead of computing.
   * push (prefill/decode disaggregation): the prefill node stages a request's K/V; the
     decode node, given the prefill node's `kv_transfer_params`, asks for it over a side
-    channel, and the prefill node WRITES it into the decode node's blocks (seed 003 §7.3.1:
+    channel, and the prefill node WRITES it into the decode node's blocks ([vLLM 2.0 part 2, §7.3.1]:
     P pushes, D does not pull), contiguous blocks grouped into one transfer per layer.
 
 Every load is asynchronous (the request waits in WAITING_FOR_REMOTE_KVS) and has a deadline;
 a failed or late load is reported by `get_block_ids_with_load_errors()` (the model runner puts
-them in `ModelRunnerOutput.invalid_block_ids`, and chapter 03's scheduler recomputes the request
-under `kv_load_failure_policy`), and its blocks are never written after it was given up.
+them in `ModelRunnerOutput.invalid_block_ids`, and `scheduler.KVConnectorScheduler` recomputes the
+request under `kv_load_failure_policy`), and its blocks are never written after it was given up.
 """
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ from global_prefix_cache.rpc import RpcClient, RpcError, RpcServer
 from global_prefix_cache.transfer_params import decode_hashes, encode_hashes, parse_kv_transfer_params
 from kvcache.hashing import (BlockHash, append_block_hashes, generate_block_hash_extra_keys, hash_block_tokens,
                              sha256_hash)
-from kvcache.kv_cache_manager import cdiv
-from scheduler.kv_connector import KVConnectorBase
+from paged_attention import cdiv
+from global_prefix_cache.scheduler import KVConnectorBase
 
 
 class KVConnectorRole(enum.Enum):
@@ -127,8 +127,8 @@ class _Staged:
 
 
 class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
-    """The surface the engine drives (vLLM's KVConnectorBase_V1): chapter 03's scheduler-side
-    interface plus the worker side. Subclasses pick a layer."""
+    """The surface the engine drives (vLLM's KVConnectorBase_V1): the scheduler-side interface
+    (`scheduler.KVConnectorBase`) plus the worker side. Subclasses pick a layer."""
 
     layer_name = ""
     MAX_FAILURE_HISTORY = 1024
@@ -181,7 +181,7 @@ class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
 
     @property
     def kv_load_failure_policy(self) -> str:
-        """Read by chapter 03's scheduler when a load fails: "recompute" or "fail"."""
+        """Read by KVConnectorScheduler when a load fails: "recompute" or "fail"."""
         return self.config.kv_load_failure_policy
 
     def validate_kv_transfer_params(self, params: dict | None) -> dict | None:
@@ -386,7 +386,7 @@ class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
         returns True and pushes straight from the KV blocks, freeing them on finished_sending.)
 
         A prefill node also produces the kv_transfer_params the decode node's request must
-        carry (vLLM returns them as the second element; chapter 03's scheduler takes a bool):
+        carry (vLLM returns them as the second element; KVConnectorScheduler takes a bool):
         read them with `take_kv_transfer_params(request_id)`."""
         rid = request.request_id
         self.finished_request_ids.add(rid)
@@ -420,7 +420,7 @@ class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
         self._matched.pop(request_id, None)
 
     def request_load_failed(self, request) -> None:
-        """Chapter 03's scheduler recomputes a request whose load failed: never offer it
+        """KVConnectorScheduler recomputes a request whose load failed: never offer it
         remote K/V again (a dead node must not make it fail in a loop)."""
         self.mark_no_remote(request.request_id)
 
@@ -701,7 +701,7 @@ def _check_pull_header(header: dict) -> tuple[str, int, list[int], list[int], fl
 
 
 class GlobalKVPoolConnector(KVConnectorBase_V1):
-    """From scratch: our metadata server + our transfer engine (seed 003 §7.5)."""
+    """From scratch: our metadata server + our transfer engine [vLLM 2.0 part 2, §7.5]."""
     layer_name = "scratch"
 
     def _make_layer(self):

@@ -1,14 +1,14 @@
 """Contiguous-block grouping: turn N block copies into as few transfers as possible.
 
 Mirrors `group_concurrent_contiguous` in vLLM's
-`vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py` (seed 003
-§7.3.3) and the loop of `_build_transfer_params` that turns groups into (src, dst, length).
+`vllm/distributed/kv_transfer/kv_connector/v1/mooncake/mooncake_connector.py` ([vLLM 2.0 part 2,
+§7.3.3]) and the loop of `_build_transfer_params` that turns groups into (src, dst, length).
 
 Why: every transfer (an RDMA work request, a TCP message) costs a fixed overhead — a
 descriptor, a doorbell, a completion, a few µs — on top of its bytes. Paged KV blocks are
 scattered, but runs of consecutive ids are common (a fresh allocator hands out runs), and a
 run of k blocks that is consecutive on BOTH sides is one contiguous range of k * block_len
-bytes per K/V tensor. Seed 003's example: src [5,6,7,12,13] -> dst [2,3,4,8,9] is 2
+bytes per K/V tensor. The example of [vLLM 2.0 part 2, §7.3.3]: src [5,6,7,12,13] -> dst [2,3,4,8,9] is 2
 transfers, not 5.
 """
 from __future__ import annotations

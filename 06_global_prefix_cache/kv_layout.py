@@ -2,7 +2,7 @@
 
 vLLM's worker-side connectors get `kv_caches: dict[layer_name, Tensor]` in
 `register_kv_caches` and from then on think in addresses: the base address of each tensor
-and `block_len = tensor.nbytes // num_blocks` (seed 003 §7.3.3: block b of a layer starts at
+and `block_len = tensor.nbytes // num_blocks` ([vLLM 2.0 part 2, §7.3.3]: block b of a layer starts at
 base + b * block_len). Chapter 02's `CacheEngine` keeps one K and one V tensor per layer,
 each [num_blocks, block_size, num_kv_heads, head_dim]: 2 * num_layers regions.
 

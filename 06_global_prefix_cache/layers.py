@@ -9,7 +9,7 @@ Both give the connector the same five things:
   pool_load     copy published blocks into local KV blocks, checksums verified
   close
 
-`ScratchLayer` (seed 003 §7.5, built here): `MetadataServer` + our `TransferEngine`; each
+`ScratchLayer` ([vLLM 2.0 part 2, §7.5], built here): `MetadataServer` + our `TransferEngine`; each
 node's pool share is a `BlockSegment` it serves itself, readers pull by address.
 `MooncakeLayer` lives in `mooncake_layer.py`: mooncake_master + MooncakeDistributedStore.
 """

@@ -1,6 +1,6 @@
 """The global metadata server: chained block hash -> where that block's K/V lives.
 
-Seed 003 §7.2 / §7.5's `GlobalMetadataServer` (`block_hash -> {node_id, memory_addr, size,
+The `GlobalMetadataServer` of [vLLM 2.0 part 2, §7.2, §7.5] (`block_hash -> {node_id, memory_addr, size,
 access_time}`, publish / query / invalidate, LRU), and what `mooncake_master` does for
 Mooncake Store (PutStart / PutEnd, Get, Remove, eviction when a segment fills).
 

@@ -12,13 +12,13 @@
     (setup / put / get / batch_is_exist / remove): each node contributes
     `global_segment_size` bytes; the master places objects and evicts when segments fill.
 
-Traps found on this machine (mooncake 0.3.13.post1): `setup` with no master listening
-blocks for ~90 s holding the GIL (so no Python timeout can interrupt it): we check that the
-master's port answers first. A key cannot be removed while its read lease is held
-(`default_kv_lease_ttl`, 10 s by default; remove returns -706), so the master we start uses
-a short lease. After the master dies, calls return errors (-900) instead of hanging, but each
-put waits ~4.5 s for it. One batch_transfer_sync_write takes at most a few thousand entries
-(4000 returned -1): pushes are split into batches of MAX_BATCH.
+Traps of mooncake 0.3.13.post1: `setup` with no master listening blocks for a long time
+holding the GIL (so no Python timeout can interrupt it): we check that the master's port
+answers first. A key cannot be removed while its read lease is held (`default_kv_lease_ttl`,
+10 s by default; remove returns -706), so the master we start uses a short lease. After the
+master dies, calls return errors (-900) instead of hanging, but each put still waits seconds
+for it. One batch_transfer_sync_write takes at most a few thousand entries: pushes are split
+into batches of MAX_BATCH.
 """
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ class MooncakeMaster:
 class MooncakeEngine:
     """mooncake.engine.TransferEngine with our engine's surface (session_id, last_error)."""
 
-    # One batch takes a bounded number of entries: 2000 went through here, 4000 returned -1.
+    # One batch takes a bounded number of entries (a few thousand; more returns -1).
     # (K/V tensors x runs reaches that quickly: 60 tensors x 65 scattered blocks = 3900.)
     MAX_BATCH = 1024
 
@@ -213,7 +213,7 @@ class MooncakeLayer:
             return []
         exists = self.store.batch_is_exist([self.key(h) for h in block_hashes])
         if any(e < 0 for e in exists):
-            # Master unreachable: don't try the puts (each would wait ~4.5 s for its RPC).
+            # Master unreachable: don't try the puts (each would wait seconds for its RPC).
             raise ConnectionError(f"mooncake batch_is_exist failed ({exists[:4]}...): master unreachable?")
         return [(b, h, None) for b, h, e in zip(block_ids, block_hashes, exists) if e != 1]
 
@@ -263,7 +263,7 @@ class MooncakeLayer:
     def close(self) -> None:
         try:
             # close() unmounts our segment at the master: with the master gone it retries for
-            # ~15 s, so only say goodbye to a master that answers.
+            # seconds, so only say goodbye to a master that answers.
             if port_answers(self.config.extra["master_server"], 0.5):
                 self.store.close()
         finally:

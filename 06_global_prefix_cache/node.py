@@ -1,4 +1,4 @@
-"""A node without a model: chapter 02's KV cache + chapter 03's scheduler + a connector,
+"""A node without a model: chapter 02's KV cache + a scheduler (KVConnectorScheduler) + a connector,
 driven step by step the way an engine does — so the connector is tested end to end, across
 OS processes, before any engine is wired to it.
 
@@ -13,7 +13,7 @@ One `KVNode.step()`:
     forward: per layer, write K/V of the scheduled tokens by slot, then save_kv_layer(layer)
     wait_for_save(); get_finished() -> finished_recving; get_block_ids_with_load_errors()
     scheduler.update_from_output(out, ModelRunnerOutput(..., finished_recving, invalid_block_ids))
-        (chapter 03's scheduler recomputes a request whose load failed)
+        (KVConnectorScheduler recomputes a request whose load failed)
     request_finished(...) for requests that finished
 
 `NodeProcess` runs a KVNode in a child process behind a pipe: tests and the demo use two
@@ -36,6 +36,7 @@ from global_prefix_cache.connector import KVConnectorBase_V1, create_connector
 from global_prefix_cache.kv_layout import kv_caches_from_cache_engine
 from kvcache import KVCacheManager
 from kvcache.cache_engine import CacheEngine, KVCacheSpec
+from global_prefix_cache.scheduler import KVConnectorScheduler
 from scheduler import ModelRunnerOutput, Request, Scheduler, SchedulerConfig
 
 
@@ -98,7 +99,8 @@ class KVNode:
             self.connector = create_connector(kv_transfer_config, block_size, node_id)
             self.connector.register_kv_caches(kv_caches_from_cache_engine(self.cache))
         config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_model_len, max_model_len=max_model_len)
-        self.scheduler = Scheduler(config, self.kv_cache_manager, connector=self.connector)
+        self.scheduler = (Scheduler(config, self.kv_cache_manager) if self.connector is None else
+                          KVConnectorScheduler(config, self.kv_cache_manager, connector=self.connector))
         self.step_delay_s = step_delay_s          # a stand-in for prefill compute time (demo)
         self.requests: dict[str, Request] = {}
         self.records: dict[str, RequestRecord] = {}
@@ -131,7 +133,7 @@ class KVNode:
         out = self.scheduler.schedule()
         c = self.connector
         if c is not None:
-            # Chapter 03's scheduler builds the connector's metadata into its output; build it
+            # KVConnectorScheduler builds the connector's metadata into its output; build it
             # here only for a scheduler that does not.
             meta = getattr(out, "kv_connector_metadata", None)
             c.bind_connector_metadata(meta if meta is not None else c.build_connector_meta(out))
@@ -321,15 +323,14 @@ def _cmd_publish_fill(node: KVNode, rid_prefix: str, num_prompts: int, length: i
 _COMMANDS = {"run": _cmd_run, "set_faults": _cmd_set_faults, "stats": _cmd_stats, "check": _cmd_check,
              "publish_fill": _cmd_publish_fill}
 
-# Engine processes (engine_node.py) fork from the same server: chapter 07's engine module is
-# preloaded there too, which saves each engine process seconds of imports (torch models,
-# transformers). It is a name in a list, imported only by that server process.
-_PRELOAD = ["global_prefix_cache.node", "mini_vllm.llm_engine"]
+# What the forkserver imports before it forks any child: this module, plus the `preload` of
+# every ChildProcess subclass defined so far (see ChildProcess.preload).
+_PRELOAD = ["global_prefix_cache.node"]
 
 
 def _mp_context():
     # forkserver: one clean server process imports torch once; each node is then a fast
-    # fork of it (spawn would re-import torch per node, ~3 s each on a loaded 2-core box).
+    # fork of it (spawn would re-import torch in every node process).
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
@@ -338,7 +339,18 @@ def _mp_context():
 class ChildProcess:
     """Something (a KVNode, an engine) in a child process behind a pipe. Every call has a
     timeout; `close()` always reaps it (stop -> terminate -> kill), so a test can never leave
-    it behind."""
+    it behind.
+
+    `preload`: modules a subclass's children need, imported once by the forkserver so that each
+    child forks with them loaded (chapter 07's engine process saves seconds of torch-model and
+    transformers imports per engine). They are registered when the subclass is DEFINED: a
+    process has one forkserver, started with the list as it is at the first child."""
+
+    preload: tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        _PRELOAD.extend(m for m in cls.preload if m not in _PRELOAD)
 
     def __init__(self, target, kwargs: dict, start_timeout: float, wait: bool = True) -> None:
         ctx = _mp_context()

@@ -3,8 +3,8 @@
 
 Mirrors `mooncake.engine.TransferEngine` (what vLLM's MooncakeConnector calls):
 `initialize`, `register_memory`, `batch_transfer_sync_write(target, buffers,
-peer_buffer_addresses, lengths)`, `batch_transfer_sync_read`, plus seed 003 §7.5's async
-`submit` / `wait` / `is_complete`. Seed 003 §7.4.2 maps these onto RDMA verbs:
+peer_buffer_addresses, lengths)`, `batch_transfer_sync_read`, plus the async
+`submit` / `wait` / `is_complete` of [vLLM 2.0 part 2, §7.5]. [vLLM 2.0 part 2, §7.4.2] maps these onto RDMA verbs:
 register_memory = ibv_reg_mr (pin memory, hand out a key), a write = IBV_WR_RDMA_WRITE
 straight into the peer's registered memory, "sync" = poll the completion queue.
 
@@ -13,7 +13,7 @@ peer's write lands in that memory by address — but only inside a registered ra
 rkey check: a bad address is refused, not written). Every payload carries a crc32 per
 transfer (RDMA has link-level CRCs; TCP's 16-bit checksum is weak), verified before the
 bytes land. Optional `LinkModel`: pace each batch to latency * transfers + bytes / bandwidth
-(seed 003: 5 µs + bytes / 100 Gbps) to run the cost-model experiments on loopback.
+([vLLM 2.0 part 2, §7.4.4]: 5 µs + bytes / 100 Gbps) to run the cost-model experiments on loopback.
 """
 from __future__ import annotations
 
@@ -233,7 +233,7 @@ class TransferEngine:
                                  lengths: Sequence[int]) -> int:
         return 0 if self._run("read", target, buffers, peer_buffer_addresses, lengths).ok else -1
 
-    # ---- asynchronous form (seed 003 §7.5) ---------------------------------------------------
+    # ---- asynchronous form [vLLM 2.0 part 2, §7.5] ---------------------------------------------------
     def submit(self, op: str, target: str, buffers: Sequence[int], peer_buffer_addresses: Sequence[int],
                lengths: Sequence[int], tag: str | None = None, timeout: float | None = None,
                cancelled: threading.Event | None = None) -> int:

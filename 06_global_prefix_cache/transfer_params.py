@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from global_prefix_cache.kv_layout import NodeSpec
 from global_prefix_cache.rpc import parse_address
-from kvcache.kv_cache_manager import cdiv
+from paged_attention import cdiv
 
 # Every key a request may carry, and its type. A prefill request sends {"do_remote_decode": True};
 # the decode request sends back what the prefill engine returned (do_remote_prefill and the rest).

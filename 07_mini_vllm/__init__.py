@@ -1,4 +1,4 @@
-"""Chapter 07: mini_vllm — the engine composed from chapters 01-05 (see README.md).
+"""Chapter 07: mini_vllm — the engine composed from chapters 01-06 (see README.md).
 
     from mini_vllm import LLM, SamplingParams
     LLM().generate("The capital of France is", SamplingParams(temperature=0, max_tokens=16))

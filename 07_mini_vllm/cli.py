@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from mini_vllm.engine_config import GiB, EngineConfig
-from mini_vllm.models.cpu_gemm import CPU_GEMMS
+from mini_vllm.engine_config import CPU_KERNELS, GiB, EngineConfig
+from mini_vllm.models.linear_method import CPU_GEMMS
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 
 DEMO_QUESTIONS = [
@@ -56,6 +56,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     g.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU memory for swapped-out KV")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--cpu-kernels", default="auto", choices=list(CPU_KERNELS),
+                   help="the CPU fast paths (kernels_cpu/): where they build (auto), or none: torch ops alone (off)")
     g.add_argument("--cpu-gemm-backend", default="auto", choices=list(CPU_GEMMS),
                    help="CPU linears on prepacked weights: our C++ kernel (cpu), oneDNN (onednn), the first "
                         "that runs here (auto), or plain F.linear (torch)")
@@ -81,8 +83,8 @@ def engine_config(args) -> EngineConfig:
         kv_cache_memory=int(args.kv_cache_memory * GiB) if args.kv_cache_memory else None,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, preemption_mode=args.preemption_mode,
-        swap_space=args.swap_space, enforce_eager=args.enforce_eager, cpu_gemm_backend=args.cpu_gemm_backend,
-        seed=args.seed)
+        swap_space=args.swap_space, enforce_eager=args.enforce_eager, cpu_kernels=args.cpu_kernels,
+        cpu_gemm_backend=args.cpu_gemm_backend, seed=args.seed)
 
 
 def sampling_params(args, **overrides) -> SamplingParams:

@@ -4,7 +4,7 @@ Mirrors vLLM v1's `vllm/v1/engine/core.py: EngineCore` (`__init__` -> `_initiali
 `add_request`, `abort_requests`, `step`). Token ids in, token ids out: no text here (that is
 the LLMEngine's processor and output processor).
 
-    step():  scheduler.schedule()                      -> SchedulerOutput      (chapter 03 / 05)
+    step():  scheduler.schedule()                      -> SchedulerOutput      (chapters 03-06, engine_scheduler.py)
              model_runner.execute_model(...)           -> ModelRunnerOutput    (this chapter)
              scheduler.update_from_output(...)         -> EngineCoreOutputs    (chapter 03)
 
@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache import BlockSpaceManager, KVCacheManager
-from scheduler import EngineCoreOutput, FinishReason, Request, RequestStatus, Scheduler, SchedulerOutput
+from scheduler import EngineCoreOutput, FinishReason, Request, RequestStatus, SchedulerOutput
 
 from mini_vllm.config import ModelConfig, weights_fingerprint
 from mini_vllm.engine_config import GiB, EngineConfig
+from mini_vllm.engine_scheduler import make_scheduler
 from mini_vllm.model_inputs import ModelInputs
 from mini_vllm.kv_memory import (DEFAULT_CPU_KV_CACHE_MEMORY, GPUMemorySnapshot, KVCacheReport,
                                  check_enough_kv_cache_memory, gpu_kv_cache_bytes, num_blocks_for_bytes)
@@ -82,13 +83,8 @@ class EngineCore:
             self.kv_cache_manager = KVCacheManager(self.kv_cache_report.num_blocks, config.block_size,
                                                    enable_caching=config.enable_prefix_caching)
         self.kv_connector = self._make_kv_connector()
-        scheduler_config = config.scheduler_config(model_config.max_model_len)
-        if config.enable_chunked_prefill:
-            from chunked_prefill import ChunkedPrefillScheduler
-            self.scheduler: Scheduler = ChunkedPrefillScheduler(scheduler_config, self.kv_cache_manager,
-                                                                connector=self.kv_connector)
-        else:
-            self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, connector=self.kv_connector)
+        self.scheduler = make_scheduler(config.scheduler_config(model_config.max_model_len), self.kv_cache_manager,
+                                        self.kv_connector)
         logger.info("%s", self.kv_cache_report)
 
     # ------------------------------------------------------------------ KV connector (chapter 06)

@@ -4,7 +4,7 @@ Mirrors vLLM's decode CUDA graphs (`vllm/v1/worker/gpu_model_runner.py: capture_
 `_dummy_run`; `CompilationConfig.cudagraph_capture_sizes`; the FULL cudagraph mode that
 `TritonAttentionBackend` allows, `AttentionCGSupport.ALWAYS`).
 
-Why (thesis §4.6.3): a decode step of a small model is hundreds of tiny kernels; launching them
+Why [Kwon 2025, §4.6.3]: a decode step of a small model is hundreds of tiny kernels; launching them
 one by one from Python costs more than running them. A CUDA graph records the kernel sequence
 once and replays it with one launch. What a graph cannot do is change: shapes, pointers, or
 host-side decisions are frozen at capture. Hence:

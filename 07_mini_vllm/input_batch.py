@@ -2,7 +2,7 @@
 
 Mirrors vLLM v1's `vllm/v1/worker/gpu_input_batch.py` (`CachedRequestState`, `InputBatch`:
 `add_request`, `remove_request`, `condense`) and the persistent block table of
-`vllm/v1/worker/block_table.py` (thesis §4.6.2, "incremental state updates").
+`vllm/v1/worker/block_table.py` ([Kwon 2025, §4.6.2], "incremental state updates").
 
 Why persistent: from one step to the next almost nothing changes — each running request gains
 one token and, every block_size tokens, one block id. Rebuilding the batch from Python lists

@@ -3,10 +3,10 @@
 Mirrors vLLM v1's `vllm/v1/worker/gpu_worker.py: Worker.determine_available_memory` (with
 `vllm/utils.py: memory_profiling`), `vllm/v1/core/kv_cache_utils.py:
 check_enough_kv_cache_memory` and the start-up log lines "GPU KV cache size: N tokens" /
-"Maximum concurrency for L tokens per request: Cx" — and seed 004's account of v0's
-`determine_num_available_blocks`.
+"Maximum concurrency for L tokens per request: Cx" — and the account of v0's
+`determine_num_available_blocks` in [vLLM source notes, initialize_kv_caches].
 
-GPU (seed 004, thesis §4.2.1): the engine may use `gpu_memory_utilization × total` bytes. Load
+GPU ([vLLM source notes, initialize_kv_caches]; [Kwon 2025, §4.2.1]): the engine may use `gpu_memory_utilization × total` bytes. Load
 the weights, run one dummy forward at the largest step the scheduler can produce
 (`ModelRunner.profile_run`), and read the peak. Whatever the weights, that activation peak and
 the non-torch memory (CUDA context, cuBLAS workspaces) leave of the budget becomes KV blocks:

@@ -53,11 +53,12 @@ import torch
 
 from chunked_prefill import build_attention_plan
 from global_prefix_cache.kv_layout import kv_caches_from_cache_engine
+import kernels_cpu
 from kvcache.cache_engine import CacheEngine, KVCacheSpec
+from paged_attention import cdiv
 from scheduler import ModelRunnerOutput as SchedulerModelRunnerOutput
 from scheduler import SchedulerOutput
 
-from mini_vllm import cpu_malloc
 from mini_vllm.config import ModelConfig
 from mini_vllm.cuda_graph import CUDAGraphRunner
 from mini_vllm.engine_config import EngineConfig
@@ -75,10 +76,6 @@ logger = logging.getLogger(__name__)
 
 NONFINITE_LOGITS = ("non-finite logits (NaN or +inf, or no finite value): the model's output overflowed "
                     "or its weights are corrupt (fp16 overflow? try bfloat16 or float32)")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -114,9 +111,9 @@ class ModelRunner:
                 attn_backend=self.attn_backend, cpu_gemm_backend=config.cpu_gemm_backend,
                 cpu_layer_ops=config.cpu_layer_ops, generator=self.sampler.generator, tokenizer_path=config.tokenizer)
 
-        if self.device.type == "cpu" and config.cpu_keep_freed_memory:
+        if self.device.type == "cpu" and config.cpu_kernels != "off" and config.cpu_keep_freed_memory:
             # After loading: the checkpoint's unpacked copies, freed by packing, go back to the OS first.
-            reason = cpu_malloc.keep_freed_memory()
+            reason = kernels_cpu.configure_process()
             if reason:
                 logger.warning("cpu_keep_freed_memory: %s", reason)
 

@@ -17,7 +17,7 @@ already turns a 1-ulp near tie into a coin flip where greedy is meant.
 What one step costs, and why (SmolLM2's vocabulary, 49152, at 64 rows; see
 `python -m benchmarks.bench_sampler`):
 * the finiteness check is `isfinite(logits.amax(-1))`: one reduction, exact because amax
-  propagates NaN and +inf and is -inf only for an all -inf row (a full isnan/isinf scan costs ~20x);
+  propagates NaN and +inf and is -inf only for an all -inf row (instead of full isnan/isinf scans);
 * top-k / top-p never sort the vocabulary: `torch.topk` of k + 1 (or a few hundred) candidates
   decides the reference's kept set exactly, with a bounded fallback (topk_topp_sampler.py);
 * the draw is ONE uniform per row (inverse CDF over the kept candidates) instead of V

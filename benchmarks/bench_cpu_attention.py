@@ -11,7 +11,8 @@ block_size 16, physical blocks shuffled (synthetic.make_paged_kv). Workloads:
             + a fresh 128-token prompt: one chunked-prefill step
   prefill   4 fresh prompts of 256 tokens
 Implementations, timed in the same run on the same tensors, taking turns:
-  cpu         ours: paged_attention.cpu_ops.unified_attention (C++/OpenMP/AVX, K/V in place)
+  cpu         ours: the "cpu" backend as the engine calls it (chunked_prefill.ops.cpu_unified_attention:
+              the shared checks, then kernels_cpu/attention.py's C++/OpenMP/AVX kernel, K/V in place)
   torch       chapter 05's vectorized path (attention_vectorized.unified_attention: gather
               K/V into padded sub-batches + SDPA), with its per-step plan built untimed, as
               the engine does once per step for all layers
@@ -42,7 +43,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import RESULTS_DIR, write_result
-from paged_attention import cpu_ops
+from chunked_prefill.ops import cpu_unified_attention
+from kernels_cpu import attention as cpu_attention
 from paged_attention.synthetic import make_paged_kv
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -171,7 +173,7 @@ def bench_workload(name, query_lens, context_lens, rounds, iters, bandwidth, l3,
     args, kv = build(query_lens, context_lens)
     seq_lens = [q + c for q, c in zip(query_lens, context_lens)]
     dense, unpad = sdpa_dense_peer(args[0], query_lens, kv.keys, kv.values)
-    fns = {"cpu": lambda: cpu_ops.unified_attention(*args, SCALE, check_values=False),
+    fns = {"cpu": lambda: cpu_unified_attention(*args, SCALE, check_values=False),
            "torch": torch_path(args), "sdpa_dense": dense}
     want = fns["cpu"]()
     for impl, out in (("torch", fns["torch"]()), ("sdpa_dense", unpad(dense()))):   # time only right answers
@@ -226,7 +228,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     rounds, iters = (1, 3) if args.smoke else (args.rounds, args.iters)
-    cpu_ops.load()                                   # build outside the timings
+    cpu_attention.load()                             # build outside the timings
     load_before = os.getloadavg()[0]
     bandwidth = memory_bandwidth(64 if args.smoke else 256, 3 if args.smoke else 20)
     l3 = l3_bytes()
@@ -250,7 +252,7 @@ def main(argv=None):
     workload = dict(model="SmolLM2-135M attention shapes", num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS,
                     head_dim=HEAD_DIM, block_size=BLOCK_SIZE, dtype="float32", layout="shuffled blocks",
                     workloads={k: dict(query_lens=q, context_lens=c) for k, (q, c) in workloads(args.smoke).items()},
-                    kernel_isa=cpu_ops.load().isa(), threads=torch.get_num_threads(),
+                    kernel_isa=cpu_attention.load().isa(), threads=torch.get_num_threads(),
                     memory_bandwidth_gb_s=round(bandwidth / 1e9, 2), l3_mb=l3 >> 20,
                     caches="hot: K/V stay cached between calls" if args.hot else
                            "cold: 2x L3 read between calls, K/V come from DRAM as in the engine",

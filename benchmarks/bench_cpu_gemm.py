@@ -1,6 +1,6 @@
 """CPU linear layers: `F.linear` (MKL, what HF runs), oneDNN on prepacked weights (what vLLM's
 CPU backend runs) and our C++ kernel on column panels (what the engine runs where it builds,
-`mini_vllm/models/cpu_gemm.py`, `csrc/cpu_gemm.cpp`), on SmolLM2-135M's shapes, in one run.
+`kernels_cpu/gemm.py`, `kernels_cpu/csrc/gemm.cpp`), on SmolLM2-135M's shapes, in one run.
 
     python -m benchmarks.bench_cpu_gemm                     # ~2-3 min on 2 cores
     python -m benchmarks.bench_cpu_gemm --engine-rounds 2   # + the engine A/B, ours vs oneDNN (~10 min)
@@ -33,7 +33,7 @@ NUM_LAYERS = 30
 
 def sides_for(weights: dict[str, torch.Tensor]) -> dict[str, dict]:
     """{side: {shape name: (fn(x) -> y)}}: F.linear, and each packed backend that runs here."""
-    from mini_vllm.models import cpu_gemm
+    from kernels_cpu import gemm as cpu_gemm
 
     sides = {"F.linear": {n: (lambda x, w=w: F.linear(x, w)) for n, w in weights.items()}}
     if cpu_gemm.onednn_available():
@@ -42,7 +42,7 @@ def sides_for(weights: dict[str, torch.Tensor]) -> dict[str, dict]:
     if cpu_gemm.kernel_unavailable_reason(next(iter(weights.values()))) is None:
         panels = {n: cpu_gemm.pack_panels(w) for n, w in weights.items()}
         sides["ours (C++ panels)"] = {n: (lambda x, p=p: cpu_gemm.panel_linear(x, p, None)) for n, p in panels.items()}
-        # The same kernel without its next-panel prefetch (csrc/cpu_gemm.cpp): what the prefetch buys.
+        # The same kernel without its next-panel prefetch (kernels_cpu/csrc/gemm.cpp): what the prefetch buys.
         sides["ours, no prefetch"] = {n: (lambda x, p=p: cpu_gemm.panel_linear(x, p, None, prefetch_next_panel=False))
                                       for n, p in panels.items()}
     return sides
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
                     threads=torch.get_num_threads(), sides=list(sides),
                     streamed=dict(layers=NUM_LAYERS, weight_mb=round(weight_bytes / 1e6), rows=streamed),
                     peers="F.linear (MKL); oneDNN = torch.ops.mkldnn._linear_pointwise on _reorder_linear_weight",
-                    ours="csrc/cpu_gemm.cpp panel_gemm on pack_panels")
+                    ours="kernels_cpu/csrc/gemm.cpp panel_gemm on pack_panels")
     if args.engine_rounds:
         from benchmarks.bench_engine import engine_ab
         workload["engine_ab"] = engine_ab({"cpu": dict(cpu_gemm_backend="cpu"),

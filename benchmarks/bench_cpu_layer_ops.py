@@ -1,5 +1,5 @@
 """CPU layer ops: each decoder layer's small ops as PyTorch runs them (the layers' own forwards,
-what HF runs) vs the fused C++ kernels the engine switches to (`mini_vllm/models/cpu_layer_ops.py`),
+what HF runs) vs the fused C++ kernels the engine switches to (`kernels_cpu/layer_ops.py`),
 on SmolLM2-135M's shapes, in one run.
 
     python -m benchmarks.bench_cpu_layer_ops            # ~1 min on 2 cores
@@ -31,7 +31,7 @@ HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64          # SmolLM
 
 
 def make_layer_ops(fused: bool):
-    """One decoder layer's small ops, as the model runs them with `cpu_kernel` off / on."""
+    """One decoder layer's small ops, as the model runs them bound to forward_native / forward_cpu."""
     from mini_vllm.models.attention import SelfAttention
     from mini_vllm.models.layers import RMSNorm, SiluAndMul
 
@@ -42,11 +42,11 @@ def make_layer_ops(fused: bool):
     act = SiluAndMul()
     attn = SelfAttention(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, rms_norm_eps=1e-5)
     for module in (*norms, act, attn):
-        module.cpu_kernel = fused
+        module.dispatch_forward("cpu" if fused else "native")
 
     def split_rope(qkv, cos, sin):
         if fused:
-            from mini_vllm.models import cpu_layer_ops
+            from kernels_cpu import layer_ops as cpu_layer_ops
             return cpu_layer_ops.rope_split_qkv(qkv, cos.view(len(qkv), -1), sin.view(len(qkv), -1),
                                                 HEADS, KV_HEADS, HEAD_DIM)
         from mini_vllm.models.layers import apply_rotary_emb
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.smoke:
         args.rows, args.repeats = [1, 64], 2
 
-    from mini_vllm.models import cpu_layer_ops
+    from kernels_cpu import layer_ops as cpu_layer_ops
 
     if not cpu_layer_ops.is_available():
         raise SystemExit(f"the CPU layer ops cannot be built here: {cpu_layer_ops.unavailable_reason()}")

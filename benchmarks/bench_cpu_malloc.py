@@ -1,4 +1,4 @@
-"""The engine with and without `cpu_keep_freed_memory` (mini_vllm/cpu_malloc.py), interleaved, each
+"""The engine with and without `cpu_keep_freed_memory` (kernels_cpu/malloc.py), interleaved, each
 run in a process of its own.
 
     python -m benchmarks.bench_cpu_malloc                # 2 rounds = 4 runs: ~7 min on 2 cores

@@ -502,7 +502,7 @@ def main(argv: list[str] | None = None) -> dict:
                                      enable_chunked_prefill=True, enable_prefix_caching=True,
                                      cpu_gemm_backend=llm.llm_engine.config.cpu_gemm_backend,
                                      cpu_layer_ops=llm.llm_engine.config.cpu_layer_ops,
-                                     onednn_packed=llm.llm_engine.engine_core.model_runner.model.packed_lm_head
+                                     onednn_packed=llm.llm_engine.engine_core.model_runner.model.lm_head.packed_weight
                                      is not None),
                          summary=summary)
     path = write_result(name, workload_info, rows, args.out_dir)

@@ -57,7 +57,7 @@ def layer_config(layer: str, address: str, role: str) -> dict:
 def run_layer(layer: str, tokenizer, sessions: int, repeat_system: int, max_tokens: int) -> dict:
     import torch
 
-    from global_prefix_cache.engine_node import EngineProcess, run_requests
+    from mini_vllm.engine_process import EngineProcess, run_requests
     from mini_vllm.llm_engine import LLMEngine
 
     if layer == "scratch":

@@ -1,7 +1,7 @@
 """When does a remote prefix hit pay? Moving L tokens' K/V between two processes, through
 both layers of chapter 06, beside computing those L tokens (prefill), in one run.
 
-Seed 003 §7.4.4's question, measured here instead of assumed:
+The question of [vLLM 2.0 part 2, §7.4.4], measured here instead of assumed:
   prefill   HF transformers' SmolLM2-135M forward over L tokens (CPU, fp32, 1 sequence, one
             thread), the work a hit skips. Median of 3 after a warm-up.
   transfer  L tokens of SmolLM2's K/V (30 layers x K,V x 3 heads x 64, fp32: 46,080 B/token,
@@ -11,8 +11,8 @@ Seed 003 §7.4.4's question, measured here instead of assumed:
               scratch push   prefill node pushes into the decode node (WRITE via side channel)
               mooncake push  Mooncake TransferEngine batch_transfer_sync_write (TCP, loopback)
               mooncake pool  Mooncake Store get (mooncake_master on loopback)
-  model     seed 003's formulas: prefill at 0.5 ms/token, transfer over 100 Gbit/s + 5 µs,
-            for SmolLM2's K/V and for the seed's LLaMA-7B-like K/V.
+  model     that source's formulas: prefill at 0.5 ms/token, transfer over 100 Gbit/s + 5 µs,
+            for SmolLM2's K/V and for its LLaMA-7B-like K/V.
 Loopback on a shared 2-core machine is not a network: the transfer numbers here are CPU
 copies, crc32 checksums and Python; the ratio transfer/prefill per L is the result, and
 it is taken in the same run (other jobs may share the cores: noisy, interleaved).
@@ -32,7 +32,7 @@ import time
 import torch
 
 from benchmarks.common import RESULTS_DIR, write_result
-from global_prefix_cache.cost_model import SEED_CONFIG, SMOLLM2_135M, Link, prefill_seconds, transfer_seconds
+from global_prefix_cache.cost_model import LLAMA_7B_FP16, SMOLLM2_135M, Link, prefill_seconds, transfer_seconds
 
 BLOCK_SIZE = 16
 SHAPE = dict(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.float32, block_size=BLOCK_SIZE)
@@ -129,9 +129,9 @@ def plot(rows: list[dict], path) -> None:
                        ("mooncake_push_ms", "C1--^"), ("mooncake_pool_ms", "C1-s")):
         if key in rows[0]:
             ax.plot(xs, [r[key] for r in rows], style, label=key[:-3].replace("_", " ") + ", measured (loopback)")
-    ax.plot(xs, [r["model_prefill_ms"] for r in rows], "k:", label="seed model: prefill 0.5 ms/token (70B, A100)")
-    ax.plot(xs, [r["model_transfer_smollm2_ms"] for r in rows], "g:", label="seed model: SmolLM2 K/V over 100 Gbit/s")
-    ax.plot(xs, [r["model_transfer_seed_ms"] for r in rows], "r:", label="seed model: LLaMA-7B K/V over 100 Gbit/s")
+    ax.plot(xs, [r["model_prefill_ms"] for r in rows], "k:", label="cost model: prefill 0.5 ms/token (70B, A100)")
+    ax.plot(xs, [r["model_transfer_smollm2_ms"] for r in rows], "g:", label="cost model: SmolLM2 K/V over 100 Gbit/s")
+    ax.plot(xs, [r["model_transfer_seed_ms"] for r in rows], "r:", label="cost model: LLaMA-7B K/V over 100 Gbit/s")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens loaded instead of computed (L)")
@@ -166,7 +166,7 @@ def main(argv=None) -> None:
         row = {"tokens": n, "kv_bytes": n * SMOLLM2_135M.bytes_per_token, "prefill_ms": prefill[n] * 1e3,
                "model_prefill_ms": prefill_seconds(n) * 1e3,
                "model_transfer_smollm2_ms": transfer_seconds(n, SMOLLM2_135M, link) * 1e3,
-               "model_transfer_seed_ms": transfer_seconds(n, SEED_CONFIG, link) * 1e3}
+               "model_transfer_seed_ms": transfer_seconds(n, LLAMA_7B_FP16, link) * 1e3}
         for (layer, mode), times in measured.items():
             ms = statistics.median(times[n]) * 1e3
             row[f"{layer}_{mode}_ms"] = ms

@@ -1,6 +1,6 @@
 """The block manager's CPU cost: per-block time of allocate/free, of a prefix hit (removal
 from the middle of the free queue) and of a lookup, from 1e3 to 1e6 blocks — and the cost
-of a prefix-cache lookup that finds nothing (seed 001: "zero overhead at 0% hit rate").
+of a prefix-cache lookup that finds nothing ([v1 prefix caching]: "zero overhead at 0% hit rate").
 
 Side by side in one run:
   * our BlockPool vs the same free queue kept in a `collections.deque`, where a prefix hit
@@ -119,7 +119,7 @@ def bench_zero_hit_lookup(prompt_len: int = 4096, cached_entries: int = 100_000,
                 if m.block_pool.get_cached_block(h) is None:
                     break
             probe_samples.append(time.perf_counter() - t0)
-        # vLLM probes until the first miss (one probe here); seed 001 counts all 256 probes:
+        # vLLM probes until the first miss (one probe here); [v1 prefix caching] counts all 256 probes:
         # time the worst case too — every block probed, all missing.
         table = m.block_pool.cached_block_hash_to_block
         keys = [h.hash_value for h in hashes]

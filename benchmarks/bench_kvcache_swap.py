@@ -1,7 +1,7 @@
 """Swap and block-copy bandwidth by block size, every backend side by side with the
-physical limit (one contiguous copy of the same bytes), next to seed 000 §4.1's cost model.
+physical limit (one contiguous copy of the same bytes), next to the cost model of [vLLM 2.0 part 1, §4.1].
 
-Why block size matters (thesis §3.7.3, Fig. 3.19a): a swap moves one block per layer per
+Why block size matters [Kwon 2025, §3.7.3, Fig. 3.19a]: a swap moves one block per layer per
 K/V as a separate transfer, so small blocks mean many small transfers and a per-transfer
 overhead that, not bandwidth, sets the cost. Contenders for swap (GPU -> pinned CPU):
   torch   gather on the GPU, one transfer, scatter (kvcache.reference)
@@ -29,18 +29,18 @@ from kvcache.cache_engine import KVCacheSpec
 from kvcache.ops import copy_blocks, swap_blocks
 
 MODEL = dict(num_layers=30, num_kv_heads=3, head_dim=64)          # SmolLM2-135M
-LLAMA_7B = dict(num_layers=32, num_kv_heads=32, head_dim=128)      # seed 000 §4.1's example
+LLAMA_7B = dict(num_layers=32, num_kv_heads=32, head_dim=128)      # the example of [vLLM 2.0 part 1, §4.1]
 
 
 def cost_model_rows(pcie_gbps: float = 32.0) -> list[dict]:
-    """Seed 000 §4.1: one block of 16 tokens of LLaMA-7B over PCIe at 32 GB/s. Its arithmetic
+    """[vLLM 2.0 part 1, §4.1]: one block of 16 tokens of LLaMA-7B over PCIe at 32 GB/s. Its arithmetic
     (16 x 32 x 2 x 128 x 2 bytes = 262 KB) leaves out the 32 KV heads; KVCacheSpec counts them."""
     rows = []
     for name, shape in (("LLaMA-7B", LLAMA_7B), ("SmolLM2-135M", MODEL)):
         spec = KVCacheSpec(block_size=16, dtype=torch.float16, **shape)
         rows.append(dict(model=name, bytes_per_block=spec.bytes_per_block,
                          us_per_block_at_pcie=spec.bytes_per_block / (pcie_gbps * 1e9) * 1e6, pcie_gbps=pcie_gbps))
-    rows.append(dict(model="LLaMA-7B (seed 000's figure, 1 head)", bytes_per_block=16 * 32 * 2 * 128 * 2,
+    rows.append(dict(model="LLaMA-7B (figure of [vLLM 2.0 part 1, §4.1], 1 head)", bytes_per_block=16 * 32 * 2 * 128 * 2,
                      us_per_block_at_pcie=16 * 32 * 2 * 128 * 2 / (pcie_gbps * 1e9) * 1e6, pcie_gbps=pcie_gbps))
     return rows
 

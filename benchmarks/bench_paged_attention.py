@@ -5,7 +5,7 @@ Decode attention is memory-bound: each step reads every K/V byte of every reques
 does ~2 FLOPs per byte. So the figure of merit is achieved bandwidth = bytes of K/V read /
 time, and the question PagedAttention must answer is what the block-table indirection
 costs against attention over contiguous K/V (the thesis measured 20-26% kernel overhead
-against FasterTransformer, §3.7.1). We report, per (dtype, batch, context):
+against FasterTransformer, [Kwon 2025, §3.7.1]). We report, per (dtype, batch, context):
   * time and achieved bandwidth of each backend, and the fraction of the GPU's peak;
   * ratio = SDPA time / our time (> 1: paged is faster than contiguous SDPA).
 

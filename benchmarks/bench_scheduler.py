@@ -1,7 +1,7 @@
 """CPU time of one scheduling step with R running requests, R = 1 .. 1024: ours vs the
 scheduler of HF transformers' continuous batching (FIFOScheduler), side by side in one run.
 
-Why it matters (thesis §4.6): a decode step takes ~10 ms on a modern GPU, so 1 ms of
+Why it matters [Kwon 2025, §4.6]: a decode step takes ~10 ms on a modern GPU, so 1 ms of
 scheduler CPU time per step is already a 10% loss; the step must stay O(running).
 
 Workload: R requests with 20-token prompts, all decoding (prefill done before timing),

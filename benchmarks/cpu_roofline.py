@@ -43,7 +43,7 @@ def measure_peak_flops(hidden: int, intermediate: int, repeats: int = 20) -> dic
     """fp32 GEMM FLOP/s: large squares, and the model's MLP shape at 2048 rows through torch.mm
     and through the engine's own oneDNN packed linear; the best of all is the peak. (This VM's
     speed drifts by tens of percent over minutes: many repeats, the fastest kept.)"""
-    from mini_vllm.models.cpu_gemm import onednn_available, pack_weight, packed_linear
+    from kernels_cpu.gemm import onednn_available, pack_weight, packed_linear
 
     shapes = {"mm 2048^3": (2048, 2048, 2048), "mm 4096x4096x1024": (4096, 1024, 4096),
               f"mlp 2048x{hidden}->{2 * intermediate}": (2048, hidden, 2 * intermediate)}

@@ -1,9 +1,9 @@
-"""Prefix-cache hit rate by workload (seed 001's table) and by eviction policy, on synthetic
+"""Prefix-cache hit rate by workload (the table of [v1 prefix caching]) and by eviction policy, on synthetic
 workloads driven through KVCacheManager by a minimal FCFS continuous-batching loop
 (`kvcache.simulate`). Side by side in one run, for each workload and cache size:
 
     vllm         LRU, tail-first free   (vLLM v1)
-    forward      LRU, head-first free   (seed 003's timeline order: a chain's parent is
+    forward      LRU, head-first free   (the timeline order of [vLLM 2.0 part 2, §6.3.3]: a chain's parent is
                                          evicted before its children, which become orphans)
     chain_aware  chain-aware eviction, head-first free (never evicts a block whose
                                          descendants are cached)
@@ -11,7 +11,7 @@ workloads driven through KVCacheManager by a minimal FCFS continuous-batching lo
 plus an unbounded cache ("ideal": everything ever computed stays cached) — the most any
 policy could hit — and caching off, the baseline for savings. Two measures:
   hit rate       prefix-cache hit tokens / prompt tokens, on each request's FIRST admission
-                 (the workload's own sharing; seed 001's notion). vLLM's PrefixCacheStats also
+                 (the workload's own sharing; the notion of [v1 prefix caching]). vLLM's PrefixCacheStats also
                  counts re-admissions of preempted requests (column `hit_rate_all_admissions`).
   prefill saved  1 - prefill tokens computed / prefill tokens computed with caching off, over
                  everything including recomputation after preemption: the compute actually saved.
@@ -32,7 +32,8 @@ from kvcache.workloads import WORKLOADS, Workload
 BLOCK_SIZE = 16
 MAX_RUNNING = 16
 POLICIES = {"vllm": ("lru", "reverse"), "forward": ("lru", "forward"), "chain_aware": ("chain_aware", "forward")}
-SEED_TABLE = {"chatbot": "92-97%", "multi_turn": "80-95%", "rag": "25-40%", "summarization": "8-15%", "random": "0-2%"}
+PUBLISHED_HIT_RATES = {  # the hit-rate table of [v1 prefix caching]
+    "chatbot": "92-97%", "multi_turn": "80-95%", "rag": "25-40%", "summarization": "8-15%", "random": "0-2%"}
 
 
 def unbounded_blocks(w: Workload) -> int:
@@ -58,7 +59,7 @@ def run(quick: bool = False, fractions=(0.05, 0.1, 0.2, 0.4)) -> list[dict]:
     for name, make in WORKLOADS.items():
         w = make(**({"num_requests": 60} if quick and name != "multi_turn" else {"num_conversations": 12} if quick else {}))
         ideal = simulate(w, SimConfig(unbounded_blocks(w), BLOCK_SIZE, MAX_RUNNING))
-        rows.append(_row(name, "ideal", ideal.config["num_blocks"], 1.0, ideal, seed_table=SEED_TABLE[name],
+        rows.append(_row(name, "ideal", ideal.config["num_blocks"], 1.0, ideal, seed_table=PUBLISHED_HIT_RATES[name],
                          params=w.params))
         for frac in fractions:
             nb = max(int(frac * unbounded_blocks(w)), min_blocks(w) + 1)
@@ -73,7 +74,7 @@ def run(quick: bool = False, fractions=(0.05, 0.1, 0.2, 0.4)) -> list[dict]:
 
 
 def print_tables(rows: list[dict]) -> None:
-    print(f"{'workload':14s} {'seed 001':>9s} {'ideal':>6s}   at cache = x * unbounded size: "
+    print(f"{'workload':14s} {'published':>9s} {'ideal':>6s}   at cache = x * unbounded size: "
           f"hit rate / prefill saved, for vllm | forward | chain_aware")
     for name in WORKLOADS:
         ideal = next(r for r in rows if r["workload"] == name and r["policy"] == "ideal")
@@ -99,7 +100,7 @@ def plot(rows: list[dict], path) -> None:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
             if key == "hit_rate":
                 ax.axhline(ideal["hit_rate"], color="gray", lw=0.8, label="unbounded cache")
-                ax.set_title(f"{name} (seed 001: {ideal['seed_table']})", fontsize=9)
+                ax.set_title(f"{name} (published: {ideal['seed_table']})", fontsize=9)
             fracs = sorted({r["cache_fraction"] for r in rows if r["policy"] not in ("ideal", "no_cache")})
             ax.set_xscale("log")
             ax.set_xticks(fracs, [f"{f:g}" for f in fracs])

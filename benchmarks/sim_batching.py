@@ -1,11 +1,11 @@
-"""Thesis Fig. 3.12 in the simulator: normalized latency versus request rate for static
+"""[Kwon 2025, Fig. 3.12] in the simulator: normalized latency versus request rate for static
 batching, Orca (Max / Pow2 / Oracle) reservation and paged continuous batching (ours), on
 ShareGPT-like and Alpaca-like traces, OPT-13B on one A100-40GB (cost model and KV capacity
-of thesis Table 3.1: 15.7K token slots, 16-token blocks, max_model_len 2048).
+of [Kwon 2025, Table 3.1]: 15.7K token slots, 16-token blocks, max_model_len 2048).
 
 Side by side in one run, on the same traces; the ratio reported is the highest request rate
 each system sustains with a mean normalized latency under the SLO, relative to ours.
-Throughput, TTFT, ITL and the average number of batched requests (thesis Fig. 3.13) too.
+Throughput, TTFT, ITL and the average number of batched requests [Kwon 2025, Fig. 3.13] too.
 
     .venv/bin/python -m benchmarks.sim_batching           # -> benchmarks/results/sim_batching.{json,png}
     .venv/bin/python -m benchmarks.sim_batching --quick   # fewer requests and rates
@@ -54,7 +54,7 @@ def main() -> None:
               for w, c in capacity.items()}
     print("sustainable rate (req/s, normalized latency <= %.2f s/token):" % SLO_S_PER_TOKEN, capacity)
     print("ours / theirs:", ratios)
-    workload = {"what": "serving simulation, normalized latency vs request rate (thesis Fig. 3.12)",
+    workload = {"what": "serving simulation, normalized latency vs request rate [Kwon 2025, Fig. 3.12]",
                 "model": OPT_13B_A100.name, "cost_model": vars(OPT_13B_A100), "kv_slots": 15_700, "block_size": 16,
                 "max_model_len": 2048, "num_requests": n, "slo_s_per_token": SLO_S_PER_TOKEN,
                 "sustainable_rate": capacity, "capacity_ratio_ours_over": ratios,

@@ -1,4 +1,4 @@
-"""Seed 003 §10.4.2 in the simulator: 8 requests decoding, one 4096-token prompt arrives;
+"""[vLLM 2.0 part 2, §10.4.2] in the simulator: 8 requests decoding, one 4096-token prompt arrives;
 the decoders' worst inter-token latency and the long prompt's TTFT, without chunked prefill
 (chapter 03's scheduler, budget = max_model_len) and with it (chapter 05's), sweeping the
 chunk size (= max_num_batched_tokens). Llama-3-8B on one H100 (cost model).
@@ -25,7 +25,7 @@ def main() -> None:
         r["stall_vs_unchunked"] = r["decoder_max_itl_s"] / off["decoder_max_itl_s"]
         r["long_ttft_vs_unchunked"] = r["long_ttft_s"] / off["long_ttft_s"]
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
-    workload = {"what": "decoders' max ITL and a long prompt's TTFT vs chunk size (seed 003 §10.4.2)",
+    workload = {"what": "decoders' max ITL and a long prompt's TTFT vs chunk size [vLLM 2.0 part 2, §10.4.2]",
                 "model": LLAMA_3_8B_H100.name, "setup": vars(setup),
                 "command": "python -m benchmarks.sim_chunked_prefill"}
     path = write_result("chunked_prefill_ttft_itl", workload, rows)

@@ -1,4 +1,4 @@
-"""Scheduling policies side by side (thesis §4.5): FCFS, priority, SRTF and two-level on
+"""Scheduling policies side by side [Kwon 2025, §4.5]: FCFS, priority, SRTF and two-level on
 three traces built to expose their trade-offs, Llama-3-8B on one H100 (cost model), a
 2048-token budget, 64 sequences, 32K KV slots:
 

@@ -1,4 +1,4 @@
-"""Recompute vs swap preemption across block sizes (thesis §3.7.3, Fig. 3.19), in the
+"""Recompute vs swap preemption across block sizes [Kwon 2025, §3.7.3, Fig. 3.19], in the
 simulator: OPT-13B on one A100-40GB, ShareGPT-like trace at 4 req/s (enough to force
 hundreds of preemptions in 15.7K KV slots), swap tier as large as the device cache.
 

@@ -16,9 +16,10 @@ on (3) to restore one task at a time.
 Stubs fail loudly but keep everything else importable/compilable:
   * Python: `raise NotImplementedError("<task>: <title>")` (a Triton kernel under the
     interpreter raises it too; compiled for a GPU it is a compile error naming the task);
-  * C++/CUDA: `__trap()` in device code, and on the host (the CPU emulators compile device
-    code with g++, the CPU kernel is a torch extension) a throw of a local type named after
-    the task, which std::terminate prints (the grader turns the crash into a failed test).
+  * C++/CUDA: `__trap()` in device code, and on the host a throw of a local type named after
+    the task: the CPU emulator (kernels_cuda/emulator, g++) fails the launch with an error
+    string naming that type; in a torch extension (the CPU kernel) std::terminate prints it
+    and the grader turns the crash into a failed test.
     Code after a C++ region must not use names declared inside it (checked by compiling).
 """
 from __future__ import annotations

@@ -11,8 +11,9 @@ The grading workspace (a temporary folder):
 
 pytest runs in ws with PYTHONPATH=ws/_import:ws; the plugin removes the editable install's
 finder (which would map `kvcache` to this repository's 02_kvcache) and guards every import
-(course/grader_plugin.py). Tests that locate files through `__file__` (the CUDA emulators
-find kernels_cuda/ as tests/..) therefore find the student's files.
+(course/grader_plugin.py). So `kernels_cuda` is the student's too, and the CUDA emulator
+(kernels_cuda/emulator, which compiles the kernels_cuda/ it is imported from) builds the
+student's kernels.
 
 A process that crashes (a C++ stub throws, a segfault) or runs out of a task's time is
 restarted on the tests it had not run yet; the test it died in is scored as crashed /

@@ -6,10 +6,15 @@ Layout, one op family per pair of files:
                         (no torch or c10 includes, so `nvcc` compiles it on any machine)
     <name>_binding.cpp  the torch binding (torch/extension.h only, no c10/cuda): checks
                         tensors, passes data_ptr()s and the stream as an int to the launcher
+    launch.cuh          VFS_LAUNCH(kernel, grid, block, smem, stream)(args...): `<<<...>>>`
+                        under nvcc, the emulator's launch under g++ — the only seam
+    emulator/           the CPU emulator: compiles a .cu file, launcher included, with g++
+                        and runs it on host threads (`emulator.load(name)`, ctypes)
 
 Why split like this: a CPU-only torch cannot build CUDA extensions, but CI still must
-prove the kernels compile. `nvcc -cubin` on the bare .cu file is that proof on CPU
-machines (see `nvcc_compile`); the full extension is built on demand on a GPU machine.
+prove the kernels compile and compute the right thing. `nvcc -cubin` on the bare .cu file
+is the first proof on CPU machines (see `nvcc_compile`); the emulator running that same
+file is the second; the full extension is built on demand on a GPU machine.
 """
 from __future__ import annotations
 

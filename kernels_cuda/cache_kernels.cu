@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include "cache_kernels.cuh"
+#include "launch.cuh"
 
 namespace vfs {
 
@@ -18,7 +19,8 @@ static int launch_reshape_and_cache(const void* key, const void* value, void* ke
   if (num_tokens == 0) return 0;
   const dim3 grid(static_cast<unsigned>(num_tokens));
   const dim3 block(std::min(num_kv_heads * head_size, 512));
-  reshape_and_cache_kernel<scalar_t, slot_t><<<grid, block, 0, stream>>>(
+  const auto kernel = reshape_and_cache_kernel<scalar_t, slot_t>;
+  VFS_LAUNCH(kernel, grid, block, 0, stream)(
       static_cast<const scalar_t*>(key), static_cast<const scalar_t*>(value),
       static_cast<scalar_t*>(key_cache), static_cast<scalar_t*>(value_cache),
       static_cast<const slot_t*>(slot_mapping), block_size, num_kv_heads, head_size,

@@ -1,5 +1,5 @@
 // copy_blocks: copy whole KV blocks (src -> dst) in every layer's key and value cache,
-// all layers and all pairs in ONE launch. Used by copy-on-write (thesis §3.4.4, §3.5.1
+// all layers and all pairs in ONE launch. Used by copy-on-write ([Kwon 2025, §3.4.4]; [Kwon 2025, §3.5.1]
 // "fused block copy"): many small, scattered copies, which as separate cudaMemcpyAsync
 // calls would each pay a launch. Mirrors vLLM's copy_blocks_kernel (csrc/cache_kernels.cu).
 //
@@ -14,6 +14,8 @@
 
 #include <algorithm>
 #include <cstdint>
+
+#include "launch.cuh"
 
 namespace vfs {
 
@@ -42,7 +44,8 @@ cudaError_t launch(const int64_t* src_ptrs, const int64_t* dst_ptrs, const int64
                    int64_t num_caches, int64_t num_pairs, int64_t words_per_block, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(num_pairs), static_cast<unsigned>(num_caches));
   const dim3 block(static_cast<unsigned>(std::min<int64_t>(1024, words_per_block)));
-  copy_blocks_kernel<Word><<<grid, block, 0, stream>>>(src_ptrs, dst_ptrs, block_mapping, words_per_block);
+  const auto kernel = copy_blocks_kernel<Word>;
+  VFS_LAUNCH(kernel, grid, block, 0, stream)(src_ptrs, dst_ptrs, block_mapping, words_per_block);
   return cudaGetLastError();
 }
 

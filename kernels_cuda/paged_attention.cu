@@ -10,6 +10,7 @@
 
 #include <cuda_runtime.h>
 
+#include "launch.cuh"
 #include "paged_attention.cuh"
 
 namespace vfs {
@@ -82,7 +83,7 @@ int launch_v1(void* out, const DecodeArgs& a) {
   auto kernel = paged_attention_v1_kernel<T, HEAD, BLOCK, NUM_THREADS>;
   if (int rc = reserve_shared_memory(kernel, smem)) return rc;
   const int64_t* s = a.strides;
-  kernel<<<dim3(a.num_heads, a.num_seqs, 1), NUM_THREADS, smem, a.stream>>>(
+  VFS_LAUNCH(kernel, dim3(a.num_heads, a.num_seqs, 1), NUM_THREADS, smem, a.stream)(
       static_cast<T*>(out), static_cast<const T*>(a.q), static_cast<const T*>(a.k_cache),
       static_cast<const T*>(a.v_cache), a.num_kv_heads, a.scale, a.block_tables, a.seq_lens,
       a.max_num_blocks_per_seq, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], logits_capacity);
@@ -93,8 +94,9 @@ template <typename T, int HEAD, int BLOCK>
 int launch_v2(void* out, float* exp_sums, float* max_logits, float* tmp_out, const DecodeArgs& a) {
   const int max_num_partitions = divide_round_up(a.max_seq_len, PARTITION_SIZE);
   const int64_t* s = a.strides;
-  paged_attention_v2_kernel<T, HEAD, BLOCK, NUM_THREADS, PARTITION_SIZE>
-      <<<dim3(a.num_heads, a.num_seqs, max_num_partitions), NUM_THREADS, PARTITION_SIZE * sizeof(float), a.stream>>>(
+  const auto partition_kernel = paged_attention_v2_kernel<T, HEAD, BLOCK, NUM_THREADS, PARTITION_SIZE>;
+  VFS_LAUNCH(partition_kernel, dim3(a.num_heads, a.num_seqs, max_num_partitions), NUM_THREADS,
+             PARTITION_SIZE * sizeof(float), a.stream)(
           exp_sums, max_logits, tmp_out, static_cast<const T*>(a.q), static_cast<const T*>(a.k_cache),
           static_cast<const T*>(a.v_cache), a.num_kv_heads, a.scale, a.block_tables, a.seq_lens,
           a.max_num_blocks_per_seq, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8]);
@@ -102,7 +104,7 @@ int launch_v2(void* out, float* exp_sums, float* max_logits, float* tmp_out, con
   auto reduce = paged_attention_v2_reduce_kernel<T, HEAD, NUM_THREADS, PARTITION_SIZE>;
   const size_t smem = static_cast<size_t>(max_num_partitions) * sizeof(float);
   if (int rc = reserve_shared_memory(reduce, smem)) return rc;
-  reduce<<<dim3(a.num_heads, a.num_seqs), NUM_THREADS, smem, a.stream>>>(
+  VFS_LAUNCH(reduce, dim3(a.num_heads, a.num_seqs), NUM_THREADS, smem, a.stream)(
       static_cast<T*>(out), exp_sums, max_logits, tmp_out, a.seq_lens, max_num_partitions,
       a.max_num_blocks_per_seq, BLOCK);
   return static_cast<int>(cudaGetLastError());

@@ -23,7 +23,7 @@ constexpr int kUnsupportedConfig = -1;
 constexpr int WARP_SIZE = 32;
 
 // Dynamic shared memory (its size is a launch argument). A macro only so that the CPU
-// emulation in tests/01_paged_attention can point it at a host buffer; on the GPU this is
+// emulator (kernels_cuda/emulator) can point it at a host buffer; on the GPU this is
 // exactly `extern __shared__ T name[];`.
 #ifndef VFS_DYNAMIC_SHARED
 #define VFS_DYNAMIC_SHARED(T, name) extern __shared__ T name[]

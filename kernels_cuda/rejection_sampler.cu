@@ -4,6 +4,7 @@
 // file with `nvcc -cubin` on CPU-only machines; rejection_sampler_binding.cpp knows tensors.
 #include <cuda_runtime.h>
 
+#include "launch.cuh"
 #include "rejection_sampler.cuh"
 
 namespace {
@@ -17,7 +18,8 @@ int vfs_rejection_sample(int32_t* out, const int32_t* cu_num_draft, const int32_
                          const int8_t* is_greedy, const float* uniform, const float* inv_exp, int batch, int vocab,
                          int out_stride, int64_t stream) {
   if (batch == 0) return 0;
-  vfs::rejection_sample_kernel<kNumThreads><<<batch, kNumThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+  const auto kernel = vfs::rejection_sample_kernel<kNumThreads>;
+  VFS_LAUNCH(kernel, batch, kNumThreads, 0, reinterpret_cast<cudaStream_t>(stream))(
       out, cu_num_draft, draft_ids, draft_probs, target_probs, target_argmax, bonus_ids, is_greedy, uniform, inv_exp,
       vocab, out_stride);
   return static_cast<int>(cudaGetLastError());

@@ -12,7 +12,7 @@
 //   q == nullptr              :  q one-hot at the draft (n-gram / greedy drafters)
 // The random numbers (u, 1/E) are inputs, so this kernel and every other backend emit the
 // same tokens. Probabilities are fp32; ids int32. No torch includes (nvcc compiles it on CPU
-// machines; the CPU emulator in tests/04_spec_decode compiles it with g++).
+// machines; the CPU emulator, kernels_cuda/emulator, compiles it with g++).
 #pragma once
 
 #include <climits>

@@ -1,10 +1,10 @@
 // swap_blocks: move KV blocks between a GPU cache and a (pinned) CPU cache — swap
-// preemption (thesis §3.4.5). Deliberately NOT a kernel: like vLLM's swap_blocks
+// preemption [Kwon 2025, §3.4.5]. Deliberately NOT a kernel: like vLLM's swap_blocks
 // (csrc/cache_kernels.cu), it issues one cudaMemcpyAsync per block pair. Host<->device
 // copies are the DMA copy engines' job; with a pinned host buffer they run asynchronously
 // on the stream and overlap with compute. The cost model: one block of B tokens moves
 // B * num_kv_heads * head_dim * dtype_bytes bytes per cache at PCIe bandwidth, plus a
-// per-call overhead that dominates for small blocks (thesis Fig. 3.19a).
+// per-call overhead that dominates for small blocks [Kwon 2025, Fig. 3.19a].
 // The zero-copy alternative (one Triton kernel reading pinned memory) is in
 // 02_kvcache/triton_ops.py; benchmarks/bench_kvcache_swap.py compares them.
 //

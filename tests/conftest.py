@@ -9,8 +9,8 @@ And one rule for every engine a test builds (chapter 07, integration): it regist
 `engine_registry`, and after EVERY test each registered engine must be idle with all its KV
 blocks free (device and CPU tier) and consistent bookkeeping.
 
-And one speed-up: the CPU kernels' builds that only the per-ISA tests use compile in the
-background, at the lowest priority, from the start of the session (tests/cpu_isas.py).
+The CPU kernels' own set-up (what they were tested on, their per-ISA builds started in the
+background) lives in tests/kernels_cpu/conftest.py: it runs only when that folder is collected.
 """
 import os
 
@@ -24,26 +24,7 @@ if not HAS_CUDA:
 
 
 def pytest_report_header(config):
-    """What the CPU kernels were tested on: their best variant here is the one the engine runs."""
-    from paged_attention import cpu_ops
-    avx512 = ("native" if "avx512" in cpu_ops.runnable_isas() else
-              "emulated by SIMDe" if "avx512_simde" in cpu_ops.runnable_isas() else
-              f"not run ({cpu_ops.why_not_runnable('avx512_simde')})")
-    return (f"CPU kernels: {cpu_ops.cpu_isa()} (torch CPU capability "
-            f"{torch.backends.cpu.get_cpu_capability()}); their AVX-512 builds: {avx512}; CUDA: {HAS_CUDA}")
-
-
-PREBUILD = pytest.StashKey()
-
-
-def pytest_collection_finish(session):
-    from cpu_isas import prebuild_in_background
-    session.config.stash[PREBUILD] = prebuild_in_background(session.items)
-
-
-def pytest_sessionfinish(session, exitstatus):
-    from cpu_isas import wait_for
-    wait_for(session.config.stash.get(PREBUILD, None), exitstatus == pytest.ExitCode.INTERRUPTED)
+    return f"CUDA: {HAS_CUDA}"
 
 
 def pytest_collection_modifyitems(config, items):

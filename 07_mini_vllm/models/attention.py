@@ -7,7 +7,8 @@ Two classes, as in vLLM:
     chapter 05's `unified_attention` over the cache through `attn_metadata.block_tables` —
     prefill, decode and chunked prefill are the same call with different metadata.
   * `SelfAttention` is the model-side block (vLLM: `LlamaAttention` in models/llama.py):
-    the projections, Qwen3's per-head q/k RMSNorm, and RoPE.
+    the projections, Qwen3's per-head q/k RMSNorm, and RoPE. A CustomOp: on a CPU its
+    forward_cpu splits q/k/v out of the qkv projection and rotates q and k in one C++ pass.
 
 The KV cache and the metadata are arguments, not state: vLLM binds caches to layers and
 passes metadata through a global "forward context"; passing both explicitly lets a reader see,
@@ -19,15 +20,16 @@ import torch
 from torch import nn
 
 from chunked_prefill.ops import unified_attention
+from kernels_cpu import layer_ops
 from paged_attention.metadata import AttentionMetadata
 from paged_attention.ops import reshape_and_cache
 
-from mini_vllm.models import cpu_layer_ops
+from mini_vllm.models.custom_op import CustomOp
 from mini_vllm.models.layers import Linear, QKVLinear, RMSNorm, apply_rotary_emb
 
 # attn_backend -> (chapter 01 cache-write backend, chapter 05 unified-attention backend)
 ATTENTION_BACKENDS: dict[str, tuple[str, str]] = {
-    "cpu": ("cpu", "cpu"),                  # the CPU default: chapter 01's C++/OpenMP kernel, K/V read in place
+    "cpu": ("cpu", "cpu"),                  # the CPU default: the C++/OpenMP kernel (kernels_cpu), K/V read in place
     "torch": ("torch", "torch"),            # vectorized SDPA over the gathered blocks (CPU fallback)
     "reference": ("reference", "reference"),  # the per-token / per-request loops, the oracles (slow, clear)
     "triton": ("triton", "triton"),         # GPU, or CPU under TRITON_INTERPRET=1
@@ -64,7 +66,7 @@ class PagedAttention(nn.Module):
         ### END SOLUTION
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(CustomOp):
     """The attention block of a Llama/Qwen2/Qwen3 decoder layer.
 
     qkv_bias: Qwen2 (and Llama/Qwen3 with attention_bias) add a bias to q/k/v; o_bias likewise on o_proj.
@@ -81,13 +83,10 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.attn = PagedAttention(num_heads, head_dim, num_kv_heads, scale=head_dim ** -0.5, backend=attn_backend)
-        self.cpu_kernel = False      # True: split + RoPE as one C++ pass (cpu_layer_ops.py), set after loading
 
-    def forward(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward_native(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                       kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         T = hidden_states.shape[0]                                                   # hidden_states [T, hidden]
-        if self.cpu_kernel and self.q_norm is None:
-            return self._forward_cpu_kernel(hidden_states, rope, kv_cache, attn_metadata)
         ### BEGIN SOLUTION
         qkv = self.qkv_proj(hidden_states)                                           # [T, (H + 2 KVH) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -102,12 +101,16 @@ class SelfAttention(nn.Module):
         return self.o_proj(out.view(T, self.q_size))                                 # [T, hidden]
         ### END SOLUTION
 
-    def _forward_cpu_kernel(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                            kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """forward, with the split of qkv, both rotations and v's copy in one C++ pass."""
+    def forward_cpu(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                    kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """forward_native, with the split of qkv, both rotations and v's copy in one C++ pass
+        (kernels_cpu.layer_ops.rope_split_qkv). Qwen3's q/k norms sit between the split and the
+        rotation: its blocks run forward_native."""
+        if self.q_norm is not None:
+            return self.forward_native(hidden_states, rope, kv_cache, attn_metadata)
         T = hidden_states.shape[0]
         cos, sin = rope                                                              # [T, 1, D] each
-        q, k, v = cpu_layer_ops.rope_split_qkv(self.qkv_proj(hidden_states), cos.view(T, -1), sin.view(T, -1),
-                                               self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = layer_ops.rope_split_qkv(self.qkv_proj(hidden_states), cos.view(T, -1), sin.view(T, -1),
+                                           self.num_heads, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, attn_metadata)                            # [T, H, D]
         return self.o_proj(out.view(T, self.q_size))                                 # [T, hidden]

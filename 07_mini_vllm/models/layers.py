@@ -6,6 +6,8 @@ Mirrors vLLM's `vllm/model_executor/layers/`:
   * `activation.py: SiluAndMul`              -> SiluAndMul
   * `linear.py: MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear`
                                              -> MergedColumnLinear, QKVLinear, Linear (one GPU: no parallelism)
+and `vllm/model_executor/custom_op.py: CustomOp` -> custom_op.py (RMSNorm, SiluAndMul and attention.py's
+SelfAttention are CustomOps: forward_native, the readable PyTorch, and forward_cpu, a fused C++ op).
 
 Every activation is 2-D `[num_tokens, ...]`: the tokens of all requests in a step laid end to end,
 no batch dimension and no padding (vLLM v1's layout). Parameters are created uninitialised
@@ -14,6 +16,9 @@ so random initialisation would be wasted work (seconds for SmolLM2 on a CPU).
 
 Numerics follow HF transformers op for op (fp32 norm statistics, the same RoPE frequencies and
 rotation), so fp32 results agree with the oracle to rounding (see the README, "Parity").
+
+Fast ops enter through two seams only, both chosen once after loading (`loader.get_model`): a
+Linear's `linear_method` (linear_method.py) and a CustomOp's bound forward (custom_op.py).
 """
 from __future__ import annotations
 
@@ -23,25 +28,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mini_vllm.models import cpu_gemm, cpu_layer_ops
+from kernels_cpu import layer_ops
+
+from mini_vllm.models.custom_op import CustomOp
+from mini_vllm.models.linear_method import UNQUANTIZED, LinearMethodBase
 
 
 class Linear(nn.Module):
     """y = x @ W^T (+ b), parameters uninitialised (the loader fills them).
 
-    `packed_weight`: W packed once for a CPU matmul (`cpu_gemm.py`: our kernel's column panels or
-    oneDNN's blocked layout), set after loading by `loader.process_weights_after_loading`; None =
-    plain `F.linear`."""
+    The matmul is `linear_method`'s (linear_method.py): plain `F.linear` until the loader picks a
+    CPU GEMM for the loaded weights (`process_weights_after_loading`), which also sets
+    `packed_weight`, W packed once for that GEMM (None: the method reads `weight` itself)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
-        self.packed_weight: torch.Tensor | cpu_gemm.PanelWeight | None = None
+        self.linear_method: LinearMethodBase = UNQUANTIZED
+        self.packed_weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out]
-        return cpu_gemm.linear(x, self.weight, self.bias, self.packed_weight)
+        return self.linear_method.apply(self, x)
 
     def drop_unpacked_weight(self) -> None:
         """Once packed, the row-major weight is dead memory: replace it by an empty tensor (vLLM:
@@ -98,36 +107,39 @@ class QKVLinear(MergedColumnLinear):
 
 
 class VocabEmbedding(nn.Module):
-    """token id -> row of the embedding matrix (vLLM: VocabParallelEmbedding, one GPU)."""
+    """token id -> row of the embedding matrix (vLLM: VocabParallelEmbedding, one GPU).
+
+    A tied lm_head (SmolLM2, small Qwens) is this matrix: `compute_logits` runs it as a linear
+    through the same seam as a Linear (`linear_method`, `packed_weight`; bias None)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
+        self.bias = None
+        self.linear_method: LinearMethodBase = UNQUANTIZED
+        self.packed_weight = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:   # [T] -> [T, hidden]
         return F.embedding(input_ids, self.weight)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
     """y = x / sqrt(mean(x^2) + eps) * weight, the statistics in fp32.
 
     `forward(x, residual)` fuses the residual add that precedes every norm in a pre-norm
     decoder: it returns (norm(x + residual), x + residual). vLLM fuses the two into one kernel
     (`fused_add_rms_norm`) because the sum is read by the norm anyway; here it saves one
     activation-sized allocation per call, since the running residual is updated in place (it
-    belongs to the model's forward and nobody else holds it).
+    belongs to the model's forward and nobody else holds it). forward_cpu: the same in one C++
+    pass (kernels_cpu.layer_ops.rms_norm).
     """
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
-        self.cpu_kernel = False          # True: the fused C++ op (cpu_layer_ops.py), set after loading
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.cpu_kernel and x.dim() == 2:
-            out = cpu_layer_ops.rms_norm(x, self.weight, self.eps, residual)     # residual updated in place
-            return out if residual is None else (out, residual)
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         ### BEGIN SOLUTION
         if residual is not None:
             x = residual.add_(x)                                        # [T, hidden] running residual stream
@@ -137,6 +149,12 @@ class RMSNorm(nn.Module):
         out = self.weight * (h * torch.rsqrt(variance + self.eps)).to(dtype)
         ### END SOLUTION
         return out if residual is None else (out, x)
+
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.dim() != 2:                  # Qwen3's per-head q/k norms, [T, heads, D]: the kernel takes rows
+            return self.forward_native(x, residual)
+        out = layer_ops.rms_norm(x, self.weight, self.eps, residual)        # residual updated in place
+        return out if residual is None else (out, residual)
 
 
 def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: dict | None) -> torch.Tensor:
@@ -210,15 +228,13 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     ### END SOLUTION
 
 
-class SiluAndMul(nn.Module):
-    """[T, 2I] = [gate | up] -> silu(gate) * up, [T, I] (the SwiGLU of Llama's MLP)."""
+class SiluAndMul(CustomOp):
+    """[T, 2I] = [gate | up] -> silu(gate) * up, [T, I] (the SwiGLU of Llama's MLP).
+    forward_cpu: one C++ pass (kernels_cpu.layer_ops.silu_and_mul)."""
 
-    def __init__(self):
-        super().__init__()
-        self.cpu_kernel = False          # True: the fused C++ op (cpu_layer_ops.py), set after loading
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_kernel:
-            return cpu_layer_ops.silu_and_mul(x)
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_ops.silu_and_mul(x)

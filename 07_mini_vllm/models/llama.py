@@ -24,7 +24,6 @@ from torch import nn
 from paged_attention.metadata import AttentionMetadata
 
 from mini_vllm.config import ModelConfig
-from mini_vllm.models import cpu_gemm
 from mini_vllm.models.attention import KVCache, SelfAttention
 from mini_vllm.models.layers import Linear, MergedColumnLinear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding
 
@@ -112,7 +111,6 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, attn_backend=attn_backend, **self.attention_options(config))
         # Tied embeddings (SmolLM2, small Qwens): the output projection IS the input embedding matrix.
         self.lm_head = self.model.embed_tokens if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
-        self.packed_lm_head = None      # lm_head.weight packed for a CPU matmul (cpu_gemm.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -127,4 +125,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32 (the sampler works in fp32 whatever the model dtype)."""
-        return cpu_gemm.linear(hidden_states, self.lm_head.weight, None, self.packed_lm_head).float()
+        return self.lm_head.linear_method.apply(self.lm_head, hidden_states).float()

@@ -20,8 +20,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kernels_cpu import layer_ops
+
 from mini_vllm.config import ModelConfig, check_model_dir
-from mini_vllm.models import cpu_gemm
+from mini_vllm.models.custom_op import CustomOp
+from mini_vllm.models.linear_method import UNQUANTIZED, dispatch_cpu_unquantized_gemm, select_cpu_linear_method
 from mini_vllm.models.registry import get_model_class
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -120,103 +123,68 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def process_weights_after_loading(model: nn.Module, cpu_gemm_backend: str = "auto", remove_weight: bool = True) -> int:
-    """Pack every CPU linear weight (and the lm_head) for a faster matmul; returns how many.
+    """Give every CPU linear (and the lm_head) the matmul `cpu_gemm_backend` picks, its weight
+    packed once for it; returns how many weights were packed.
 
     vLLM: `model_loader/utils.py: process_weights_after_loading`, which on a CPU reaches
     `layers/utils.py: dispatch_cpu_unquantized_gemm(layer, remove_weight=True)` (oneDNN).
-    "cpu" packs column panels for our C++ kernel (fp32; models/cpu_gemm.py), "onednn" packs for
-    oneDNN's matmul (fp32, or bf16 where this CPU has it), "auto" takes the first of the two that
-    can run every weight, and "torch" keeps plain F.linear (the readable path; what HF runs).
-    remove_weight: drop each Linear's unpacked weight once packed — the packed copy is all its
-    matmul reads, and keeping both doubles the weights' memory (SmolLM2 fp32: ~+430 MB). The tied
-    lm_head cannot give up its matrix: it is the input embedding too.
+    The methods and how "auto" chooses: linear_method.py. remove_weight: drop each Linear's
+    unpacked weight once packed — the packed copy is all its matmul reads, and keeping both
+    nearly doubles the weights' memory (`python -m benchmarks.bench_model_memory` measures it).
+    The tied lm_head cannot give up its matrix: it is the input embedding too.
     """
-    if cpu_gemm_backend not in cpu_gemm.CPU_GEMMS:
-        raise ValueError(f"cpu_gemm_backend must be one of {cpu_gemm.CPU_GEMMS}, got {cpu_gemm_backend!r}")
-    if cpu_gemm_backend == "torch":
-        return 0
     from mini_vllm.models.layers import Linear
 
-    linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is None]
     lm_head = getattr(model, "lm_head", None)
-    if not linears and getattr(model, "packed_lm_head", None) is not None:
-        return 0                                         # packed already
-    pack = _gemm_packer(cpu_gemm_backend, [m.weight for m in linears])
-    if pack is None:
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is None]
+    if lm_head is not None and not isinstance(lm_head, Linear) and lm_head.packed_weight is None:
+        layers.append(lm_head)                          # tied: the embedding matrix, packed once more
+    method = select_cpu_linear_method(cpu_gemm_backend, [m.weight for m in layers])
+    if method is UNQUANTIZED:
         return 0
-    packed = 0
-    for module in linears:
-        module.packed_weight = pack(module.weight)
-        packed += 1
-    if lm_head is not None and hasattr(model, "packed_lm_head"):
-        if isinstance(lm_head, Linear):
-            model.packed_lm_head = lm_head.packed_weight
-        else:                                            # tied: the embedding matrix, packed once more
-            model.packed_lm_head = pack(lm_head.weight)
-            packed += 1
-    if remove_weight:
-        for module in linears:
-            module.drop_unpacked_weight()
-    return packed
-
-
-def _gemm_packer(cpu_gemm_backend: str, weights: list[torch.Tensor]):
-    """The packing function of the backend that runs all `weights` (None: keep F.linear);
-    ValueError saying why when an explicitly requested backend cannot."""
-    if not weights:
-        return None
-    if cpu_gemm_backend in ("auto", "cpu"):
-        reason = next((r for r in map(cpu_gemm.kernel_unavailable_reason, weights) if r), None)
-        if reason is None:
-            return cpu_gemm.pack_panels
-        if cpu_gemm_backend == "cpu":
-            raise ValueError(f"cpu_gemm_backend='cpu' cannot be used: {reason}")
-    if all(cpu_gemm.can_pack(w) for w in weights):
-        return cpu_gemm.pack_weight
-    if cpu_gemm_backend == "onednn":
-        raise ValueError("cpu_gemm_backend='onednn' needs CPU weights in fp32 (or bf16 on a CPU with "
-                         "AVX-512 bw/vl/dq or AVX-NE-CONVERT) and a torch built with oneDNN (mkldnn "
-                         f"available: {torch.backends.mkldnn.is_available()}, bf16 supported: "
-                         f"{torch.ops.mkldnn._is_mkldnn_bf16_supported()})")
-    return None
+    for layer in layers:
+        dispatch_cpu_unquantized_gemm(layer, method)
+        if remove_weight and isinstance(layer, Linear):
+            layer.drop_unpacked_weight()
+    return len(layers)
 
 
 CPU_LAYER_OPS = ("auto", "cpu", "torch")    # EngineConfig.cpu_layer_ops
 
 
 def use_cpu_layer_ops(model: nn.Module, mode: str = "auto") -> int:
-    """Switch the norms, the MLP activation and the attention blocks' split + RoPE to the fused
-    C++ ops (models/cpu_layer_ops.py); returns how many modules now use them.
+    """Bind every CustomOp of the model (norms, the MLP activation, the attention blocks' split +
+    RoPE) to its fused C++ forward (`forward_cpu`: kernels_cpu/layer_ops.py) or to its PyTorch one;
+    returns how many now run forward_cpu.
 
-    vLLM picks `CustomOp.forward_cpu` by platform when a layer is built; here the layers are
-    built first and switched once their weights are on the CPU (as the packed linears are).
+    vLLM binds `CustomOp.forward_cpu` by platform when a layer is built; here the layers are
+    built first and bound once their weights are on the CPU (as the linears get their methods).
     "auto": where the kernels build (a C++ compiler) and the model is on the CPU; "cpu" insists;
     "torch" keeps every layer's PyTorch forward (the readable oracle)."""
     if mode not in CPU_LAYER_OPS:
         raise ValueError(f"cpu_layer_ops must be one of {CPU_LAYER_OPS}, got {mode!r}")
+    ops = [m for m in model.modules() if isinstance(m, CustomOp)]
     if mode == "torch":
+        for op in ops:
+            op.dispatch_forward("native")
         return 0
-    from mini_vllm.models import cpu_layer_ops
-    from mini_vllm.models.attention import SelfAttention
-    from mini_vllm.models.layers import RMSNorm, SiluAndMul
-
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    reason = cpu_layer_ops.unavailable_reason() if on_cpu else "the model is not on the CPU"
+    reason = layer_ops.unavailable_reason() if on_cpu else "the model is not on the CPU"
     if reason is not None:
         if mode == "cpu":
             raise ValueError(f"cpu_layer_ops='cpu' cannot be used: {reason}")
         return 0
-    modules = [m for m in model.modules() if isinstance(m, (RMSNorm, SiluAndMul, SelfAttention))]
-    for module in modules:
-        module.cpu_kernel = True
-    return len(modules)
+    for op in ops:
+        op.dispatch_forward("cpu")
+    return len(ops)
 
 
 def get_model(model_config: ModelConfig, device: str | torch.device = "cpu", attn_backend: str = "torch",
               cpu_gemm_backend: str = "torch", cpu_layer_ops: str = "torch") -> nn.Module:
     """Construct the architecture's class directly on `device` in `model_config.dtype`, load its
-    weights, then prepare them for the device's matmuls (`process_weights_after_loading`) and,
-    on a CPU, switch the small ops to fused kernels (`use_cpu_layer_ops`)."""
+    weights, then choose the fast ops, once: on a CPU, each linear's matmul
+    (`process_weights_after_loading`) and the small ops' forwards (`use_cpu_layer_ops`).
+    cpu_gemm_backend="torch", cpu_layer_ops="torch": plain PyTorch throughout."""
     cls = get_model_class(model_config.architecture)
     with torch.device(device), _default_dtype(model_config.dtype):
         model = cls(model_config, attn_backend=attn_backend)

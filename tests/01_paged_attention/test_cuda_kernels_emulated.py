@@ -1,85 +1,84 @@
-"""The CUDA kernels (kernels_cuda/paged_attention.cuh, cache_kernels.cuh) == the reference,
-executed on the CPU by a thread-per-CUDA-thread emulator (cuda_emulation/emulate.cpp).
+"""The CUDA kernels == the reference, run on the CPU by the emulator (kernels_cuda/emulator):
+the REAL kernels_cuda/paged_attention.cu and cache_kernels.cu — device code and launchers
+(dispatch over dtype / head size / block size, grids, the v2 partition count, the shared-memory
+opt-in, error codes) — compiled with g++ and run with one host thread per CUDA thread.
 
-This is how a GPU-less CI checks what the kernels COMPUTE (nvcc only proves they compile):
-the device code is compiled unchanged with g++, __syncthreads and warp shuffles become
-barriers between real threads. The same cases run on the real GPU in
+This is how a GPU-less CI checks what the kernels COMPUTE and how they are LAUNCHED (nvcc only
+proves they compile). The same cases run on the real GPU in
 tests/kernels_cuda/test_paged_attention_cuda.py.
 """
 import ctypes
-import hashlib
-import os
-import pathlib
-import shutil
-import subprocess
 
 import pytest
 import torch
 
+from kernels_cuda import emulator
 from paged_attention import cuda_ops, reference as ref
 from paged_attention.synthetic import index_views, make_paged_kv, random_query
 from tolerances import assert_close
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-KERNELS = ROOT / "kernels_cuda"
-EMULATOR = pathlib.Path(__file__).resolve().parent / "cuda_emulation" / "emulate.cpp"
 CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 DTYPES = list(CODES)
+K_UNSUPPORTED_CONFIG, K_SHARED_MEMORY_TOO_LARGE = -1, -2      # paged_attention.cu's own error codes
 
 
-def cuda_include_dir() -> pathlib.Path | None:
-    candidates = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(str(pathlib.Path(nvcc).resolve().parents[1]))
-    for c in candidates:
-        if c and (pathlib.Path(c) / "include" / "cuda_fp16.h").exists():
-            return pathlib.Path(c) / "include"
-    return None
+def load_or_skip(name):
+    try:
+        return emulator.load(name)
+    except emulator.EmulatorUnavailable as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")
 def emu():
-    """Build the emulator once per source version (cached under ~/.cache), load it with ctypes."""
-    include = cuda_include_dir()
-    if include is None or shutil.which("g++") is None:
-        pytest.skip("needs g++ and the CUDA headers (cuda_fp16.h)")
-    sources = [EMULATOR] + sorted(KERNELS.glob("*.cuh"))
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:16]
-    cache = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "vllm_from_scratch"
-    lib = cache / f"cuda_emulator_{digest}.so"
-    if not lib.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-        cmd = ["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w",
-               "-I", str(KERNELS), "-I", str(include), str(EMULATOR), "-o", str(tmp)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        tmp.replace(lib)
-    return ctypes.CDLL(str(lib))
+    """paged_attention.cu, emulated (built once per source version, cached under ~/.cache)."""
+    return load_or_skip("paged_attention")
+
+
+@pytest.fixture(scope="module")
+def cache_emu():
+    """cache_kernels.cu, emulated."""
+    return load_or_skip("cache_kernels")
 
 
 def ptr(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
 
-def emulate_decode(emu, version, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len):
-    """Mirror of cuda_ops.paged_decode_attention + the binding, calling the emulator."""
+def launch_decode(emu, version, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
+                  dtype_code=None, head_size=None):
+    """What paged_attention_binding.cpp does for cuda_ops.paged_decode_attention: the launcher
+    (vfs_paged_attention_v1 / _v2) on raw pointers. Returns (launcher's return code, out)."""
     num_seqs, num_heads, head_dim = query.shape
     strides = (ctypes.c_int64 * 9)(block_tables.stride(0), query.stride(0), query.stride(1),
                                    *key_cache.stride()[:3], *value_cache.stride()[:3])
     out = torch.empty_like(query)
-    args = [CODES[query.dtype], head_dim, key_cache.shape[1], ptr(out)]
+    args = [CODES[query.dtype] if dtype_code is None else dtype_code, head_size or head_dim, key_cache.shape[1],
+            ptr(out)]
     if version == "v2":
-        parts = -(-max_seq_len // cuda_ops.PARTITION_SIZE)
+        parts = -(-max_seq_len // emu.vfs_paged_attention_partition_size())
         scratch = [torch.full((num_seqs, num_heads, parts), float("nan")) for _ in range(2)]
         scratch.append(torch.full((num_seqs, num_heads, parts, head_dim), float("nan")))
         args += [ptr(t) for t in scratch]
     args += [ptr(query), ptr(key_cache), ptr(value_cache), ptr(block_tables), ptr(seq_lens), num_seqs, num_heads,
-             key_cache.shape[2], block_tables.shape[1], max_seq_len, ctypes.c_float(scale), strides]
-    rc = getattr(emu, f"emu_paged_attention_{version}")(*args)
-    assert rc == 0, f"emulator returned {rc}"
+             key_cache.shape[2], block_tables.shape[1], max_seq_len, scale, strides, 0]
+    rc = getattr(emu, f"vfs_paged_attention_{version}")(*args)
+    return rc, out
+
+
+def emulate_decode(emu, version, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len):
+    rc, out = launch_decode(emu, version, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len)
+    assert rc == 0, f"launcher returned {rc}: {emu.vfs_paged_attention_error_string(rc).decode()}"
     return out
+
+
+def reshape_and_cache_rc(cache_emu, key, value, key_cache, value_cache, slot_mapping) -> int:
+    """What cache_kernels_binding.cpp does: the launcher vfs_reshape_and_cache on raw pointers."""
+    strides = (ctypes.c_int64 * 10)(key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+                                    *key_cache.stride()[:3], *value_cache.stride()[:3])
+    return cache_emu.vfs_reshape_and_cache(CODES[key.dtype], slot_mapping.dtype == torch.int64, ptr(key), ptr(value),
+                                           ptr(key_cache), ptr(value_cache), ptr(slot_mapping), key.shape[0],
+                                           key_cache.shape[1], key_cache.shape[2], key_cache.shape[3], strides, 0)
 
 
 def check(emu, version, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, seed=0):
@@ -131,7 +130,7 @@ def test_rows_the_kernel_cannot_serve_come_out_nan(emu):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_reshape_and_cache(emu, dtype):
+def test_reshape_and_cache(cache_emu, dtype):
     g = torch.Generator().manual_seed(0)
     key = torch.randn(6, 2, 64, generator=g).to(dtype)
     value = torch.randn(6, 2, 64, generator=g).to(dtype)
@@ -143,26 +142,58 @@ def test_reshape_and_cache(emu, dtype):
             expected_k[s // 8, s % 8], expected_v[s // 8, s % 8] = key[t], value[t]
     for slot_dtype in (torch.int64, torch.int32):
         key_cache, value_cache = torch.zeros_like(expected_k), torch.zeros_like(expected_v)
-        strides = (ctypes.c_int64 * 10)(key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-                                        *key_cache.stride()[:3], *value_cache.stride()[:3])
-        slot_mapping = torch.tensor(slots, dtype=slot_dtype)
-        rc = emu.emu_reshape_and_cache(CODES[dtype], ctypes.c_bool(slot_dtype == torch.int64), ptr(key), ptr(value),
-                                       ptr(key_cache), ptr(value_cache), ptr(slot_mapping), ctypes.c_int64(6), 8, 2, 64,
-                                       strides)
-        assert rc == 0
+        rc = reshape_and_cache_rc(cache_emu, key, value, key_cache, value_cache, torch.tensor(slots, dtype=slot_dtype))
+        assert rc == 0, cache_emu.vfs_cache_kernels_error_string(rc).decode()
         assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+
+
+# ----------------------------------------------------------------------------- what only the launchers do
+
+def test_launcher_refuses_what_it_did_not_compile(emu):
+    """The launcher's dispatch: a head size, block size or dtype without a template instance
+    is its kUnsupportedConfig, for v1 and v2, with its message — nothing is launched."""
+    kv = make_paged_kv([20], 1, 64, 16)
+    q = random_query(1, 1, 64)
+    for version in ("v1", "v2"):
+        args = (version, q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.1, 20)
+        assert launch_decode(emu, *args)[0] == 0
+        assert launch_decode(emu, *args, head_size=96)[0] == K_UNSUPPORTED_CONFIG
+        assert launch_decode(emu, *args, dtype_code=3)[0] == K_UNSUPPORTED_CONFIG
+    kv12 = make_paged_kv([20], 1, 64, 12)
+    rc, _ = launch_decode(emu, "v1", q, kv12.key_cache, kv12.value_cache, kv12.block_tables, kv12.seq_lens, 0.1, 20)
+    assert rc == K_UNSUPPORTED_CONFIG
+    assert "not compiled" in emu.vfs_paged_attention_error_string(rc).decode()
+
+
+def test_v1_opts_in_to_more_than_48_kb_of_shared_memory(emu):
+    """v1 keeps every logit in dynamic shared memory: 13000 tokens need 52 KB, more than a
+    kernel gets without cudaFuncSetAttribute (the emulator refuses such a launch with
+    cudaErrorInvalidValue, as the driver does). The launcher opts in, so v1 serves it and
+    agrees with v2 (26 partitions) and the reference; past the device's 227 KB it returns
+    its own kSharedMemoryTooLarge instead of launching."""
+    seq_len = 13000
+    kv = make_paged_kv([seq_len], 1, 64, 32, seed=3)
+    q = random_query(1, 2, 64, seed=4)
+    want = ref.dense_decode_attention(q, kv.keys, kv.values, 0.125)
+    args = (q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.125, seq_len)
+    v1 = emulate_decode(emu, "v1", *args)
+    assert_close(v1, want)
+    assert_close(emulate_decode(emu, "v2", *args), want)
+    rc, _ = launch_decode(emu, "v1", *args[:-1], 60000)        # 240 KB of logits
+    assert rc == K_SHARED_MEMORY_TOO_LARGE
+    assert "use v2" in emu.vfs_paged_attention_error_string(rc).decode()
 
 
 # ----------------------------------------------------------------------------- the Python wrapper, end to end
 
 class EmulatedExtensions:
     """Stands in for the built torch extensions (kernels_cuda/*_binding.cpp) on the CPU:
-    enforces what the bindings TORCH_CHECK about layouts, then runs the real device code in
-    the emulator through raw pointers — exactly how the GPU would read the tensors. So
-    `cuda_ops` (the wrapper) is tested as it runs on a GPU, minus the stream."""
+    enforces what the bindings TORCH_CHECK about layouts, then calls the real launchers in the
+    emulator through raw pointers — exactly how the GPU would read the tensors. So `cuda_ops`
+    (the wrapper) is tested as it runs on a GPU, minus the stream."""
 
-    def __init__(self, emu):
-        self.emu = emu
+    def __init__(self, emu, cache_emu):
+        self.emu, self.cache_emu = emu, cache_emu
 
     @staticmethod
     def _binding_checks(out, query, key_cache, value_cache, block_tables, seq_lens):
@@ -186,18 +217,13 @@ class EmulatedExtensions:
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping, stream):
         assert slot_mapping.is_contiguous(), "binding: slot_mapping must be contiguous"
         assert all(t.stride(-1) == 1 for t in (key, value, key_cache, value_cache)), "binding: head_size contiguous"
-        strides = (ctypes.c_int64 * 10)(key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-                                        *key_cache.stride()[:3], *value_cache.stride()[:3])
-        rc = self.emu.emu_reshape_and_cache(CODES[key.dtype], ctypes.c_bool(slot_mapping.dtype == torch.int64),
-                                            ptr(key), ptr(value), ptr(key_cache), ptr(value_cache), ptr(slot_mapping),
-                                            ctypes.c_int64(key.shape[0]), key_cache.shape[1], key_cache.shape[2],
-                                            key_cache.shape[3], strides)
-        assert rc == 0
+        rc = reshape_and_cache_rc(self.cache_emu, key, value, key_cache, value_cache, slot_mapping)
+        assert rc == 0, self.cache_emu.vfs_cache_kernels_error_string(rc).decode()
 
 
 @pytest.fixture
-def emulated_cuda_ops(emu, monkeypatch):
-    ext = EmulatedExtensions(emu)
+def emulated_cuda_ops(emu, cache_emu, monkeypatch):
+    ext = EmulatedExtensions(emu, cache_emu)
     monkeypatch.setattr(cuda_ops, "_load", lambda name: ext)
     monkeypatch.setattr(cuda_ops, "_stream", lambda: 0)
     return cuda_ops

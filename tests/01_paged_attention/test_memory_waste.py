@@ -1,4 +1,4 @@
-"""Memory-waste arithmetic (thesis Fig. 3.2): exact on a hand-computed snapshot, invariants on random ones."""
+"""Memory-waste arithmetic [Kwon 2025, Fig. 3.2]: exact on a hand-computed snapshot, invariants on random ones."""
 import pytest
 from hypothesis import given, settings, strategies as st
 

@@ -1,4 +1,4 @@
-"""Copy-on-write sharing (thesis §3.4.4): fork, append with copy-on-write, free by ref counts.
+"""Copy-on-write sharing [Kwon 2025, §3.4.4]: fork, append with copy-on-write, free by ref counts.
 Exact block ids, then the same trace executed on real tensors."""
 import pytest
 import torch
@@ -27,7 +27,7 @@ def refs(m, ids):
 
 
 def test_parallel_sampling_copies_only_the_shared_partial_block():
-    """Thesis Fig. 3.8: two samples share the prompt; the first to write its last block
+    """[Kwon 2025, Fig. 3.8]: two samples share the prompt; the first to write its last block
     copies it, the second then owns the original and writes in place."""
     m = BlockSpaceManager(8, 4)
     a1 = prefilled(m, "A1", list(range(7)))            # blocks [0, 1]; block 1 holds 3 of 4 tokens
@@ -55,7 +55,7 @@ def test_fork_at_a_block_boundary_needs_no_copy():
 
 
 def test_beam_search_sharing_and_freeing_by_ref_count():
-    """Thesis Fig. 3.9 in miniature: beams fork, diverge, and dropped beams free exactly
+    """[Kwon 2025, Fig. 3.9] in miniature: beams fork, diverge, and dropped beams free exactly
     the blocks no surviving beam references."""
     m = BlockSpaceManager(12, 4)
     root = prefilled(m, "b0", list(range(8)))          # [0, 1]
@@ -119,7 +119,7 @@ def test_fork_errors():
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_copy_on_write_keeps_every_sample_s_kv(backend):
-    """Run the Fig. 3.8 trace on real caches: write each token's K/V where the block table
+    """Run the [Kwon 2025, Fig. 3.8] trace on real caches: write each token's K/V where the block table
     says, copy what append_slots says, and check both samples read back their own history."""
     B = 4
     spec = KVCacheSpec(num_layers=2, block_size=B, num_kv_heads=1, head_dim=2, dtype=torch.float32)

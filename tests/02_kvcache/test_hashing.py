@@ -12,7 +12,7 @@ def test_chain_covers_parent_tokens_and_extra_keys():
     h0 = hash_block_tokens(None, [1, 2, 3, 4])
     assert h0.parent_hash_value == NONE_HASH and h0.token_ids == (1, 2, 3, 4) and h0.extra_keys is None
     assert h0.hash_value == sha256_hash((NONE_HASH, (1, 2, 3, 4), None))      # sha256 is the default
-    # Same tokens, different parent -> a different HASH VALUE (seed 001's "why chaining matters").
+    # Same tokens, different parent -> a different HASH VALUE ([v1 prefix caching], "why chaining matters").
     # (Comparing whole BlockHash tuples would pass even for a hash that ignored the parent: the
     # tuples differ in their parent field anyway.)
     assert hash_block_tokens(h0.hash_value, [5, 6, 7, 8]).hash_value != hash_block_tokens(123, [5, 6, 7, 8]).hash_value

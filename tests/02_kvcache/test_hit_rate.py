@@ -7,7 +7,7 @@ set of token prefixes that shares no code with the manager. And under cache pres
 eviction policies rank as the orphan analysis predicts.
 
 What is NOT evidence: the synthetic workloads' parameters (system prompt length, document
-reuse, ...) were chosen so that their hit rates land in seed 001's table; the range test only
+reuse, ...) were chosen so that their hit rates land in the hit-rate table of [v1 prefix caching]; the range test only
 keeps them there (a calibration check for the benchmark), it cannot show the manager is right.
 """
 from collections import deque
@@ -65,7 +65,7 @@ def test_hit_tokens_equal_an_independent_prefix_oracle(make, block_size):
     (lambda: summarization(num_requests=60), 0.08, 0.15),
     (lambda: random_prompts(num_requests=40), 0.0, 0.02),
 ], ids=["chatbot", "multi_turn", "rag", "summarization", "random"])
-def test_workloads_stay_calibrated_to_seed_001_table(make, lo, hi):
+def test_workloads_stay_calibrated_to_the_published_hit_rates(make, lo, hi):
     """Calibration, not evidence: the workloads were tuned to land in these ranges."""
     w = make()
     r = simulate(w, SimConfig(num_blocks=unbounded(w)))

@@ -1,4 +1,4 @@
-"""The policies' trade-offs, measured in the simulator (thesis §4.5): SRTF removes
+"""The policies' trade-offs, measured in the simulator [Kwon 2025, §4.5]: SRTF removes
 head-of-line blocking but starves long prompts; two-level scheduling bounds the starvation;
 priority serves high-priority requests first. Each claim is an inequality with a margin."""
 import pytest

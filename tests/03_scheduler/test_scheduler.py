@@ -4,8 +4,7 @@ import itertools
 import pytest
 
 from kvcache import BlockSpaceManager
-from scheduler import (FinishReason, KVConnectorBase, MockModelRunner, ModelRunnerOutput, Request, RequestStatus, Scheduler,
-                       SchedulerConfig)
+from scheduler import FinishReason, MockModelRunner, ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerConfig
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, max_model_len=64, caching=True, cpu=0, **config):
@@ -251,80 +250,6 @@ def test_add_request_validation():
     assert list(s.requests) == ["a"]
 
 
-def test_speculative_drafts_are_scheduled_and_rejected_ones_rolled_back():
-    runner = MockModelRunner(next_token=lambda r: 7, num_accepted=lambda r, drafts: min(1, len(drafts)))
-    s, kv = make(num_lookahead_tokens=3)
-    s.add_request(req("a", 5, max_tokens=20))
-    s.update_draft_token_ids({"a": [1, 2]})              # ignored: still prefilling
-    step(s, runner)
-    r = s.requests["a"]
-    assert (r.num_computed_tokens, r.num_tokens) == (5, 6)
-    s.update_draft_token_ids({"a": [40, 41, 42]})
-    out, outs = step(s, runner)
-    assert out.num_scheduled_tokens == {"a": 4} and out.scheduled_spec_decode_tokens == {"a": [40, 41, 42]}
-    # Table 4.1: computed += Δ - L_rejected = 4 - 2; total += L_draft - L_rejected + 1 = 3 - 2 + 1
-    assert (r.num_computed_tokens, r.num_tokens) == (7, 8)
-    assert outs["a"].new_token_ids == [40, 7] and r.spec_token_ids == []
-    assert kv.get_block_ids("a") == [0, 1, 2]            # 4 + 3 lookahead slots were reserved
-
-
-def test_drafts_are_trimmed_to_max_model_len():
-    s, _ = make(max_model_len=10, budget=16)
-    s.add_request(req("a", 6, max_tokens=20))
-    step(s)                                              # 7 tokens now
-    s.update_draft_token_ids({"a": [1, 2, 3, 4, 5]})
-    out, _ = step(s)
-    assert out.scheduled_spec_decode_tokens == {"a": [1, 2]}   # positions up to max_model_len - 2
-
-
-class AsyncConnector(KVConnectorBase):
-    """A remote prefill worker has computed the whole prompt; the KV arrives asynchronously."""
-
-    def __init__(self, num_tokens):
-        self.num_tokens, self.allocated = num_tokens, {}
-
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return self.num_tokens - num_computed_tokens, True
-
-    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
-        self.allocated[request.request_id] = (block_ids, num_external_tokens)
-
-
-def test_remote_kv_load_then_decode_table_4_1_disaggregation():
-    kv = BlockSpaceManager(16, 4)
-    connector = AsyncConnector(num_tokens=8)
-    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv, connector=connector)
-    r = req("d", 8, first_token=0)
-    r.append_output_token_ids(55)                        # the prefill worker's first token
-    s.add_request(r)
-    out = s.schedule()
-    assert out.is_empty and r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert connector.allocated == {"d": ([0, 1], 8)}
-    probe = Request("probe", list(range(8)) + [55, 56], max_tokens=1)
-    assert kv.get_computed_blocks(probe)[1] == 0         # not published before the KV has landed
-    s.update_from_output(out, ModelRunnerOutput([], [], finished_recving={"d"}))
-    out, outs = step(s)
-    # Table 4.1: num_computed_tokens <- L_prompt, num_total_tokens <- L_prompt + 1, then decode.
-    assert out.scheduled_new_reqs[0].num_computed_tokens == 8 and out.num_scheduled_tokens == {"d": 1}
-    assert kv.get_computed_blocks(probe)[1] == 8         # now cached
-    assert outs["d"].new_token_ids == [1]
-
-
-def test_remote_kv_still_loading_is_skipped_not_blocking():
-    kv = BlockSpaceManager(16, 4)
-    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv,
-                  connector=AsyncConnector(num_tokens=7))
-    s.add_request(req("remote", 8))
-    s.schedule()
-    s.connector.num_tokens = 0
-    s.connector.get_num_new_matched_tokens = lambda request, n: (0, False)
-    s.add_request(req("local", 3, first_token=50))
-    out, _ = step(s)
-    assert out.num_scheduled_tokens == {"local": 3}      # behind a loading request, not blocked by it
-    assert s.requests["remote"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert s.abort("remote") and kv.num_free_blocks == 16 - 1
-
-
 def test_streaming_input_table_4_1_streaming_prefill():
     s, _ = make()
     r = req("live", 4, max_tokens=3, streaming_input=True)
@@ -350,7 +275,7 @@ def test_update_from_output_rejects_inconsistent_runner_output():
     out = s.schedule()
     with pytest.raises(ValueError, match="returned nothing for scheduled request a"):
         s.update_from_output(out, ModelRunnerOutput([], []))
-    with pytest.raises(ValueError, match="2 sampled tokens for 0 drafts"):
+    with pytest.raises(ValueError, match="2 sampled tokens for one position"):
         s.update_from_output(out, ModelRunnerOutput(["a"], [[1, 2]]))
     with pytest.raises(ValueError, match="1 req_ids but 0 sampled"):
         ModelRunnerOutput(["a"], [])
@@ -419,95 +344,3 @@ def test_a_request_preempted_in_the_step_that_scheduled_it_leaves_nothing_hittab
         out = s.schedule()
         s.update_from_output(out, runner.execute(s.requests, out))
     assert low.num_output_tokens == 3 and runner.num_checked > 0 and kv.num_free_blocks == 5
-
-
-def test_a_connector_claiming_every_token_still_leaves_one_to_compute():
-    """Issue 9, item 6: a connector that reports all remaining tokens as external used to make
-    Δ = 0, and FCFS stopped at the head forever. The scheduler keeps the last token."""
-    class ClaimsEverything(KVConnectorBase):
-        def get_num_new_matched_tokens(self, request, num_computed_tokens):
-            return request.num_tokens - num_computed_tokens, False
-        def update_state_after_alloc(self, request, block_ids, num_external_tokens):
-            self.claimed = num_external_tokens
-    kv = BlockSpaceManager(num_blocks=16, block_size=4)
-    connector = ClaimsEverything()
-    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv,
-                  connector=connector)
-    s.add_request(Request("a", list(range(10)), max_tokens=2))
-    out, outs = step(s)
-    assert connector.claimed == 9 and out.num_scheduled_tokens == {"a": 1}
-    assert out.scheduled_new_reqs[0].num_computed_tokens == 9 and outs["a"].new_token_ids == [1]
-
-
-class OneRemoteRequest(KVConnectorBase):
-    """A remote prefill worker computed all but the last token of one request; its KV arrives
-    asynchronously. Every other request finds nothing remote."""
-
-    def __init__(self, request_id):
-        self.request_id = request_id
-
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        if request.request_id != self.request_id:
-            return 0, False
-        return request.num_tokens - 1 - num_computed_tokens, True
-
-    def update_state_after_alloc(self, request, block_ids, num_external_tokens):
-        pass                                                 # the test reports the load landed
-
-
-def _idle_holder_while_the_pool_fills(loaded_arrival, other_arrival):
-    """max_num_seqs 2, an 8-block pool of 4-token blocks. "run" (arrival 0, 8 tokens) runs;
-    "loaded" (16 tokens) starts its remote load into 4 blocks; "other" (3 tokens) takes the
-    second seat, so "loaded" waits with its KV landed: an idle holder of 4 blocks. Returns
-    the scheduler when the pool is full and "other" is about to need a second block."""
-    kv = BlockSpaceManager(8, 4, enable_caching=False)
-    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64), kv,
-                  connector=OneRemoteRequest("loaded"))
-    s.add_request(req("run", 8, max_tokens=20))
-    step(s)                                                  # run: 8 computed, blocks 0-1
-    s.add_request(req("loaded", 16, arrival=loaded_arrival))
-    step(s)                                                  # run decodes into block 2; loaded's load starts
-    assert s.requests["loaded"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    s.add_request(req("other", 3, max_tokens=20, arrival=other_arrival))
-    out = s.schedule()                                       # other takes the last block
-    output = MockModelRunner().execute(s.requests, out)
-    output.finished_recving = {"loaded"}                     # ... and loaded's KV lands
-    s.update_from_output(out, output)
-    step(s)                                                  # other decodes its 4th token: block full
-    assert [r.request_id for r in s.running] == ["run", "other"] and kv.num_free_blocks == 0
-    assert s.requests["loaded"].num_computed_tokens == 15 and len(kv.get_block_ids("loaded")) == 4
-    return s, kv
-
-
-def test_a_full_pool_takes_an_idle_holders_blocks_before_a_running_request_ranked_above_it():
-    """Found as a livelock by the chunked-prefill property test: a waiting request whose
-    remote KV has landed holds its blocks until it is admitted. When the pool is full, it is
-    one more candidate to give blocks up, ranked like the running requests: here it arrived
-    last, so its KV is dropped (it starts over) and "other" gets its block and keeps running."""
-    s, kv = _idle_holder_while_the_pool_fills(loaded_arrival=2.0, other_arrival=1.0)
-    out, _ = step(s)
-    assert out.num_scheduled_tokens == {"run": 1, "other": 1} and out.preempted_req_ids == set()
-    loaded = s.requests["loaded"]
-    assert (loaded.status, loaded.num_computed_tokens) == (RequestStatus.WAITING, 0)
-    assert "loaded" not in kv.req_to_blocks and "loaded" not in s.finished_recving_kv_req_ids
-    assert len(kv.get_block_ids("other")) == 2
-    s.connector.request_id = None       # a restarted "loaded" would load again, and nobody here lands it
-    while s.has_unfinished_requests():
-        step(s)
-    assert kv.num_free_blocks == 8
-
-
-def test_a_full_pool_preempts_a_running_request_ranked_below_an_idle_holder():
-    """The same pool, but the holder arrived before "other": "other" is preempted (it is the
-    lowest-ranked), and the holder keeps its loaded KV and is admitted with it next step
-    (15 tokens computed: nothing is recomputed)."""
-    s, kv = _idle_holder_while_the_pool_fills(loaded_arrival=1.0, other_arrival=2.0)
-    out, _ = step(s)
-    assert out.num_scheduled_tokens == {"run": 1} and out.preempted_req_ids == {"other"}
-    out, _ = step(s)
-    assert out.num_scheduled_tokens == {"run": 1, "loaded": 1}
-    assert out.scheduled_new_reqs[0].req_id == "loaded" and out.scheduled_new_reqs[0].num_computed_tokens == 15
-    s.connector.request_id = None       # a restarted "loaded" would load again, and nobody here lands it
-    while s.has_unfinished_requests():
-        step(s)
-    assert kv.num_free_blocks == 8

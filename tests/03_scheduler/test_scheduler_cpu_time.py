@@ -1,4 +1,4 @@
-"""schedule() must stay O(running requests): the thesis (§4.6) counts 1 ms of CPU per step as
+"""schedule() must stay O(running requests): the thesis [Kwon 2025, §4.6] counts 1 ms of CPU per step as
 a 10% loss on a 10 ms GPU step. Timing on a shared CPU is noisy, so this compares the
 thread CPU time of the FASTEST of several steps at 128 and at 1024 running requests: linear
 growth gives 8x, a quadratic loop 64x. (Numbers: `python -m benchmarks.bench_scheduler`.)"""

@@ -46,7 +46,7 @@ def test_traces_are_deterministic_and_have_the_stated_shape():
     s, al = make_trace(SHAREGPT, 1.0, n, seed=1, max_model_len=2048), make_trace(ALPACA, 1.0, n, seed=1)
     prompt_ratio = np.mean([t.prompt_len for t in s]) / np.mean([t.prompt_len for t in al])
     output_ratio = np.mean([t.output_len for t in s]) / np.mean([t.output_len for t in al])
-    assert 7.8 < prompt_ratio < 8.8 and 5.2 < output_ratio < 6.0       # thesis: 8.4x and 5.8x
+    assert 7.8 < prompt_ratio < 8.8 and 5.2 < output_ratio < 6.0       # [Kwon 2025, §3.6.1]: 8.4x and 5.8x
     assert np.mean([t.prompt_len for t in al]) == pytest.approx(19.3, rel=0.03)
 
 
@@ -106,7 +106,7 @@ def test_static_batching_waits_for_the_whole_batch_and_pays_for_padding():
 
 
 def test_paged_beats_every_reservation_scheme_under_load():
-    """Thesis §3.6.2 in miniature: at the same request rate, paged allocation batches more
+    """[Kwon 2025, §3.6.2] in miniature: at the same request rate, paged allocation batches more
     requests than Orca (Oracle) > (Pow2) > (Max), and static batching is last."""
     trace = make_trace(SHAREGPT, 2.5, 80, seed=3, max_model_len=2048)
     config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=2048)

@@ -1,15 +1,16 @@
 """SpecDecodeMetadata (which logits rows verify which drafts) and the two counters: drafts are
 just more scheduled tokens for chapter 03's scheduler, and rejection rolls num_computed_tokens
-back exactly as thesis Table 4.1 says."""
+back exactly as [Kwon 2025, Table 4.1] says."""
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from kvcache import KVCacheManager
-from scheduler import ModelRunnerOutput, Request, Scheduler, SchedulerConfig
+from scheduler import ModelRunnerOutput, Request, SchedulerConfig
 from spec_decode import (RejectionSampler, SpecDecodeMetadata, SpecSamplingMetadata, calc_spec_decode_metadata,
                          spec_decode_metadata_from_scheduler_output)
 from spec_decode.metrics import SpecDecodingStats, expected_tokens_per_step
+from spec_decode.scheduler import SpecDecodeScheduler
 
 
 def test_vllm_worked_example():
@@ -54,10 +55,10 @@ def test_metadata_errors():
 
 
 def test_drafts_ride_the_two_counters():
-    """Chapter 03's scheduler schedules drafts as tokens; the rejection sampler's output rolls
+    """This chapter's scheduler (chapter 03's + drafts) schedules drafts as tokens; the rejection sampler's output rolls
     the counters back: num_computed += Δ - L_rejected, num_tokens += L_draft - L_rejected + 1."""
-    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
-                      KVCacheManager(32, 4, enable_caching=False))
+    sched = SpecDecodeScheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+                                KVCacheManager(32, 4, enable_caching=False))
     a, b = Request("a", [1, 2, 3, 4, 5], max_tokens=20), Request("b", [6, 7, 8], max_tokens=20)
     sched.add_request(a)
     sched.add_request(b)

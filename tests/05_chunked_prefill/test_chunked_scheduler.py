@@ -1,5 +1,5 @@
 """Chunked prefill on chapter 03's scheduler: exact chunk sequences, the partial-prefill knobs,
-and Table 4.1's "chunked prefills" row (Δ < L_prompt, num_total_tokens fixed until done)."""
+and the "chunked prefills" row of [Kwon 2025, Table 4.1] (Δ < L_prompt, num_total_tokens fixed until done)."""
 import itertools
 
 import pytest

@@ -1,4 +1,4 @@
-"""Seed 003 §10.4.2 in the simulator: chunking bounds the decoders' stall, and does NOT make
+"""[vLLM 2.0 part 2, §10.4.2] in the simulator: chunking bounds the decoders' stall, and does NOT make
 the long prompt's own first token come sooner."""
 import math
 

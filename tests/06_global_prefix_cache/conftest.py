@@ -3,9 +3,6 @@
 Every process a test starts is reaped by a finalizer (stop -> terminate -> kill), also when
 the test fails; every server listens on a port the OS picked.
 """
-import pathlib
-import sys
-
 import pytest
 
 from global_prefix_cache.metadata import MetadataService
@@ -66,36 +63,3 @@ def mooncake_master():
     yield master
     master.stop()
 
-
-# ---------------------------------------------------------------- real engines (SmolLM2)
-# The engine cases (gpc_engine_cases.py) are shared by the scratch and Mooncake test modules.
-sys.path.append(str(pathlib.Path(__file__).parent))
-from gpc_engine_cases import ENGINE_KW, Prompts  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def prompts():
-    from transformers import AutoTokenizer
-
-    from mini_vllm import default_model_path
-    return Prompts(AutoTokenizer.from_pretrained(default_model_path()))
-
-
-@pytest.fixture(scope="session")
-def reference(engine_registry):
-    """reference(prompt_ids, max_tokens) -> greedy tokens of one SmolLM2 engine without any
-    connector, recomputing everything (its prefix cache is reset before each request)."""
-    from global_prefix_cache.engine_node import run_requests
-    from mini_vllm.llm_engine import LLMEngine
-
-    engine = LLMEngine(**ENGINE_KW)
-    engine_registry.append(engine)
-    counter = iter(range(10**9))
-
-    def generate(prompt_ids, max_tokens):
-        assert engine.engine_core.kv_cache_manager.reset_prefix_cache()
-        result, = run_requests(engine, [{"request_id": f"ref{next(counter)}", "prompt_token_ids": prompt_ids,
-                                         "max_tokens": max_tokens}])
-        return result["token_ids"]
-    yield generate
-    engine_registry.remove(engine)

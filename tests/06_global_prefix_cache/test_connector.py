@@ -1,4 +1,4 @@
-"""The connector driven by chapter 03's scheduler over chapter 02's KV cache (KVNode), two
+"""The connector driven by this chapter's KVConnectorScheduler over chapter 02's KV cache (KVNode), two
 nodes in this process, real K/V bytes through the real sockets: the scheduler's path
 (WAITING_FOR_REMOTE_KVS, then num_computed_tokens advanced), byte-identical K/V in the
 consumer's own shuffled blocks, the one-token rule, and no block leaked."""
@@ -90,7 +90,7 @@ def test_disaggregation_prefill_pushes_into_decode(metadata_service, pool_config
         params = rp.kv_transfer_params
         assert params["num_tokens"] == 23 and params["do_remote_prefill"]
         rd = d.run("x", prompt + rp.output_token_ids, max_tokens=5, kv_transfer_params=params)
-        # Thesis Table 4.1: the decode node starts at num_computed = L_prompt, num_tokens = L_prompt + 1.
+        # [Kwon 2025, Table 4.1]: the decode node starts at num_computed = L_prompt, num_tokens = L_prompt + 1.
         assert rd.trace[0] == ("WAITING_FOR_REMOTE_KVS", 23, 0)
         assert ("RUNNING", 24, 1) in rd.trace
         whole = KVNode(shuffle_seed=7).run("x", prompt, max_tokens=6)

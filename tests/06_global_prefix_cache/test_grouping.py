@@ -1,4 +1,4 @@
-"""Contiguous-block grouping (seed 003 §7.3.3): exact cases, invariants under random input,
+"""Contiguous-block grouping [vLLM 2.0 part 2, §7.3.3]: exact cases, invariants under random input,
 and that the grouped transfers move exactly the bytes the per-block copies would."""
 import ctypes
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings, strategies as st
 from global_prefix_cache.grouping import Region, build_transfer_params, group_concurrent_contiguous
 
 
-def test_seed_example():
+def test_the_published_example():
     assert group_concurrent_contiguous([5, 6, 7, 12, 13], [2, 3, 4, 8, 9]) == ([[5, 6, 7], [12, 13]], [[2, 3, 4], [8, 9]])
 
 

@@ -149,7 +149,7 @@ def fake_workspace(tmp_path, student):
     return make_workspace(student, tmp_path / "ws", tests_src=tests)
 
 
-def minimal_student(tmp_path, chapters=("02_kvcache",)):
+def minimal_student(tmp_path, chapters=("01_paged_attention", "02_kvcache")):   # 02 imports 01 (cdiv)
     student = tmp_path / "student"
     for ch in chapters:
         (student / ch).mkdir(parents=True)

@@ -2,8 +2,8 @@
 == the PyTorch reference, on a GPU. Same adversarial layouts as the CPU tests: shuffled
 physical blocks, NaN in every slot no request owns, junk block-table padding, partial last
 blocks, GQA/MQA, a seq_len-0 padding row. Run with `make test-gpu`.
-(On CPU, tests/01_paged_attention/test_cuda_kernels_emulated.py runs the same device code
-through an emulator.)"""
+(On CPU, tests/01_paged_attention/test_cuda_kernels_emulated.py runs the same .cu files,
+launchers included, in the emulator, kernels_cuda/emulator.)"""
 import pytest
 import torch
 

@@ -1,6 +1,6 @@
 """The CUDA (and native Triton) rejection sampler on a GPU == the reference, token for token.
-`make test-gpu`; skipped without CUDA. The same device code is checked on the CPU by
-tests/04_spec_decode/test_cuda_kernel_emulated.py."""
+`make test-gpu`; skipped without CUDA. The same .cu file is checked on the CPU, in the emulator,
+by tests/04_spec_decode/test_cuda_kernels_emulated.py."""
 import pytest
 import torch
 

@@ -101,7 +101,7 @@ def test_triton_prefill_equals_sdpa_and_writes_the_cache():
 def test_cpu_kernel_unified_attention_equals_sdpa(kv_splits):
     """The C++ kernel (run_item; merge_pieces when the KV of an item is split) on a
     chunked-prefill + decode batch, checked against SDPA on the same K/V."""
-    from paged_attention import cpu_ops
+    from kernels_cpu import attention as cpu_ops
     try:
         cpu_ops.load()
     except RuntimeError as e:                 # no compiler / ninja: the kernel cannot be built here

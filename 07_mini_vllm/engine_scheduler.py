@@ -1,0 +1,51 @@
+"""The engine's scheduler: chapter 03's core, with what chapters 04, 05 and 06 add to it.
+
+Each later chapter adds its mechanism by overriding chapter 03's hooks (`_num_new_tokens`,
+`_on_scheduled`, `_build_output`, `_try_admit`, ...) and calling `super()`; a class that lists
+them composes them, and Python's method resolution order chains the overrides, leftmost first:
+
+    KVConnectorScheduler (06: K/V from other machines)
+      -> SpecDecodeScheduler (04: speculative tokens ride along in Δ)
+        -> ChunkedPrefillScheduler (05: Δ cut into chunks)
+          -> Scheduler (03: two counters, a budget, preemption, the prefix cache)
+
+so that, e.g., a decoding request's Δ is chapter 05's chunk (here: its one token) plus chapter
+04's drafts, and the output chapter 06 hands its connector already carries those drafts. vLLM has
+one `Scheduler` class with all of it inline (`vllm/v1/core/sched/scheduler.py`); the split here is
+for reading, one chapter at a time. Speculative tokens cost nothing when there are none, so
+chapter 04's layer is always in; chunking and remote K/V are in when the config asks for them.
+"""
+from __future__ import annotations
+
+from chunked_prefill import ChunkedPrefillConfig, ChunkedPrefillScheduler
+from global_prefix_cache.scheduler import KVConnectorBase, KVConnectorScheduler
+from kvcache import KVCacheManager
+from scheduler import Scheduler, SchedulerConfig
+from spec_decode.scheduler import SpecDecodeScheduler
+
+
+class ChunkedSpecDecodeScheduler(SpecDecodeScheduler, ChunkedPrefillScheduler):
+    """Chapters 03 + 05 + 04."""
+
+
+class KVConnectorSpecDecodeScheduler(KVConnectorScheduler, SpecDecodeScheduler):
+    """Chapters 03 + 04 + 06."""
+
+
+class KVConnectorChunkedSpecDecodeScheduler(KVConnectorScheduler, ChunkedSpecDecodeScheduler):
+    """Chapters 03 + 05 + 04 + 06."""
+
+
+def make_scheduler(config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                   connector: KVConnectorBase | None = None) -> SpecDecodeScheduler:
+    """Chunking when `config` is chapter 05's config, remote K/V when there is a connector."""
+    chunked = isinstance(config, ChunkedPrefillConfig)
+    if connector is None:
+        cls = ChunkedSpecDecodeScheduler if chunked else SpecDecodeScheduler
+        return cls(config, kv_cache_manager)
+    cls = KVConnectorChunkedSpecDecodeScheduler if chunked else KVConnectorSpecDecodeScheduler
+    return cls(config, kv_cache_manager, connector=connector)
+
+
+__all__ = ["make_scheduler", "ChunkedSpecDecodeScheduler", "KVConnectorSpecDecodeScheduler",
+           "KVConnectorChunkedSpecDecodeScheduler", "Scheduler"]

@@ -1,0 +1,37 @@
+"""CustomOp: a layer with a readable PyTorch forward and, optionally, a faster one per platform.
+
+Mirrors vLLM's `vllm/model_executor/custom_op.py: CustomOp`: a subclass writes `forward_native`
+(plain torch: the oracle, what HF computes op for op) and may add `forward_cpu` (here: a fused
+C++ op of kernels_cpu/layer_ops.py) or `forward_cuda`. Which one runs is bound ONCE, when the
+model is built (`dispatch_forward`, called by `loader.use_cpu_layer_ops`), so `forward` itself
+never asks which platform it is on. A new layer starts on `forward_native`.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+PLATFORMS = ("native", "cpu")
+
+
+class CustomOp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.platform = "native"                   # which forward `dispatch_forward` bound
+        self._forward_method = self.forward_native
+
+    def forward(self, *args, **kwargs):
+        return self._forward_method(*args, **kwargs)
+
+    def forward_native(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def forward_cpu(self, *args, **kwargs):
+        """The CPU kernel's forward; by default the native one."""
+        return self.forward_native(*args, **kwargs)
+
+    def dispatch_forward(self, platform: str) -> None:
+        """Bind the forward that runs from now on: "native" (forward_native) or "cpu" (forward_cpu)."""
+        if platform not in PLATFORMS:
+            raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
+        self.platform = platform
+        self._forward_method = self.forward_cpu if platform == "cpu" else self.forward_native

@@ -1,0 +1,3 @@
+// Under the CPU emulator, <cuda_runtime.h> is the emulated runtime (see ../cuda_runtime_emulated.h).
+#pragma once
+#include "../cuda_runtime_emulated.h"
