@@ -45,11 +45,19 @@ class KVCacheSpec:
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(key_caches, value_caches): num_layers tensors each of
         [num_blocks, block_size, num_kv_heads, head_dim], zero-filled."""
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"a KV cache needs num_blocks >= 1, got {num_blocks!r}")
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
         def one_layer() -> torch.Tensor:
             return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
         return [one_layer() for _ in range(self.num_layers)], [one_layer() for _ in range(self.num_layers)]
+
+    def allocate_per_layer(self, num_blocks: int, device: torch.device | str
+                           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The same tensors as `allocate`, as one (key_cache, value_cache) pair per layer: what a
+        model's forward takes (chapter 07)."""
+        return list(zip(*self.allocate(num_blocks, device)))
 
 
 class CacheEngine:

@@ -19,24 +19,33 @@ The head's layer attends over all earlier rows, so it keeps a paged KV cache lik
 rows computed from guessed features are overwritten once the target's real features for
 those positions arrive (the head's num_computed rolls back to the real rows, as the target's).
 
+The head's decoder layer is chapter 01's `LlamaDecoderLayer` (paged_attention/model/llama.py) — the
+class the engine's models are made of — with this chapter's attention op (attention.py:
+`TreeAttention`, the paged cache with tree masks; no cache, causal per sequence, for training).
+
 `EagleHead` is saved / loaded as a small HF-style checkpoint (config.json + model.safetensors,
-without embeddings or LM head: those are the target's). `python -m spec_decode.train_eagle`
-self-distils one from SmolLM2 on the CPU.
+without embeddings or LM head: those are the target's), q/k/v and gate/up stored apart as HF
+stores them: loading sends each piece into its rows of the layer's merged qkv_proj / gate_up_proj
+(the stacked_params_mapping of vLLM's `llama_eagle.py`, as chapter 07's loader does).
+`python -m spec_decode.train_eagle` self-distils one from SmolLM2 on the CPU.
 """
 from __future__ import annotations
 
 import json
 import pathlib
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from kvcache import KVCacheManager, RequestTooLargeError
 from paged_attention.block_table import build_attention_metadata
+from paged_attention.model.layers import RMSNorm, RotaryEmbedding
+from paged_attention.model.linear import Linear
+from paged_attention.model.llama import STACKED_PARAMS_MAPPING, LlamaDecoderLayer
+from spec_decode.attention import CausalMetadata, TreeAttention
 from spec_decode.draft_model import PagedRequestState
-from spec_decode.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from spec_decode.proposer import DraftRequest, check_num_speculative_tokens, draft_budget, validate_draft_token_ids
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
@@ -73,14 +82,20 @@ class EagleConfig:
 
 
 class EagleHead(nn.Module):
+    """fc over [embedding; feature] -> one Llama decoder layer -> norm (vLLM: llama_eagle.py's
+    EagleLlamaModel). Built with random weights (nn.Linear's init); `from_pretrained` loads a trained one."""
+
     def __init__(self, config: EagleConfig):
         super().__init__()
         c = self.config = config
-        self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
-        self.layer = DecoderLayer(c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                  c.intermediate_size, c.rms_norm_eps)
+        self.fc = Linear(2 * c.hidden_size, c.hidden_size)
+        self.layer = LlamaDecoderLayer(c, TreeAttention(c.num_attention_heads, c.head_dim, c.num_key_value_heads,
+                                                        scale=c.head_dim ** -0.5))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta)
+        for m in self.modules():            # chapter 01's layers start uninitialised: torch.nn's init
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
 
     def _check(self, input_embeds, hidden_states):
         h = self.config.hidden_size
@@ -90,28 +105,70 @@ class EagleHead(nn.Module):
 
     def forward(self, input_embeds: torch.Tensor, hidden_states: torch.Tensor, positions: torch.Tensor,
                 kv_cache, attn_metadata) -> torch.Tensor:              # [T, H] predicted next features
-        """Serving path: a flat ragged batch of rows over the head's paged KV cache."""
+        """A flat ragged batch of rows: serving, over the head's paged KV cache (kv_cache, chapter 01's
+        AttentionMetadata); or training, kv_cache None and whole sequences (attention.CausalMetadata)."""
         self._check(input_embeds, hidden_states)
         x = self.fc(torch.cat((input_embeds, hidden_states), dim=-1))
         x, residual = self.layer(x, None, self.rotary_emb.cos_sin(positions), kv_cache, attn_metadata)
         return self.norm(x, residual)[0]
 
     def forward_dense(self, input_embeds: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Training path: [B, T, H] rows of whole sequences, causal, no cache."""
-        self._check(input_embeds, hidden_states)
-        cos, sin = self.rotary_emb.cos_sin(torch.arange(input_embeds.shape[1], device=input_embeds.device))
-        x = self.fc(torch.cat((input_embeds, hidden_states), dim=-1))
-        x, residual = self.layer.forward_dense(x, None, cos, sin)
-        return self.norm(x, residual)[0]
+        """Training path: [B, T, H] rows of B whole sequences -> [B, T, H]: the same forward on them
+        laid end to end, with no cache (each sequence attends causally to itself)."""
+        B, T, H = input_embeds.shape
+        positions = torch.arange(T, device=input_embeds.device).repeat(B)             # [B * T]
+        out = self.forward(input_embeds.reshape(B * T, H), hidden_states.reshape(B * T, -1), positions, None,
+                           CausalMetadata.equal_lengths(B, T))
+        return out.view(B, T, -1)
 
     # ---------------------------------------------------------------- checkpoint
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The state dict in the checkpoint's names: each merged parameter split back into its
+        pieces (q_proj, k_proj, v_proj; gate_proj, up_proj) — the inverse of `load_weights`."""
+        out = {}
+        for name, tensor in self.state_dict().items():
+            merged = [(param, piece, shard) for param, piece, shard in STACKED_PARAMS_MAPPING if param in name]
+            if not merged:
+                out[name] = tensor
+            for param_piece, ckpt_piece, shard_id in merged:
+                offset, size = self.get_submodule(name.rsplit(".", 1)[0]).shard_slice(shard_id)
+                out[name.replace(param_piece, ckpt_piece)] = tensor.narrow(0, offset, size)
+        return out
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Checkpoint tensors -> parameters, a q/k/v (gate/up) piece into its rows of the merged
+        parameter (vLLM: llama_eagle.py's load_weights and its stacked_params_mapping). Strict:
+        every parameter — every shard — exactly once, and no tensor left over."""
+        params = dict(self.named_parameters())
+        missing = {(name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", (None,))}
+        for ckpt_name, tensor in weights:
+            name, shard_id = ckpt_name, None
+            for param_piece, ckpt_piece, shard in STACKED_PARAMS_MAPPING:
+                if ckpt_piece in ckpt_name:
+                    name, shard_id = ckpt_name.replace(ckpt_piece, param_piece), shard
+                    break
+            if (name, shard_id) not in missing:
+                raise ValueError(f"checkpoint tensor {ckpt_name!r}: no such parameter in the EAGLE head, or loaded twice")
+            param = params[name]
+            if shard_id is not None:
+                param.weight_loader(param, tensor, shard_id)
+            elif param.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, the parameter "
+                                 f"{tuple(param.shape)}")
+            else:
+                param.data.copy_(tensor)
+            missing.discard((name, shard_id))
+        if missing:
+            names = sorted(n if s is None else f"{n} (shard {s!r})" for n, s in missing)
+            raise ValueError(f"the checkpoint is missing {len(missing)} tensor(s) of the EAGLE head: {', '.join(names)}")
+
     def save_pretrained(self, directory: str | pathlib.Path, dtype: torch.dtype = torch.bfloat16) -> None:
         from safetensors.torch import save_file
         d = pathlib.Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         (d / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
-        save_file({k: v.detach().to(dtype).contiguous() for k, v in self.state_dict().items()}, str(d / WEIGHTS_NAME),
-                  metadata={"format": "pt"})
+        save_file({k: v.detach().to(dtype).contiguous() for k, v in self.checkpoint_tensors().items()},
+                  str(d / WEIGHTS_NAME), metadata={"format": "pt"})
 
     @classmethod
     def from_pretrained(cls, directory: str | pathlib.Path, dtype: torch.dtype = torch.float32) -> "EagleHead":
@@ -123,7 +180,7 @@ class EagleHead(nn.Module):
         if cfg.get("model_type") != "eagle_head":
             raise ValueError(f"{d / CONFIG_NAME} has model_type={cfg.get('model_type')!r}, not 'eagle_head'")
         head = cls(EagleConfig(**cfg))
-        head.load_state_dict({k: v.to(dtype) for k, v in load_file(str(d / WEIGHTS_NAME)).items()})
+        head.load_weights(load_file(str(d / WEIGHTS_NAME)).items())
         return head.to(dtype)
 
 

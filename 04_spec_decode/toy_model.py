@@ -1,10 +1,12 @@
 """A tiny Llama-shaped target model on the paged KV cache — for tests and the notebook only.
 
-It has the structure of chapter 07's models (model.embed_tokens / model.layers /
-model.norm / model.rotary_emb.cos_sin, forward(input_ids, positions, kv_caches,
-attn_metadata) -> hidden, compute_logits(hidden) -> fp32 logits), so the drafters are
-tested against the same protocol the engine's models implement. Random weights; a
-`temperature`-like `logit_scale` makes its greedy output less trivial.
+It is built like chapter 07's models — from the same chapter 01 layers (paged_attention/model/:
+LlamaDecoderLayer, RMSNorm, RotaryEmbedding, the linears), with this chapter's attention op
+(attention.py: TreeAttention) — and has their structure (model.embed_tokens / model.layers /
+model.norm / model.rotary_emb.cos_sin, forward(input_ids, positions, kv_caches, attn_metadata) ->
+hidden, compute_logits(hidden) -> fp32 logits), so the drafters are tested against the same
+protocol the engine's models implement. Random weights; a `temperature`-like `logit_scale` makes
+its greedy output less trivial.
 """
 from __future__ import annotations
 
@@ -14,7 +16,10 @@ import torch
 from torch import nn
 
 from paged_attention.block_table import build_attention_metadata
-from spec_decode.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from paged_attention.model.layers import RMSNorm, RotaryEmbedding
+from paged_attention.model.linear import Linear, VocabEmbedding
+from paged_attention.model.llama import LlamaDecoderLayer
+from spec_decode.attention import TreeAttention
 
 
 @dataclass
@@ -29,16 +34,19 @@ class ToyConfig:
     max_position_embeddings: int = 512
     rope_theta: float = 10000.0
     logit_scale: float = 4.0
+    rms_norm_eps: float = 1e-6
 
 
 class ToyModel(nn.Module):
     def __init__(self, config: ToyConfig):
         super().__init__()
         c = config
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
-                                                 c.head_dim, c.intermediate_size) for _ in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size)
+        self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(c, TreeAttention(c.num_attention_heads, c.head_dim, c.num_key_value_heads,
+                                               scale=c.head_dim ** -0.5))
+            for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta)
 
     def forward(self, input_ids, positions, kv_caches, attn_metadata, num_layers: int | None = None):
@@ -57,7 +65,12 @@ class ToyForCausalLM(nn.Module):
         self.config = config or ToyConfig()
         torch.manual_seed(seed)
         self.model = ToyModel(self.config)
-        self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+        self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size)
+        # Chapter 01's layers start uninitialised (a loader fills them): torch.nn's init, the same draws in
+        # the same order as the nn.Linear / nn.Embedding version of this model, so a seed keeps its weights.
+        for m in self.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
         with torch.no_grad():
             for p in self.parameters():
                 if p.dim() > 1:

@@ -120,6 +120,7 @@ def train(head: EagleHead, model, fs, labels, seqs, prompt_lens, steps: int, bat
             target = to_subset[lab[1:]].clone()                  # row i predicts the target's token after x_{i+1}
             target[:max(p0 - 2, 0)] = -100                       # ... an answer token only from row p0 - 2 on
             rows.append((embed(torch.tensor(s[1:])).float(), f[:-1], f[1:], target))
+    head.train().requires_grad_(True)              # chapter 01's layers are built for serving: no gradients
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     log, t0 = [], time.time()
@@ -138,7 +139,7 @@ def train(head: EagleHead, model, fs, labels, seqs, prompt_lens, steps: int, bat
         emb, f_in, f_out, lab = torch.stack(emb), torch.stack(f_in), torch.stack(f_out), torch.stack(lab)
         valid = lab != -100                                                           # answer rows, not padding
         noise = (torch.rand(f_in.shape, generator=g) - 0.5) * 0.2     # U(-0.1, 0.1), EAGLE's augmentation
-        pred = head.forward_dense(emb, f_in + noise)                 # [B, W, H]
+        pred = head.forward_dense(emb, f_in + noise)                 # [B, W, H], no cache, causal per window
         reg = F.smooth_l1_loss(pred[valid], f_out[valid])
         logits = pred[valid] @ lm_weight.T                           # [rows, S]
         target = lab[valid]

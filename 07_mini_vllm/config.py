@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
+from kvcache.cache_engine import KVCacheSpec
 from mini_vllm.models.registry import SUPPORTED_ARCHITECTURES
 
-# RoPE variants our RotaryEmbedding implements (models/layers.py: rope_inv_freq).
+# RoPE variants our RotaryEmbedding implements (chapter 01's paged_attention/model/layers.py: rope_inv_freq).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 _DTYPES = {
@@ -88,6 +89,13 @@ class ModelConfig:
                              f"({self.max_position_embeddings})")
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype {self.dtype} is not supported; use float32, bfloat16 or float16")
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype | None = None) -> KVCacheSpec:
+        """This model's paged KV cache in chapter 02's terms: one K and one V tensor per layer, each
+        [num_blocks, block_size, num_key_value_heads, head_dim] (chapter 01's layout, vLLM's
+        FlashAttention layout), in the model's dtype unless another is given."""
+        return KVCacheSpec(self.num_hidden_layers, block_size, self.num_key_value_heads, self.head_dim,
+                           dtype or self.dtype)
 
     @classmethod
     def from_pretrained(cls, model: str | Path, dtype: str | torch.dtype = "auto",

@@ -54,7 +54,7 @@ import torch
 from chunked_prefill import build_attention_plan
 from global_prefix_cache.kv_layout import kv_caches_from_cache_engine
 import kernels_cpu
-from kvcache.cache_engine import CacheEngine, KVCacheSpec
+from kvcache.cache_engine import CacheEngine
 from paged_attention import cdiv
 from scheduler import ModelRunnerOutput as SchedulerModelRunnerOutput
 from scheduler import SchedulerOutput
@@ -119,8 +119,7 @@ class ModelRunner:
 
         self.requests: dict[str, CachedRequestState] = {}    # every request the runner knows, by id
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req)
-        self.kv_cache_spec = KVCacheSpec(model_config.num_hidden_layers, self.block_size,
-                                         model_config.num_key_value_heads, model_config.head_dim, model_config.dtype)
+        self.kv_cache_spec = model_config.kv_cache_spec(self.block_size)
         self.cache_engine: CacheEngine | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.cuda_graph_runner: CUDAGraphRunner | None = None
@@ -170,10 +169,9 @@ class ModelRunner:
             k = cdiv(n, self.block_size)
             block_ids.append(list(range(next_block, next_block + k)))
             next_block += k
-        key_caches, value_caches = self.kv_cache_spec.allocate(next_block, self.device)
+        kv_caches = self.kv_cache_spec.allocate_per_layer(next_block, self.device)
         inputs = prepare_inputs([[0] * n for n in lens], [0] * num_reqs, block_ids, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, list(zip(key_caches, value_caches)),
-                            inputs.attn_metadata)
+        hidden = self.model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn_metadata)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         # Random sampling with top-k and top-p exercises the sampler's filtering buffers (its top-k
         # candidates; a full sort only happens for rows that need it, see topk_topp_sampler.py).

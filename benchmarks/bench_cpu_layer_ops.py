@@ -32,16 +32,14 @@ HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64          # SmolLM
 
 def make_layer_ops(fused: bool):
     """One decoder layer's small ops, as the model runs them bound to forward_native / forward_cpu."""
-    from mini_vllm.models.attention import SelfAttention
-    from mini_vllm.models.layers import RMSNorm, SiluAndMul
+    from paged_attention.model.layers import RMSNorm, SiluAndMul
 
     g = torch.Generator().manual_seed(1)                 # the same weights on both sides
     norms = [RMSNorm(HIDDEN, 1e-5) for _ in range(2)]
     for norm in norms:
         norm.weight.data = torch.rand(HIDDEN, generator=g) + 0.5
     act = SiluAndMul()
-    attn = SelfAttention(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, rms_norm_eps=1e-5)
-    for module in (*norms, act, attn):
+    for module in (*norms, act):
         module.dispatch_forward("cpu" if fused else "native")
 
     def split_rope(qkv, cos, sin):
@@ -49,7 +47,7 @@ def make_layer_ops(fused: bool):
             from kernels_cpu import layer_ops as cpu_layer_ops
             return cpu_layer_ops.rope_split_qkv(qkv, cos.view(len(qkv), -1), sin.view(len(qkv), -1),
                                                 HEADS, KV_HEADS, HEAD_DIM)
-        from mini_vllm.models.layers import apply_rotary_emb
+        from paged_attention.model.layers import apply_rotary_emb
         T = qkv.shape[0]
         q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
         return (apply_rotary_emb(q.view(T, HEADS, HEAD_DIM), cos, sin),
@@ -65,7 +63,7 @@ def make_layer_ops(fused: bool):
 
 
 def inputs(m: int, seed: int = 0):
-    from mini_vllm.models.layers import RotaryEmbedding
+    from paged_attention.model.layers import RotaryEmbedding
 
     g = torch.Generator().manual_seed(seed)
     rope = RotaryEmbedding(HEAD_DIM, 8192, 1e5, None, torch.float32)

@@ -79,7 +79,6 @@ def main(argv: list[str] | None = None) -> None:
     from paged_attention.ops import reshape_and_cache
     from mini_vllm.default_model import default_model_path
     from mini_vllm.model_inputs import prepare_inputs
-    from mini_vllm.kv_cache import allocate_kv_caches
     from mini_vllm.models.loader import load_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         # --- prefill: one 256-token prompt ---------------------------------------------------
         num_blocks = 64
-        caches = allocate_kv_caches(config, num_blocks, block_size, device=device)
+        caches = config.kv_cache_spec(block_size).allocate_per_layer(num_blocks, device)
         ids = torch.randint(0, config.vocab_size, (256,), generator=torch.Generator().manual_seed(0)).tolist()
         inp = prepare_inputs([ids], [0], shuffled_blocks(1, len(ids)), block_size, device)
         hf_ids = torch.tensor([ids], device=device)
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         # --- decode: 64 requests x 128 tokens of context, one new token each -------------------
         batch, context = 64, 128
         num_blocks = batch * (context // block_size + 1) + 8
-        caches = allocate_kv_caches(config, num_blocks, block_size, device=device)
+        caches = config.kv_cache_spec(block_size).allocate_per_layer(num_blocks, device)
         prompts = torch.randint(0, config.vocab_size, (batch, context + 1), generator=torch.Generator().manual_seed(1))
         blocks = shuffled_blocks(batch, context + 1)
         pre = prepare_inputs(prompts[:, :context].tolist(), [0] * batch, blocks, block_size, device)

@@ -15,10 +15,23 @@ import torch
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else the machine type: two VMs of the same
+    architecture can differ by 1.5x, so a CPU number names the CPU it ran on."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return (f"CPU ({cpu_model()}, {torch.backends.cpu.get_cpu_capability()}, "
+            f"{torch.get_num_threads()} threads)")
 
 
 def environment() -> dict:

@@ -3,7 +3,7 @@ applied while q/k/v are split out of the qkv projection (csrc/layer_ops.cpp).
 
 vLLM's CPU build calls its own C++ for these (`csrc/cpu/layernorm.cpp`, `activation.cpp`,
 `pos_encoding.cpp`), chosen by `CustomOp.forward_cpu` where other platforms take `forward_native`
-or `forward_cuda`. The engine's layers (mini_vllm/models/layers.py) are CustomOps the same way:
+or `forward_cuda`. The engine's layers (chapter 01's paged_attention/model/) are CustomOps the same way:
 their `forward_native` is the readable PyTorch (the oracle: HF's math op for op), their
 `forward_cpu` calls these, and which one runs is bound once when the model is built.
 

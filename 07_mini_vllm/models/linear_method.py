@@ -4,9 +4,10 @@ Mirrors vLLM: a linear layer's forward calls `self.quant_method.apply(self, x, b
 (`vllm/model_executor/layers/linear.py: LinearMethodBase`), whose unquantized method is plain
 `F.linear` (`UnquantizedLinearMethod`); on a CPU, once the weights are loaded,
 `vllm/model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm` packs each weight once for
-oneDNN's matmul. Here a `Linear` calls `self.linear_method.apply(self, x)`, and the method is
-chosen once per model after loading (`loader.process_weights_after_loading`, by
-`EngineConfig.cpu_gemm_backend`):
+oneDNN's matmul. Here chapter 01's `Linear` (paged_attention/model/linear.py, with the base class
+and the unquantized default) calls `self.linear_method.apply(self, x)`; this file adds the CPU
+methods, and the method is chosen once per model after loading (`loader.process_weights_after_loading`,
+by `EngineConfig.cpu_gemm_backend`):
 
     "torch"   UnquantizedLinearMethod   F.linear on the row-major weight (the readable path; HF's)
     "onednn"  OneDNNLinearMethod        oneDNN's matmul on its blocked layout (vLLM's CPU choice)
@@ -18,28 +19,15 @@ The kernels and why each is faster: kernels_cpu/gemm.py.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels_cpu import gemm
+from paged_attention.model.linear import UNQUANTIZED, LinearMethodBase, UnquantizedLinearMethod
+
+__all__ = ["CPU_GEMMS", "LinearMethodBase", "OneDNNLinearMethod", "PanelLinearMethod", "UNQUANTIZED",
+           "UnquantizedLinearMethod", "dispatch_cpu_unquantized_gemm", "select_cpu_linear_method"]
 
 CPU_GEMMS = ("auto", "cpu", "onednn", "torch")       # EngineConfig.cpu_gemm_backend
-
-
-class LinearMethodBase:
-    """What a layer with a `weight` [out, in] (and a `bias` [out] or None) computes with."""
-
-    def pack(self, weight: torch.Tensor):
-        """The packed copy of `weight` this method reads (None: it reads `weight` itself)."""
-        return None
-
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out]
-        raise NotImplementedError
-
-
-class UnquantizedLinearMethod(LinearMethodBase):
-    def apply(self, layer, x):
-        return F.linear(x, layer.weight, layer.bias)
 
 
 class OneDNNLinearMethod(LinearMethodBase):
@@ -56,9 +44,6 @@ class PanelLinearMethod(LinearMethodBase):
 
     def apply(self, layer, x):
         return gemm.panel_linear(x, layer.packed_weight, layer.bias)
-
-
-UNQUANTIZED = UnquantizedLinearMethod()          # every layer's method until the weights are loaded
 
 
 def select_cpu_linear_method(cpu_gemm_backend: str, weights: list[torch.Tensor]) -> LinearMethodBase:

@@ -1,8 +1,11 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral-style GQA) on paged attention, from scratch.
 
-Mirrors vLLM's `vllm/model_executor/models/llama.py`: `LlamaMLP` (merged gate_up_proj),
-`LlamaAttention` (merged qkv_proj; here `SelfAttention`), `LlamaDecoderLayer` (pre-norm with
-the residual add fused into the next norm), `LlamaModel`, `LlamaForCausalLM` (+ `compute_logits`).
+Mirrors vLLM's `vllm/model_executor/models/llama.py`: `LlamaModel`, `LlamaForCausalLM` (+
+`compute_logits`, and `load_weights`' stacked_params_mapping, used by loader.py). The layers are
+chapter 01's (paged_attention/model/: `LlamaDecoderLayer`, its `SelfAttention` — vLLM's
+`LlamaAttention` — and `LlamaMLP`, the linears, norms and RoPE), the same class chapter 04's EAGLE
+head is made of; the engine builds each layer with its attention op, attention.py's `PagedAttention`
+(chapter 05's unified attention over the paged cache).
 
 The forward contract the engine's model runner relies on (same as vLLM v1):
 
@@ -22,48 +25,14 @@ import torch
 from torch import nn
 
 from paged_attention.metadata import AttentionMetadata
+from paged_attention.model.layers import RMSNorm, RotaryEmbedding
+from paged_attention.model.linear import Linear, VocabEmbedding
+from paged_attention.model.llama import STACKED_PARAMS_MAPPING, KVCache, LlamaDecoderLayer, LlamaMLP
 
 from mini_vllm.config import ModelConfig
-from mini_vllm.models.attention import KVCache, SelfAttention
-from mini_vllm.models.layers import Linear, MergedColumnLinear, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding
+from mini_vllm.models.attention import PagedAttention
 
-
-class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
-        super().__init__()
-        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
-        self.act_fn = SiluAndMul()
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:      # [T, hidden] -> [T, hidden]
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, *, qkv_bias: bool, o_bias: bool, qk_norm: bool, attn_backend: str):
-        super().__init__()
-        self.self_attn = SelfAttention(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                                       config.head_dim, rms_norm_eps=config.rms_norm_eps, qkv_bias=qkv_bias,
-                                       o_bias=o_bias, qk_norm=qk_norm, attn_backend=attn_backend)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: KVCache, attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        # Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). `residual` carries the running sum;
-        # each norm first adds the previous block's output into it (RMSNorm's fused add).
-        ### BEGIN SOLUTION
-        if residual is None:                                       # first layer: the residual is the embedding
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, rope, kv_cache, attn_metadata)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        hidden_states = self.mlp(hidden_states)
-        ### END SOLUTION
-        return hidden_states, residual
+__all__ = ["LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel"]
 
 
 class LlamaModel(nn.Module):
@@ -71,7 +40,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, attn_backend=attn_backend)
+            LlamaDecoderLayer(config, PagedAttention(config.num_attention_heads, config.head_dim,
+                                                     config.num_key_value_heads, scale=config.head_dim ** -0.5,
+                                                     backend=attn_backend),
+                              qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
             for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # One table for all layers, sized for the longest sequence the engine will run.
@@ -90,15 +62,9 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # Checkpoint names -> our merged parameters: (our param, checkpoint piece, shard id).
-    # (vLLM: LlamaForCausalLM.load_weights' stacked_params_mapping.) Used by loader.load_weights.
-    stacked_params_mapping = [
-        (".qkv_proj", ".q_proj", "q"),
-        (".qkv_proj", ".k_proj", "k"),
-        (".qkv_proj", ".v_proj", "v"),
-        (".gate_up_proj", ".gate_proj", 0),
-        (".gate_up_proj", ".up_proj", 1),
-    ]
+    # Checkpoint names -> our merged parameters: (our param, checkpoint piece, shard id), the layer's
+    # (vLLM: LlamaForCausalLM.load_weights' stacked_params_mapping). Used by loader.load_weights.
+    stacked_params_mapping = STACKED_PARAMS_MAPPING
 
     @staticmethod
     def attention_options(config: ModelConfig) -> dict:

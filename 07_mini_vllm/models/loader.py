@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from kernels_cpu import layer_ops
+from paged_attention.model.custom_op import CustomOp
+from paged_attention.model.linear import Linear
 
 from mini_vllm.config import ModelConfig, check_model_dir
-from mini_vllm.models.custom_op import CustomOp
 from mini_vllm.models.linear_method import UNQUANTIZED, dispatch_cpu_unquantized_gemm, select_cpu_linear_method
 from mini_vllm.models.registry import get_model_class
 
@@ -133,8 +134,6 @@ def process_weights_after_loading(model: nn.Module, cpu_gemm_backend: str = "aut
     nearly doubles the weights' memory (`python -m benchmarks.bench_model_memory` measures it).
     The tied lm_head cannot give up its matrix: it is the input embedding too.
     """
-    from mini_vllm.models.layers import Linear
-
     lm_head = getattr(model, "lm_head", None)
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is None]
     if lm_head is not None and not isinstance(lm_head, Linear) and lm_head.packed_weight is None:

@@ -10,7 +10,6 @@ import torch
 
 from mini_vllm.config import ModelConfig
 from mini_vllm.model_inputs import prepare_inputs
-from mini_vllm.kv_cache import allocate_kv_caches
 from mini_vllm.models.loader import get_model
 from mini_vllm.sampler import Sampler, SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
@@ -31,7 +30,7 @@ class PagedDriver:
     def __init__(self, model, config: ModelConfig, num_blocks: int = 64, block_size: int = 16, seed: int = 0,
                  device: str | torch.device = "cpu"):
         self.model, self.block_size, self.device = model, block_size, device
-        self.kv_caches = allocate_kv_caches(config, num_blocks, block_size, device=device)
+        self.kv_caches = config.kv_cache_spec(block_size).allocate_per_layer(num_blocks, device)
         for k, v in self.kv_caches:
             k.fill_(float("nan"))
             v.fill_(float("nan"))

@@ -153,11 +153,10 @@ def test_qwen2_loads_qkv_bias_and_no_o_bias(tmp_path, tiny_checkpoint):
 
 def test_forward_rejects_bad_inputs(llama_dir):
     from mini_vllm.model_inputs import prepare_inputs
-    from mini_vllm.kv_cache import allocate_kv_caches
 
     config = ModelConfig.from_pretrained(llama_dir)
     model = get_model(config)
-    caches = allocate_kv_caches(config, 4, 4)
+    caches = config.kv_cache_spec(4).allocate_per_layer(4, "cpu")
     inputs = prepare_inputs([[1, 2, 3]], [0], [[2]], block_size=4)
     with pytest.raises(ValueError, match=r"must both be 1-D \[num_tokens\] \(a flat ragged batch\), got \(1, 3\)"):
         model(inputs.input_ids[None], inputs.positions[None], caches, inputs.attn_metadata)

@@ -24,9 +24,9 @@ from kernels_cpu import build, malloc
 from mini_vllm import SamplingParams
 from mini_vllm.config import ModelConfig
 from mini_vllm.engine_config import EngineConfig
-from mini_vllm.models.custom_op import CustomOp
 from mini_vllm.models.linear_method import UNQUANTIZED
 from mini_vllm.models.loader import get_model, use_cpu_layer_ops
+from paged_attention.model.custom_op import CustomOp
 
 MAX_NEW = 16
 TEXTS = [
@@ -164,12 +164,11 @@ def tiny_config(request, tmp_path_factory, tiny_checkpoint):
 
 
 def test_a_model_switched_to_the_kernels_computes_what_the_torch_layers_do(tiny_config):
-    from mini_vllm.kv_cache import allocate_kv_caches
     from mini_vllm.model_inputs import prepare_inputs
 
     def logits(model):
         inputs = prepare_inputs([[5, 17, 99, 3, 250], [300, 2]], [0, 0], [[0, 1], [2]], 4)
-        caches = allocate_kv_caches(tiny_config, 3, 4)
+        caches = tiny_config.kv_cache_spec(4).allocate_per_layer(3, "cpu")
         with torch.inference_mode():
             hidden = model(inputs.input_ids, inputs.positions, caches, inputs.attn_metadata)
             return model.compute_logits(hidden[inputs.logits_indices])

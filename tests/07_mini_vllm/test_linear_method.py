@@ -12,9 +12,9 @@ from tolerances import assert_close
 from kernels_cpu import gemm as cpu_gemm
 from mini_vllm.config import ModelConfig
 from mini_vllm.engine_config import EngineConfig
-from mini_vllm.models.layers import Linear
 from mini_vllm.models.linear_method import UNQUANTIZED, OneDNNLinearMethod, PanelLinearMethod
 from mini_vllm.models.loader import get_model, process_weights_after_loading
+from paged_attention.model.linear import Linear
 
 needs_onednn = pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="this torch build has no oneDNN")
 
@@ -28,10 +28,9 @@ def tiny_model(request, tmp_path_factory, tiny_checkpoint):
 
 def forward_logits(model, config):
     from mini_vllm.model_inputs import prepare_inputs
-    from mini_vllm.kv_cache import allocate_kv_caches
 
     inputs = prepare_inputs([[5, 17, 99, 3, 250], [300, 2]], [0, 0], [[0, 1], [2]], 4)
-    caches = allocate_kv_caches(config, 3, 4)
+    caches = config.kv_cache_spec(4).allocate_per_layer(3, "cpu")
     with torch.inference_mode():
         hidden = model(inputs.input_ids, inputs.positions, caches, inputs.attn_metadata)
         return model.compute_logits(hidden[inputs.logits_indices])

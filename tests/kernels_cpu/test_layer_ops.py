@@ -1,5 +1,5 @@
 """The fused CPU layer ops (kernels_cpu/layer_ops.py, csrc/layer_ops.cpp) == the engine layers'
-PyTorch forwards (mini_vllm/models/layers.py, the oracle): RoPE and the residual add bit for bit,
+PyTorch forwards (chapter 01's paged_attention/model/layers.py, the oracle): RoPE and the residual add bit for bit,
 RMSNorm and SiLU-and-mul within the dtype's tolerance; strided rows, odd sizes, GQA; every
 instruction-set build; bad shapes refused. A whole model switched over:
 tests/07_mini_vllm/test_cpu_kernels.py."""
@@ -11,7 +11,7 @@ from tolerances import assert_close
 
 from kernels_cpu import build
 from kernels_cpu import layer_ops as cpu_layer_ops
-from mini_vllm.models.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
+from paged_attention.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
 
 pytestmark = pytest.mark.skipif(not cpu_layer_ops.is_available(), reason=f"{cpu_layer_ops.unavailable_reason()}")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

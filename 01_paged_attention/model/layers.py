@@ -1,24 +1,14 @@
-"""The building blocks of a Llama-family decoder, written for a flat ragged batch of tokens.
+"""The small layers of a Llama-family decoder: RMSNorm, rotary embeddings, SwiGLU's activation.
 
 Mirrors vLLM's `vllm/model_executor/layers/`:
   * `layernorm.py: RMSNorm`                  -> RMSNorm (with the fused residual add)
   * `rotary_embedding/: get_rope`            -> RotaryEmbedding + rope_inv_freq
   * `activation.py: SiluAndMul`              -> SiluAndMul
-  * `linear.py: MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear`
-                                             -> MergedColumnLinear, QKVLinear, Linear (one GPU: no parallelism)
-and `vllm/model_executor/custom_op.py: CustomOp` -> custom_op.py (RMSNorm, SiluAndMul and attention.py's
-SelfAttention are CustomOps: forward_native, the readable PyTorch, and forward_cpu, a fused C++ op).
 
-Every activation is 2-D `[num_tokens, ...]`: the tokens of all requests in a step laid end to end,
-no batch dimension and no padding (vLLM v1's layout). Parameters are created uninitialised
-(`torch.empty`): the loader overwrites every one of them and fails loudly if any is missing,
-so random initialisation would be wasted work (seconds for SmolLM2 on a CPU).
-
-Numerics follow HF transformers op for op (fp32 norm statistics, the same RoPE frequencies and
-rotation), so fp32 results agree with the oracle to rounding (see the README, "Parity").
-
-Fast ops enter through two seams only, both chosen once after loading (`loader.get_model`): a
-Linear's `linear_method` (linear_method.py) and a CustomOp's bound forward (custom_op.py).
+RMSNorm and SiluAndMul are CustomOps (custom_op.py): `forward_native` is the readable PyTorch (HF's
+math op for op), `forward_cpu` one fused C++ pass of kernels_cpu/layer_ops.py. The C++ is imported
+only when chapter 07 binds that forward (`EngineConfig.cpu_kernels="auto"`): with "off", and in
+chapter 04's EAGLE head and toy target, nothing of kernels_cpu is touched.
 """
 from __future__ import annotations
 
@@ -28,99 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels_cpu import layer_ops
-
-from mini_vllm.models.custom_op import CustomOp
-from mini_vllm.models.linear_method import UNQUANTIZED, LinearMethodBase
-
-
-class Linear(nn.Module):
-    """y = x @ W^T (+ b), parameters uninitialised (the loader fills them).
-
-    The matmul is `linear_method`'s (linear_method.py): plain `F.linear` until the loader picks a
-    CPU GEMM for the loaded weights (`process_weights_after_loading`), which also sets
-    `packed_weight`, W packed once for that GEMM (None: the method reads `weight` itself)."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__()
-        self.input_size, self.output_size = input_size, output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
-        self.linear_method: LinearMethodBase = UNQUANTIZED
-        self.packed_weight = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out]
-        return self.linear_method.apply(self, x)
-
-    def drop_unpacked_weight(self) -> None:
-        """Once packed, the row-major weight is dead memory: replace it by an empty tensor (vLLM:
-        `dispatch_cpu_unquantized_gemm(remove_weight=True)`). Only the packed copy is read."""
-        if self.packed_weight is None:
-            raise ValueError("drop_unpacked_weight: this Linear has no packed weight to run on")
-        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype, device=self.weight.device),
-                                   requires_grad=False)
-
-
-class MergedColumnLinear(Linear):
-    """Several linears that read the same input, stacked along the output dim: ONE matmul.
-
-    Why: q/k/v (and gate/up) projections all read the same normed hidden state. One GEMM over
-    the stacked weight reads the input once and launches one kernel instead of three — what
-    matters in a GPU decode step, where each small GEMM is bound by launch overhead and by reading
-    its weights (on a CPU at SmolLM2's sizes the gain is within noise). Checkpoints still store the
-    pieces separately, so each piece is a *shard* with its own `weight_loader`
-    (vLLM: `MergedColumnParallelLinear.weight_loader(param, loaded_weight, loaded_shard_id)`).
-    """
-
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.output_sizes = list(output_sizes)
-        self.shard_ids: tuple = tuple(range(len(output_sizes)))
-        for param in self.parameters():
-            param.weight_loader = self.weight_loader     # the loader calls param.weight_loader(param, tensor, shard_id)
-            param.shard_ids = self.shard_ids             # every shard must be loaded exactly once
-
-    def shard_slice(self, shard_id) -> tuple[int, int]:
-        index = self.shard_ids.index(shard_id)
-        return sum(self.output_sizes[:index]), self.output_sizes[index]
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id) -> None:
-        offset, size = self.shard_slice(shard_id)
-        target = param.data.narrow(0, offset, size)      # rows [offset, offset + size) of W (or b)
-        if loaded_weight.shape != target.shape:
-            raise ValueError(f"shard {shard_id!r}: checkpoint tensor has shape {tuple(loaded_weight.shape)}, "
-                             f"expected {tuple(target.shape)}")
-        target.copy_(loaded_weight)
-
-
-class QKVLinear(MergedColumnLinear):
-    """q, k and v projections as one matmul: output = [q (H*D) | k (KVH*D) | v (KVH*D)].
-
-    With GQA the three shards have different sizes (vLLM: `QKVParallelLinear`, shard ids "q"/"k"/"v").
-    """
-
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], bias)
-        self.shard_ids = ("q", "k", "v")
-        for param in self.parameters():
-            param.shard_ids = self.shard_ids
-
-
-class VocabEmbedding(nn.Module):
-    """token id -> row of the embedding matrix (vLLM: VocabParallelEmbedding, one GPU).
-
-    A tied lm_head (SmolLM2, small Qwens) is this matrix: `compute_logits` runs it as a linear
-    through the same seam as a Linear (`linear_method`, `packed_weight`; bias None)."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
-        self.bias = None
-        self.linear_method: LinearMethodBase = UNQUANTIZED
-        self.packed_weight = None
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:   # [T] -> [T, hidden]
-        return F.embedding(input_ids, self.weight)
+from paged_attention.model.custom_op import CustomOp
 
 
 class RMSNorm(CustomOp):
@@ -130,8 +28,9 @@ class RMSNorm(CustomOp):
     decoder: it returns (norm(x + residual), x + residual). vLLM fuses the two into one kernel
     (`fused_add_rms_norm`) because the sum is read by the norm anyway; here it saves one
     activation-sized allocation per call, since the running residual is updated in place (it
-    belongs to the model's forward and nobody else holds it). forward_cpu: the same in one C++
-    pass (kernels_cpu.layer_ops.rms_norm).
+    belongs to the model's forward and nobody else holds it) — except under autograd (chapter 04
+    trains its EAGLE head through this layer), where backward still needs the old value.
+    forward_cpu: the same in one C++ pass (kernels_cpu.layer_ops.rms_norm).
     """
 
     def __init__(self, hidden_size: int, eps: float):
@@ -139,10 +38,16 @@ class RMSNorm(CustomOp):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)                                      # the identity scale, as HF and vLLM start
+
     def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         ### BEGIN SOLUTION
         if residual is not None:
-            x = residual.add_(x)                                        # [T, hidden] running residual stream
+            if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad):
+                x = residual + x                                        # a new tensor: autograd saved the old one
+            else:
+                x = residual.add_(x)                                    # [T, hidden] running residual stream
         dtype = x.dtype
         h = x.float()
         variance = h.pow(2).mean(-1, keepdim=True)                      # [T, 1] in fp32 whatever the model dtype
@@ -153,6 +58,7 @@ class RMSNorm(CustomOp):
     def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if x.dim() != 2:                  # Qwen3's per-head q/k norms, [T, heads, D]: the kernel takes rows
             return self.forward_native(x, residual)
+        from kernels_cpu import layer_ops                                   # only once chapter 07 bound this forward
         out = layer_ops.rms_norm(x, self.weight, self.eps, residual)        # residual updated in place
         return out if residual is None else (out, residual)
 
@@ -201,7 +107,8 @@ class RotaryEmbedding(nn.Module):
     The model calls `cos_sin(positions)` once per step and every layer reuses it.
     """
 
-    def __init__(self, head_dim: int, max_position: int, rope_theta: float, rope_scaling: dict | None, dtype: torch.dtype):
+    def __init__(self, head_dim: int, max_position: int, rope_theta: float, rope_scaling: dict | None = None,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         t = torch.arange(max_position, dtype=torch.float32)                        # [max_position] (on the model's device)
         inv_freq = rope_inv_freq(head_dim, rope_theta, rope_scaling).to(t.device)  # [d/2] fp32
@@ -237,4 +144,5 @@ class SiluAndMul(CustomOp):
         return F.silu(gate) * up
 
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        from kernels_cpu import layer_ops                                   # only once chapter 07 bound this forward
         return layer_ops.silu_and_mul(x)

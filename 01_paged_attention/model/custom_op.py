@@ -1,10 +1,11 @@
 """CustomOp: a layer with a readable PyTorch forward and, optionally, a faster one per platform.
 
 Mirrors vLLM's `vllm/model_executor/custom_op.py: CustomOp`: a subclass writes `forward_native`
-(plain torch: the oracle, what HF computes op for op) and may add `forward_cpu` (here: a fused
-C++ op of kernels_cpu/layer_ops.py) or `forward_cuda`. Which one runs is bound ONCE, when the
-model is built (`dispatch_forward`, called by `loader.use_cpu_layer_ops`), so `forward` itself
-never asks which platform it is on. A new layer starts on `forward_native`.
+(plain torch: the oracle, what HF computes op for op) and may add `forward_cpu` (a fused C++ op of
+kernels_cpu/layer_ops.py) or `forward_cuda`. Which one runs is bound ONCE, by `dispatch_forward`,
+so `forward` itself never asks which platform it is on. Every op starts on `forward_native`; only
+chapter 07's loader rebinds (`loader.use_cpu_layer_ops`, by `EngineConfig.cpu_kernels`), so chapter
+04's EAGLE head and toy target always run the native forwards, which autograd can train through.
 """
 from __future__ import annotations
 
