@@ -250,7 +250,9 @@ def test_add_request_validation():
     assert list(s.requests) == ["a"]
 
 
-def test_streaming_input_table_4_1_streaming_prefill():
+def test_streaming_input_grows_the_prompt_while_it_runs():
+    """The "streaming input" row of the two-counter table [Kwon 2025, §4.4.4, Table 4.1]: new prompt
+    tokens raise num_tokens, num_computed_tokens catches up, nothing is sampled until the prompt is final."""
     s, _ = make()
     r = req("live", 4, max_tokens=3, streaming_input=True)
     s.add_request(r)

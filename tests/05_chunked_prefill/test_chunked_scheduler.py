@@ -154,8 +154,8 @@ def test_a_partially_prefilled_request_can_be_preempted():
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(2, 80), st.integers(8, 40))
-def test_table_4_1_chunked_prefills(L, budget):
-    """Δ < L_prompt per step; num_computed_tokens += Δ; num_total_tokens stays L_prompt until
+def test_chunks_advance_computed_tokens_not_total_tokens(L, budget):
+    """The "chunked prefills" row of [Kwon 2025, §4.4.4, Table 4.1]: Δ < L_prompt per step; num_computed_tokens += Δ; num_total_tokens stays L_prompt until
     the prompt is done, then the first token makes it L_prompt + 1."""
     s, _ = make(budget=budget, max_model_len=128, num_blocks=64)
     r = req("a", L, max_tokens=3)

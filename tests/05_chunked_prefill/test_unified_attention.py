@@ -5,7 +5,7 @@ Kinds: tolerance (from the shared table), exact (poison must change nothing, V =
 the sub-batch plan), property (hypothesis over random ragged batches), bad input. The
 Triton kernels run under the interpreter on a CPU (tiny shapes: tens of programs per
 call); the `gpu`-marked tests at the end run them natively at engine sizes
-(`make test-gpu CH=05`). test_unified_attention_compile.py compiles them for Hopper.
+(`make test-gpu CH=05`). test_triton_compile.py compiles them for Hopper.
 """
 from __future__ import annotations
 

@@ -50,7 +50,9 @@ class AsyncConnector(KVConnectorBase):
         self.allocated[request.request_id] = (block_ids, num_external_tokens)
 
 
-def test_remote_kv_load_then_decode_table_4_1_disaggregation():
+def test_remote_kv_load_then_decode():
+    """The "disaggregation" row of the two-counter table [Kwon 2025, §4.4.4, Table 4.1]: a remote load
+    advances num_computed_tokens by the loaded tokens without a forward pass; decoding follows."""
     kv = BlockSpaceManager(16, 4)
     connector = AsyncConnector(num_tokens=8)
     s = KVConnectorScheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), kv,

@@ -1,60 +1,7 @@
-"""The command line (generate / chat / bench / demo), the benchmarks' code paths at tiny size,
-and the walkthrough notebook."""
+"""Every engine benchmark's code path at tiny size (smoke / quick modes) and the roofline's cost model."""
 from __future__ import annotations
 
-import io
 import json
-
-import pytest
-
-from mini_vllm.cli import main
-from mini_vllm.llm_engine import LLMEngine
-
-
-def test_generate_prompts_and_file(tiny_engine_models, tmp_path, capsys):
-    model_dir, _ = tiny_engine_models["llama"]
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("first line\n\nsecond line\n")
-    main(["generate", "--model", str(model_dir), "--prompt", "Hello there", "--prompts-file", str(prompts),
-          "--max-tokens", "5", "--ignore-eos", "--max-model-len", "128", "--kv-cache-memory", "0.01"])
-    out = capsys.readouterr().out
-    assert out.count(">>> ") == 3 and ">>> second line" in out and "[length]" in out
-    assert "3 requests" in out and "output tok/s" in out and "15 output tokens" in out
-    with pytest.raises(SystemExit, match="--prompt"):
-        main(["generate", "--model", str(model_dir)])
-
-
-def test_chat_streams_and_keeps_history(tiny_engine_models, capsys, monkeypatch):
-    from mini_vllm import cli
-
-    model_dir, _ = tiny_engine_models["llama"]
-    seen = []
-    original = LLMEngine.apply_chat_template
-    monkeypatch.setattr(LLMEngine, "apply_chat_template",
-                        lambda self, messages, *a, **k: seen.append([m["role"] for m in messages]) or
-                        original(self, messages, *a, **k))
-    cli.cmd_chat(cli.build_parser().parse_args(["chat", "--model", str(model_dir), "--max-tokens", "4",
-                                                "--system", "Be brief.", "--max-model-len", "256"]),
-                 stdin=io.StringIO("hello\nand again\n\n"))
-    out = capsys.readouterr().out
-    assert out.count("model> ") == 2
-    assert seen == [["system", "user"], ["system", "user", "assistant", "user"]]
-
-
-def test_bench_command(tiny_engine_models, capsys):
-    model_dir, _ = tiny_engine_models["qwen2"]
-    main(["bench", "--model", str(model_dir), "--num-requests", "5", "--input-len", "4", "12", "--output-len", "2", "6",
-          "--max-model-len", "64", "--kv-cache-memory", "0.01"])
-    out = capsys.readouterr().out
-    assert "5 requests" in out and "random prompts of 4-12 tokens" in out and "output tok/s" in out
-
-
-@pytest.mark.model
-def test_demo_on_the_default_model(capsys):
-    main(["demo", "--num-prompts", "2", "--max-tokens", "8", "--kv-cache-memory", "0.1"])
-    out = capsys.readouterr().out
-    assert "KV cache:" in out and ">>> What is the capital of France?" in out
-    assert "2 requests" in out and "output tok/s" in out
 
 
 def test_cpu_benchmark_smoke(tmp_path):
@@ -112,14 +59,6 @@ def test_gpu_benchmark_smoke(tmp_path):
     assert all(r["decode_step_ms"] > 0 and r["bytes_read"] > r["weight_bytes"] for r in result["decode"])
     assert bench_engine_gpu.hbm_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
     assert bench_engine_gpu.hbm_bandwidth("NVIDIA H100 PCIe") == 2.0e12
-
-
-@pytest.mark.notebook
-@pytest.mark.model
-def test_notebook_runs():
-    from notebook_runner import run_notebook
-
-    run_notebook("07_mini_vllm", budget_s=120)
 
 
 def test_roofline_step_cost_counts_causal_context_and_the_bytes_read():
