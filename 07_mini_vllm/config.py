@@ -229,3 +229,21 @@ def read_eos_token_ids(path: Path, hf) -> tuple[int, ...]:
     if gen.is_file():
         add(json.loads(gen.read_text()).get("eos_token_id"))
     return tuple(ids)
+
+
+# The generation_config.json fields vLLM turns into default sampling parameters
+# (vllm/config/model.py: ModelConfig.get_diff_sampling_param); HF's max_new_tokens is max_tokens.
+GENERATION_CONFIG_FIELDS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+
+
+def read_default_sampling_params(directory: Path) -> dict:
+    """{SamplingParams field: value} that the model's creator recommends in `directory`'s
+    generation_config.json — only the fields it sets (an empty dict when there is no file)."""
+    gen = Path(directory) / "generation_config.json"
+    if not gen.is_file():
+        return {}
+    config = json.loads(gen.read_text())
+    diff = {name: config[name] for name in GENERATION_CONFIG_FIELDS if config.get(name) is not None}
+    if "max_new_tokens" in diff:
+        diff["max_tokens"] = diff.pop("max_new_tokens")
+    return diff

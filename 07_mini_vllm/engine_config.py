@@ -25,6 +25,7 @@ from scheduler import POLICIES, SchedulerConfig
 
 from mini_vllm.models.linear_method import CPU_GEMMS
 from mini_vllm.models.loader import CPU_LAYER_OPS
+from mini_vllm.sampler import LOGPROBS_MODES
 from mini_vllm.speculative_config import SpeculativeConfig
 
 GiB = 1 << 30
@@ -132,6 +133,17 @@ class EngineConfig:
     seed: int = 0
     """Seeds the random stream shared by sampled requests that bring no seed of their own."""
 
+    logprobs_mode: str = "raw_logprobs"
+    """What `logprobs` report (vLLM's LogprobsMode): raw_logprobs (the model's distribution) |
+    raw_logits | processed_logprobs | processed_logits (after penalties, logits processors,
+    temperature, min-p, top-k and top-p: the distribution the token was drawn from)."""
+
+    generation_config: str | Path = "auto"
+    """Default SamplingParams, as vLLM's --generation-config: auto (the model directory's
+    generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens)
+    | vllm (SamplingParams' own defaults) | a directory holding a generation_config.json. Used only
+    where no SamplingParams is given (LLM.get_default_sampling_params); EOS ids are always read."""
+
     kv_transfer_config: dict | Any | None = None
     """Remote K/V (chapter 06), vLLM's dict: {"kv_connector": "GlobalKVPoolConnector" (from scratch)
     | "MooncakeConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
@@ -180,6 +192,14 @@ class EngineConfig:
             raise ValueError(f"cpu_keep_freed_memory must be True or False, got {self.cpu_keep_freed_memory!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        if not isinstance(self.generation_config, (str, Path)):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory, got {self.generation_config!r}")
+        if self.generation_config not in ("auto", "vllm") and not (Path(self.generation_config) /
+                                                                   "generation_config.json").is_file():
+            raise ValueError(f"generation_config={str(self.generation_config)!r}: no generation_config.json there "
+                             "(use 'auto' for the model's, or 'vllm' for none)")
         if self.kv_transfer_config is not None:
             from global_prefix_cache.config import KVTransferConfig
             self.kv_transfer_config = KVTransferConfig.from_dict(self.kv_transfer_config)
@@ -188,6 +208,9 @@ class EngineConfig:
                                  f"would need GPUDirect RDMA or a staging copy), got {self.device!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            if self.logprobs_mode.startswith("processed"):
+                raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is not supported with speculative decoding "
+                                 "(accepted drafts report the raw distribution); use raw_logprobs or raw_logits")
 
     def _check_cpu_kernels(self) -> None:
         """Validate the master switch; with "off", a CPU kernel asked for by name is a conflict,

@@ -39,6 +39,7 @@ import torch
 from paged_attention.block_table import compute_slot_mapping
 from paged_attention.metadata import AttentionMetadata
 
+from mini_vllm.logits_processors import OutputTokens
 from mini_vllm.model_inputs import ModelInputs
 from mini_vllm.sampling_params import SamplingParams
 
@@ -73,6 +74,7 @@ class InputBatch:
         self.max_num_blocks_per_req = max_num_blocks_per_req
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)       # prompt + output
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)                       # valid entries of token_ids
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)                # outputs start there
         self.num_draft_tokens = np.zeros(max_num_reqs, dtype=np.int64)                 # drafts after them, this step
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
@@ -108,6 +110,7 @@ class InputBatch:
         self.token_ids[row, :n_prompt] = state.prompt_token_ids
         self.token_ids[row, n_prompt:n] = state.output_token_ids
         self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = n_prompt
         self.num_draft_tokens[row] = 0
         self.num_computed_tokens[row] = state.num_computed_tokens
         self.num_blocks[row] = len(state.block_ids)
@@ -142,7 +145,8 @@ class InputBatch:
         n, nb = self.num_tokens[src] + self.num_draft_tokens[src], self.num_blocks[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         self.block_table[dst, :nb] = self.block_table[src, :nb]
-        for array in (self.num_tokens, self.num_draft_tokens, self.num_computed_tokens, self.num_blocks):
+        for array in (self.num_tokens, self.num_prompt_tokens, self.num_draft_tokens, self.num_computed_tokens,
+                      self.num_blocks):
             array[dst] = array[src]
         self.req_ids[dst], self.states[dst] = req_id, self.states[src]
         self.req_ids[src], self.states[src] = None, None
@@ -169,6 +173,13 @@ class InputBatch:
         n = self.num_tokens[row]
         self.token_ids[row, n] = token_id
         self.num_tokens[row] = n + 1
+
+    def output_tokens(self, rows: np.ndarray, extra: np.ndarray | None = None,
+                      device: str | torch.device = "cpu") -> OutputTokens:
+        """Each row's output tokens so far (+ its first extra[r] drafts), one padded tensor for the
+        penalties, min_tokens and bad words (only built when a request uses them)."""
+        ends = self.num_tokens[rows] + (0 if extra is None else extra)
+        return OutputTokens.from_token_array(self.token_ids, rows, self.num_prompt_tokens[rows], ends, device)
 
     # ------------------------------------------------------------------ one step's tensors
     def prepare_inputs(self, num_scheduled: np.ndarray, block_size: int, device: str | torch.device = "cpu",

@@ -44,6 +44,11 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._request_counter = itertools.count()
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() uses when given no SamplingParams: the model's generation_config.json
+        recommendations over SamplingParams' defaults (EngineConfig.generation_config)."""
+        return self.llm_engine.get_default_sampling_params()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
@@ -87,7 +92,7 @@ class LLM:
             if len(kv_params_list) != n:
                 raise ValueError(f"{len(kv_params_list)} kv_transfer_params for {n} prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * n
+            params_list = [sampling_params or self.get_default_sampling_params()] * n
         else:
             params_list = list(sampling_params)
             if len(params_list) != n:

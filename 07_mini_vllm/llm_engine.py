@@ -29,7 +29,7 @@ from pathlib import Path
 
 from scheduler import Request, RequestStatus
 
-from mini_vllm.config import ModelConfig
+from mini_vllm.config import ModelConfig, read_default_sampling_params
 from mini_vllm.core import EngineCore, EngineCoreStep
 from mini_vllm.engine_config import EngineConfig
 from mini_vllm.output_processor import OutputProcessor
@@ -60,9 +60,28 @@ class LLMEngine:
                                                         max_model_len=self.config.max_model_len)
         self.tokenizer = load_tokenizer(self.config.tokenizer or model_path)
         self.processor = Processor(self.model_config, self.tokenizer)
+        self.default_sampling_params = self._read_generation_config(model_path)
         self.engine_core = EngineCore(self.config, self.model_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_step: EngineCoreStep | None = None       # for tracing (the notebook)
+
+    def _read_generation_config(self, model_path: Path) -> dict:
+        """The defaults `generation_config` names (vLLM: ModelConfig.get_diff_sampling_param), said
+        once at start-up as vLLM does, so nobody wonders why temperature 1 samples at 0.6."""
+        source = self.config.generation_config
+        if source == "vllm":
+            return {}
+        diff = read_default_sampling_params(model_path if source == "auto" else Path(source))
+        if diff:
+            logger.warning("default sampling parameters from %s: %s (explicit SamplingParams override them; "
+                           "generation_config='vllm' ignores them)",
+                           "the model's generation_config.json" if source == "auto" else source, diff)
+        return diff
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams for requests that bring none: the generation config's fields over
+        SamplingParams' defaults (vLLM: LLM.get_default_sampling_params)."""
+        return SamplingParams(**self.default_sampling_params)
 
     @property
     def kv_cache_report(self):
@@ -76,7 +95,7 @@ class LLMEngine:
 
         prompt_token_ids: the ids of `prompt` when the caller tokenized it already (LLM.generate
         tokenizes a whole batch before adding any of it); they are validated again here."""
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.get_default_sampling_params()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.output_processor.request_states:
@@ -85,6 +104,7 @@ class LLMEngine:
             prompt, prompt_token_ids = self.processor.process_inputs(prompt, params)
         else:   # ids from a caller: validated like any other prompt (one bad id would fail every step)
             prompt_token_ids = self.processor.validate(prompt_token_ids, params)
+        params = self.processor.prepare_params(params)
         kv_transfer_params = self.engine_core.validate_kv_transfer_params(kv_transfer_params)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         eos_ids = self.model_config.eos_token_ids

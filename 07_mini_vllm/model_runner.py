@@ -66,6 +66,7 @@ from mini_vllm.model_inputs import ModelInputs, prepare_inputs
 from mini_vllm.models.attention import ATTENTION_BACKENDS
 from mini_vllm.models.loader import get_model
 from mini_vllm.input_batch import CachedRequestState, InputBatch
+from mini_vllm.logits_processors import apply_logits_processors
 from mini_vllm.sampler import (Sampler, SamplerOutput, SamplingMetadata, compute_logprobs, nonfinite_rows,
                               request_generator)
 from mini_vllm.sampling_params import SamplingParams
@@ -103,7 +104,8 @@ class ModelRunner:
         self.model = get_model(model_config, device=self.device, attn_backend=self.attn_backend,
                                cpu_gemm_backend=config.cpu_gemm_backend, cpu_layer_ops=config.cpu_layer_ops)
         # The stream of unseeded random rows, seeded by the engine's seed: runs are reproducible.
-        self.sampler = Sampler(generator=torch.Generator(device=self.device).manual_seed(config.seed))
+        self.sampler = Sampler(generator=torch.Generator(device=self.device).manual_seed(config.seed),
+                               logprobs_mode=config.logprobs_mode)
         self.spec_decode: SpecDecodeWorker | None = None
         if config.speculative_config is not None:
             self.spec_decode = SpecDecodeWorker(
@@ -384,7 +386,8 @@ class ModelRunner:
         if self._sampling_metadata is None or self._sampling_metadata[0] != key:
             states = [batch.states[i] for i in rows]
             md = SamplingMetadata.from_params([s.sampling_params for s in states], [s.generator for s in states],
-                                              req_ids=[s.req_id for s in states], device=self.device)
+                                              req_ids=[s.req_id for s in states], device=self.device,
+                                              prompt_token_ids=[s.prompt_token_ids for s in states])
             self._sampling_metadata = (key, md)
         return self._sampling_metadata[1]
 
@@ -404,7 +407,11 @@ class ModelRunner:
             rows, logits = rows[~bad], logits[torch.from_numpy(~bad).to(logits.device)]
             if len(rows) == 0:
                 return
-        result = self.sampler(logits, self._sampling_metadata_for(rows))
+        md = self._sampling_metadata_for(rows)
+        outputs = None
+        if md.logits_processors is not None and md.logits_processors.needs_output_tokens:
+            outputs = self.input_batch.output_tokens(rows, device=self.device)
+        result = self.sampler(logits, md, outputs)
         self._record(result, rows, output)
 
     def _record(self, result: SamplerOutput, rows: np.ndarray, output: ModelRunnerOutput) -> None:
@@ -456,13 +463,33 @@ class ModelRunner:
             logits = logits[torch.from_numpy(keep).to(logits.device)]
             md = worker.metadata(num_draft, inputs.logits_indices[torch.from_numpy(~bad)], inputs.input_ids)
         sm = self._sampling_metadata_for(sample_rows)
+        raw_logits = logits
+        if sm.logits_processors is not None:
+            logits, sm = self._process_draft_rows(logits, sm, sample_rows, num_draft)
         bonus = self.sampler(logits[md.bonus_logits_indices.long()], sm)                # [b]: the normal sampler
         emitted = worker.verify(md, logits, bonus.sampled_token_ids, sm)                # b lists of 1..k+1 tokens
-        logprobs = self._emitted_logprobs(logits, md, emitted, sample_rows, sm.max_num_logprobs)
+        logprobs = self._emitted_logprobs(raw_logits, md, emitted, sample_rows, sm.max_num_logprobs)
         for i, k, tokens in zip(sample_rows.tolist(), num_draft.tolist(), emitted):
             if k:
                 worker.observe_verified(batch.req_ids[i], k, len(tokens) - 1)
         self._append_emitted(sample_rows, emitted, logprobs, output)
+
+    def _process_draft_rows(self, logits: torch.Tensor, sm: SamplingMetadata, rows: np.ndarray,
+                            num_draft: np.ndarray) -> tuple[torch.Tensor, SamplingMetadata]:
+        """Penalties & co. on a speculative step's logits [n + b, V]: the row at draft position j
+        of a request sees its output plus its first j drafts — the output it will have if those
+        drafts are accepted, which is exactly when that row's distribution is used (vLLM:
+        apply_all_penalties / apply_bad_words_with_drafts with the spec tokens). Returns the
+        processed logits and the metadata without processors (they have been applied)."""
+        per_request = num_draft + 1                                                     # [b] logits rows each
+        req_rows = np.repeat(np.arange(len(rows)), per_request)                         # [n + b]
+        position = np.arange(len(req_rows)) - np.repeat(np.cumsum(per_request) - per_request, per_request)
+        outputs = None
+        if sm.logits_processors.needs_output_tokens:
+            outputs = self.input_batch.output_tokens(rows[req_rows], extra=position, device=self.device)
+        processed = apply_logits_processors(logits, sm.logits_processors,
+                                            torch.from_numpy(req_rows).to(logits.device), outputs)
+        return processed, dataclasses.replace(sm, logits_processors=None)
 
     def _emitted_logprobs(self, logits: torch.Tensor, md, emitted: list[list[int]], rows: np.ndarray,
                           num_logprobs: int | None) -> dict[str, list[tuple[list[int], list[float], int]]]:
@@ -475,7 +502,8 @@ class ModelRunner:
         starts = (md.cu_num_sampled_tokens.long() - torch.tensor(md.num_draft_tokens) - 1).tolist()   # [b]
         index = [s + j for s, tokens in zip(starts, emitted) for j in range(len(tokens))]
         flat = torch.tensor([t for tokens in emitted for t in tokens], dtype=torch.int64, device=logits.device)
-        lp = compute_logprobs(logits[torch.tensor(index, device=logits.device)], flat, num_logprobs)
+        lp = compute_logprobs(logits[torch.tensor(index, device=logits.device)], flat, num_logprobs,
+                              as_logits=self.sampler.logprobs_mode == "raw_logits")
         ids, values, ranks = lp.logprob_token_ids.tolist(), lp.logprobs.tolist(), lp.selected_token_ranks.tolist()
         out, pos = {}, 0
         for i, tokens in zip(rows.tolist(), emitted):

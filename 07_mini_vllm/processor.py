@@ -6,10 +6,16 @@ Mirrors vLLM v1's `vllm/v1/engine/processor.py: Processor.process_inputs` (`_val
 
 Every check raises here, in `add_request`, so a bad request never reaches the scheduler: an
 empty prompt, a prompt that leaves no room to generate within max_model_len, token ids outside
-the vocabulary, a stop token outside the vocabulary, parameters that are not SamplingParams.
+the vocabulary (in the prompt, stop_token_ids, logit_bias, allowed_token_ids, a bad word's
+tokens), parameters that are not SamplingParams, or constraints that leave nothing to sample.
+
+`prepare_params` gives the engine its own copy of the parameters, completed with what only the
+engine knows (vLLM: Processor._validate_params + SamplingParams.update_from_generation_config /
+update_from_tokenizer): EOS ids for min_tokens, the bad words' token ids.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 
 from mini_vllm.config import ModelConfig
@@ -82,4 +88,26 @@ class Processor:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}) (the vocabulary); got {lo}..{hi}")
         if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:
             raise ValueError(f"stop_token_ids must be < vocab_size {self.vocab_size}, got {params.stop_token_ids}")
+        for name, ids in (("logit_bias", list(params.logit_bias or ())), ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:8]}")
         return token_ids
+
+    def prepare_params(self, params: SamplingParams) -> SamplingParams:
+        """The engine's copy of `params`, completed (stop ids incl. EOS, bad words as token ids) and
+        checked against the vocabulary. The caller's object is never changed: one SamplingParams
+        is often shared by a whole batch of prompts."""
+        params = copy.copy(params)
+        params.update_from_model(self.model_config.eos_token_ids, self.tokenizer if params.bad_words else None)
+        bad = [w for w in params._bad_words_token_ids if not all(0 <= t < self.vocab_size for t in w)]
+        if bad:
+            raise ValueError(f"bad_words tokenize to ids outside the vocabulary [0, {self.vocab_size}): {bad[:4]}")
+        if params.allowed_token_ids is not None:
+            masked = {w[0] for w in params._bad_words_token_ids if len(w) == 1}
+            if params.min_tokens > 0:
+                masked |= params._all_stop_token_ids
+            if set(params.allowed_token_ids) <= masked:
+                raise ValueError("allowed_token_ids leaves nothing to sample: every allowed token is a bad word"
+                                 + (" or a stop token that min_tokens masks" if params.min_tokens > 0 else ""))
+        return params

@@ -7,8 +7,13 @@ batch whose requests use different temperatures, top-k, top-p and min-p is sampl
 whole-batch tensor ops, not a Python loop over requests.
 
 Per row, in vLLM's order:
-    greedy rows (temperature < 1e-5, vLLM's _SAMPLING_EPS) -> argmax of the raw logits
+    logits processors and penalties, for the rows that use any (logits_processors.py)
+    greedy rows (temperature < 1e-5, vLLM's _SAMPLING_EPS) -> argmax
     random rows -> logits / temperature -> min-p -> top-k -> top-p -> draw
+
+Logprobs are those of the model's raw distribution by default (vLLM's logprobs_mode
+"raw_logprobs"); "raw_logits", "processed_logprobs" and "processed_logits" are vLLM's other
+modes (processed: after the processors, the penalties, temperature, min-p, top-k and top-p).
 
 A temperature below 1e-5 is greedy rather than a division (vLLM draws the same line): logits /
 1e-40 overflows to +inf (softmax NaN: garbage tokens), 1e-50 is 0 in an fp32 tensor, and 1e-7
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mini_vllm.logits_processors import LogitsProcessorsMetadata, OutputTokens, apply_logits_processors
 from mini_vllm.sampling_params import _SAMPLING_EPS, SamplingParams, SamplingType
 from mini_vllm.topk_topp_sampler import (apply_top_k_top_p, inverse_cdf_sample, random_sample,
                                          top_k_top_p_candidates)
@@ -50,6 +56,7 @@ class SamplingMetadata:
     all_greedy: bool
     all_random: bool
     req_ids: tuple[str, ...] | None = None    # names rows in error messages
+    logits_processors: LogitsProcessorsMetadata | None = None   # None: no row uses penalties & co.
 
     @property
     def num_rows(self) -> int:
@@ -57,9 +64,11 @@ class SamplingMetadata:
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None] | None = None,
-                    req_ids: Sequence[str] | None = None, device: str | torch.device = "cpu") -> "SamplingMetadata":
+                    req_ids: Sequence[str] | None = None, device: str | torch.device = "cpu",
+                    prompt_token_ids: Sequence[Sequence[int]] | None = None) -> "SamplingMetadata":
         """One row per request. `generators[i]` must be request i's persistent generator if it has a seed
-        (make it once with `request_generator` when the request arrives; it advances every step)."""
+        (make it once with `request_generator` when the request arrives; it advances every step).
+        prompt_token_ids: each request's prompt (the repetition penalty counts it)."""
         n = len(params)
         generators = list(generators) if generators is not None else [None] * n
         if len(generators) != n or (req_ids is not None and len(req_ids) != n):
@@ -76,6 +85,10 @@ class SamplingMetadata:
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        if prompt_token_ids is None:
+            if any(p.repetition_penalty != 1 for p in params):
+                raise ValueError("repetition_penalty needs each request's prompt_token_ids")
+            prompt_token_ids = [[]] * n
         return cls(
             temperature=temperature,
             top_k=None if all(k == -1 for k in top_k) else torch.tensor(top_k, dtype=torch.int64, device=device),
@@ -86,6 +99,7 @@ class SamplingMetadata:
             all_greedy=all(p.temperature < _SAMPLING_EPS for p in params),
             all_random=all(p.temperature >= _SAMPLING_EPS for p in params),
             req_ids=tuple(req_ids) if req_ids is not None else None,
+            logits_processors=LogitsProcessorsMetadata.from_params(params, prompt_token_ids, device),
         )
 
 
@@ -117,10 +131,24 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def compute_logprobs(logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
-    """Log-probabilities of the model's raw distribution (before temperature and filters), as vLLM's
-    default `logprobs_mode="raw_logprobs"`: the sampled token's plus the `num_logprobs` most likely."""
-    logprobs = logits.log_softmax(dim=-1)                                     # [N, V]
+def processed_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The distribution the random rows draw from, as logits: (processed) logits / temperature,
+    min-p and top-k / top-p masked to -inf (vLLM's "processed" logprobs modes). Greedy rows keep
+    their logits (temperature 1, no filter, as in vLLM). [N, V]; the full-sort path, only run when
+    such logprobs are asked for."""
+    temperature = torch.where(md.temperature < _SAMPLING_EPS, torch.ones_like(md.temperature), md.temperature)
+    x = logits / temperature[:, None]
+    if md.min_p is not None:
+        x = apply_min_p(x, md.min_p)
+    return apply_top_k_top_p(x, md.top_k, md.top_p)
+
+
+def compute_logprobs(logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: int,
+                     as_logits: bool = False) -> LogprobsTensors:
+    """Log-probabilities of `logits`' distribution (the raw one by default, vLLM's
+    `logprobs_mode="raw_logprobs"`): the sampled token's plus the `num_logprobs` most likely.
+    as_logits: report the logits themselves (the "*_logits" modes; same ranking)."""
+    logprobs = logits if as_logits else logits.log_softmax(dim=-1)            # [N, V]
     top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)               # [N, k]
     sampled_logprob = logprobs.gather(-1, sampled[:, None])                   # [N, 1]
     ranks = (logprobs >= sampled_logprob).sum(dim=-1)                         # [N] (vLLM: batched_count_greater_than)
@@ -131,24 +159,37 @@ def compute_logprobs(logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: 
     )
 
 
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
 class Sampler(nn.Module):
-    """logits [N, V] fp32 + SamplingMetadata -> SamplerOutput.
+    """logits [N, V] fp32 + SamplingMetadata (+ each row's output tokens when a row uses
+    penalties, min_tokens or bad words) -> SamplerOutput.
 
     generator: the random stream of unseeded random rows (None: torch's default generator, as vLLM).
     reference: run the readable oracle (full sort, V exponentials per row) instead of the fast path.
     top_p_candidates: how many candidates a top-p-only row starts with (more only when its kept
         mass is not reached; tests make it tiny to exercise the fallback).
+    logprobs_mode: which distribution `logprobs` report (vLLM's LogprobsMode, see the top).
     """
 
     def __init__(self, generator: torch.Generator | None = None, reference: bool = False,
-                 top_p_candidates: int = 256):
+                 top_p_candidates: int = 256, logprobs_mode: str = "raw_logprobs"):
         super().__init__()
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
         self.generator = generator
         self.reference = reference
         self.top_p_candidates = top_p_candidates
+        self.logprobs_mode = logprobs_mode
 
-    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata,
+                output_tokens: OutputTokens | None = None) -> SamplerOutput:
         check_logits(logits, metadata)
+        raw_logits = logits
+        if metadata.logits_processors is not None:
+            rows = torch.arange(logits.shape[0], device=logits.device)
+            logits = apply_logits_processors(logits, metadata.logits_processors, rows, output_tokens)
         ### BEGIN SOLUTION
         if metadata.all_greedy:
             sampled = logits.argmax(dim=-1)                                              # [N]
@@ -161,7 +202,9 @@ class Sampler(nn.Module):
         ### END SOLUTION
         logprobs = None
         if metadata.max_num_logprobs is not None:
-            logprobs = compute_logprobs(logits, sampled, metadata.max_num_logprobs)
+            source = raw_logits if self.logprobs_mode.startswith("raw") else processed_logits(logits, metadata)
+            logprobs = compute_logprobs(source, sampled, metadata.max_num_logprobs,
+                                        as_logits=self.logprobs_mode.endswith("logits"))
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
 
     def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata, rows: torch.Tensor | None) -> torch.Tensor:

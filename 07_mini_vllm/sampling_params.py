@@ -17,6 +17,19 @@ bad value fails at `generate()` time with a message naming it — not as a NaN t
     ignore_eos   keep generating past EOS (benchmarks use it to fix the output length)
     logprobs     None: none; k: the sampled token's log-probability plus the k most likely (0..20)
 
+Logits processors and penalties (vLLM's definitions; logits_processors.py applies them):
+    presence_penalty   [-2, 2]: subtract it from every token that appears in the OUTPUT so far
+    frequency_penalty  [-2, 2]: subtract it times the token's count in the OUTPUT so far
+                       (both as the OpenAI API defines them; > 0 discourages repetition)
+    repetition_penalty > 0: every token seen in the PROMPT or the output has its logit divided
+                       by it if positive, multiplied by it if not (1: off; > 1 discourages)
+    min_tokens         EOS and the stop token ids cannot be sampled before this many outputs
+    logit_bias         {token id: bias}: added to the token's logit
+    allowed_token_ids  only these tokens can be sampled
+    bad_words          these words (tokenized with and without a leading space, as vLLM does)
+                       can never be completed: when the output ends with all but a word's last
+                       token, that last token is masked
+
 How the engine reports the request (vLLM's names; used by the engine, not the sampler):
     output_kind  CUMULATIVE: every step, the whole text so far; DELTA: only what is new this step;
                  FINAL_ONLY: one output when the request finishes (what LLM.generate uses)
@@ -29,7 +42,7 @@ Filters apply in vLLM's order: temperature, then min-p, then top-k, then top-p (
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 
 MAX_LOGPROBS = 20
@@ -73,7 +86,19 @@ class SamplingParams:
     detokenize: bool = True
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # __post_init__ normalises `stop` to a list[str] and `stop_token_ids` to a list[int].
+    # Filled by the engine's Processor (vLLM: update_from_generation_config / update_from_tokenizer)
+    # on its own copy of the params: every id that ends a request, EOS included (min_tokens masks
+    # them), and the token ids of each bad word.
+    _all_stop_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False, compare=False)
+    _bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -110,10 +135,68 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(stop_ids)
 
+        self._verify_logits_processors()
+
         if self.temperature < _SAMPLING_EPS:
             # Greedy ignores the filters; reset them so that the sampler's "all greedy" fast path
             # and batch-level flags (vLLM: SamplingParams._verify_greedy_sampling) see plain values.
             self.top_p, self.top_k, self.min_p = 1.0, -1, 0.0
+
+    def _verify_logits_processors(self) -> None:
+        """vLLM's ranges (SamplingParams._verify_args); ids against the vocabulary are checked by
+        the engine's Processor, which knows the vocabulary."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        r = self.repetition_penalty
+        if not _is_real(r) or not math.isfinite(r) or r <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    _is_int(t) and _is_real(b) and math.isfinite(b) for t, b in self.logit_bias.items()):
+                raise ValueError(f"logit_bias must be a dict {{token id (int): finite bias}}, got {self.logit_bias!r}")
+            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) for t in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}")
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {words!r}")
+            self.bad_words = list(words) or None
+
+    @property
+    def uses_logits_processors(self) -> bool:
+        """Anything between the raw logits and the temperature (the sampler skips it all when no row does)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or self.min_tokens > 0 or self.logit_bias is not None or self.allowed_token_ids is not None
+                or self.bad_words is not None)
+
+    def update_from_model(self, eos_token_ids, tokenizer=None) -> None:
+        """What the engine knows and the user did not say (vLLM: update_from_generation_config and
+        update_from_tokenizer): every stop id (EOS always: min_tokens masks it even with
+        ignore_eos, as vLLM's MinTokensLogitsProcessor does) and each bad word's token ids —
+        the word as written and after a space, because a BPE tokenizer spells a word at the
+        start of a text differently from one in the middle ("Paris" vs " Paris")."""
+        self._all_stop_token_ids = frozenset(self.stop_token_ids) | frozenset(eos_token_ids)
+        if not self.bad_words:
+            return
+        if tokenizer is None:
+            raise ValueError("bad_words need the engine's tokenizer")
+        spellings: list[tuple[int, ...]] = []
+        for word in self.bad_words:
+            plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            spellings.append(plain)
+            # vLLM keeps the spaced spelling only when it is a different word of the same length.
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                spellings.append(spaced)
+        self._bad_words_token_ids = tuple(spellings)
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -205,6 +205,12 @@ def make_tiny_engine_checkpoint(path, model_type: str, seed: int = 0, **override
 
 
 @pytest.fixture(scope="session")
+def tiny_engine_checkpoint():
+    """make_tiny_engine_checkpoint(path, model_type, seed=0, **config overrides) -> HF model."""
+    return make_tiny_engine_checkpoint
+
+
+@pytest.fixture(scope="session")
 def tiny_engine_models(tmp_path_factory):
     """{arch: (checkpoint dir, HF model)} for Llama (GQA), Qwen2 (qkv bias), Qwen3 (q/k norm)."""
     root = tmp_path_factory.mktemp("tiny-engine")

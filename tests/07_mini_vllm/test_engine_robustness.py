@@ -150,10 +150,10 @@ def test_a_sampler_fault_for_one_row_fails_only_that_request(llm, monkeypatch):
     sampler = llm.llm_engine.engine_core.model_runner.sampler
     real = sampler.forward
 
-    def forward(logits, metadata):
+    def forward(logits, metadata, *output_tokens):
         if any(rid == "bad" for rid in metadata.req_ids):
             raise RuntimeError("injected fault in the sampler")
-        return real(logits, metadata)
+        return real(logits, metadata, *output_tokens)
 
     monkeypatch.setattr(sampler, "forward", forward)
     bad = SamplingParams(temperature=0.5, top_p=0.9, max_tokens=8, ignore_eos=True)

@@ -49,7 +49,36 @@ def test_greedy_resets_filters():
     (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of non-negative integers"),
     (dict(stop_token_ids=5), "stop_token_ids must be a list of non-negative integers"),
     (dict(ignore_eos="yes"), "ignore_eos must be a bool"),
+    (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\], got 2.5"),
+    (dict(frequency_penalty=-3), r"frequency_penalty must be in \[-2, 2\]"),
+    (dict(frequency_penalty="high"), r"frequency_penalty must be in \[-2, 2\]"),
+    (dict(repetition_penalty=0), r"repetition_penalty must be a finite number > 0"),
+    (dict(repetition_penalty=float("inf")), r"repetition_penalty must be a finite number > 0"),
+    (dict(min_tokens=17), r"min_tokens must be an integer in \[0, max_tokens=16\], got 17"),
+    (dict(min_tokens=-1), r"min_tokens must be an integer in \[0, max_tokens=16\]"),
+    (dict(logit_bias={"3": 1.0}), r"logit_bias must be a dict \{token id \(int\): finite bias\}"),
+    (dict(logit_bias={3: float("nan")}), r"logit_bias must be a dict"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list of token ids"),
+    (dict(allowed_token_ids=[1.5]), "allowed_token_ids must be a non-empty list of token ids"),
+    (dict(bad_words=["ok", " "]), "bad_words must be a list of non-empty strings"),
+    (dict(bad_words="word"), "bad_words must be a list of non-empty strings"),
 ])
 def test_invalid_values_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_bad_words_are_tokenized_as_vllm_does():
+    """Each word as written, and after a space when that spells a different word of the same length."""
+    class Tok:
+        vocab = {"Paris": [10], " Paris": [11], "New York": [20, 21], " New York": [22, 21], "ab": [30, 31],
+                 " ab": [32]}
+
+        def encode(self, text, add_special_tokens=False):
+            return self.vocab[text]
+
+    p = SamplingParams(bad_words=["Paris", " New York", "ab"], stop_token_ids=[5])
+    p.update_from_model([2], Tok())
+    assert p._bad_words_token_ids == ((10,), (11,), (20, 21), (22, 21), (30, 31))     # " ab" is 1 token: left out
+    assert p._all_stop_token_ids == {2, 5}
+    assert p.uses_logits_processors and not SamplingParams().uses_logits_processors
