@@ -20,7 +20,9 @@ class KVCacheRequest(Protocol):
     `all_token_ids` / `num_tokens` are prompt + verified output: they must NOT include
     unverified speculative draft tokens (vLLM keeps those apart: `num_tokens` vs
     `num_tokens_with_spec`), or blocks holding rejected drafts would be cached.
-    Optional, read with getattr: `cache_salt: str | None`, `lora_int_id: int | None`.
+    Optional, read with getattr: `cache_salt: str | None`, `lora_int_id: int | None`,
+    `skip_reading_prefix_cache: bool` (True: every token must be computed — e.g. a request that
+    wants the logprobs of its prompt — though what it computes is still cached for others).
     """
     request_id: str
     all_token_ids: Sequence[int]
@@ -38,6 +40,7 @@ class SimpleRequest:
     num_computed_tokens: int = 0
     cache_salt: str | None = None
     lora_int_id: int | None = None
+    skip_reading_prefix_cache: bool = False
 
     def __post_init__(self):
         self.all_token_ids = list(self.all_token_ids)

@@ -103,7 +103,8 @@ class KVCacheManager:
         Never covers the whole request: the last token must be computed to get logits.
         Takes no references (allocate_slots does), so calling it changes no block state.
         """
-        if not self.enable_caching or request.num_computed_tokens > 0:
+        if (not self.enable_caching or request.num_computed_tokens > 0
+                or getattr(request, "skip_reading_prefix_cache", False)):
             return KVCacheBlocks.create_empty(), 0
         ### BEGIN SOLUTION
         block_hashes = self._block_hashes(request)

@@ -91,6 +91,7 @@ class Request:
         streaming_input: bool = False,
         sampling_params: Any = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        skip_reading_prefix_cache: bool = False,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -115,6 +116,9 @@ class Request:
             raise ValueError(f"request {request_id}: kv_transfer_params must be a dict or None, "
                              f"got {type(kv_transfer_params).__name__}")
         self.kv_transfer_params = kv_transfer_params
+        # Compute every token even where the prefix cache holds it (vLLM's name): the engine sets
+        # it for a request that wants its prompt's logprobs, which need the logits of every position.
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None   # the stop token id, or a message (FINISHED_IGNORED / _ERROR)

@@ -157,7 +157,10 @@ class KVConnectorScheduler(Scheduler):
 
     def _external_tokens(self, request: Request, num_local: int) -> tuple[int, bool] | None:
         """(tokens the connector can load after the local hit, load asynchronously?), or None
-        when it cannot tell yet. At least one token is always left to compute."""
+        when it cannot tell yet. At least one token is always left to compute; none is loaded
+        for a request that must compute all of its tokens (skip_reading_prefix_cache)."""
+        if request.skip_reading_prefix_cache:
+            return 0, False
         answer = self.connector.get_num_new_matched_tokens(request, num_local)
         if answer[0] is None:
             return None

@@ -47,6 +47,7 @@ class EngineCoreStep:
     outputs: list[EngineCoreOutput]
     logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)   # per emitted token
     errors: dict[str, str] = field(default_factory=dict)     # requests that failed this step: the reason
+    prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
     model_inputs: ModelInputs | None = None
     start_time: float = 0.0                                   # time.monotonic() when the step began
     spec_decode: SpecDecodeStepStats | None = None            # speculative decoding: drafts verified, times
@@ -237,5 +238,6 @@ class EngineCore:
             raise RuntimeError(f"the scheduler could schedule none of {self.scheduler.get_num_unfinished_requests()} "
                                "waiting requests with an idle engine: this is a bug, not a full cache")
         return EngineCoreStep(scheduler_output, outputs, runner_output.logprobs, errors,
+                              runner_output.prompt_logprobs,
                               self.model_runner.last_inputs if not scheduler_output.is_empty else None, start,
                               runner_output.spec_decode)

@@ -106,6 +106,9 @@ class LLMEngine:
             prompt_token_ids = self.processor.validate(prompt_token_ids, params)
         params = self.processor.prepare_params(params)
         kv_transfer_params = self.engine_core.validate_kv_transfer_params(kv_transfer_params)
+        if kv_transfer_params is not None and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs cannot be combined with kv_transfer_params: K/V loaded from another "
+                             "engine comes without the logits the prompt's logprobs need")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         eos_ids = self.model_config.eos_token_ids
         request = Request(
@@ -114,7 +117,8 @@ class LLMEngine:
             # Chat models list more than one EOS (generation_config.json): all of them stop, as in HF
             # generate and vLLM — unless ignore_eos.
             stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_ids[1:])),
-            sampling_params=params, kv_transfer_params=kv_transfer_params)
+            sampling_params=params, kv_transfer_params=kv_transfer_params,
+            skip_reading_prefix_cache=params.prompt_logprobs is not None)
         self.engine_core.add_request(request)
         self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None,
                                           prompt_token_ids, params, arrival_time)

@@ -87,6 +87,8 @@ class ModelRunnerOutput(SchedulerModelRunnerOutput):
     # req_id -> one entry per emitted token (several with speculative decoding):
     # ([sampled, top-1, ..., top-k] token ids, their logprobs, the sampled token's rank)
     logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
+    # req_id -> its prompt's logprobs (positions 1..L-1, same tuples), once, when the prompt is complete
+    prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
     spec_decode: SpecDecodeStepStats | None = None      # what speculation did this step (chapter 04)
 
 
@@ -241,6 +243,7 @@ class ModelRunner:
                 hidden = self.cuda_graph_runner.run(inputs)                              # [T, hidden]
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+            self._prompt_logprobs(hidden, rows, num_scheduled, sample_rows, output)
             if self.spec_decode is None:
                 self._sample(hidden, inputs.logits_indices, sample_rows, output)
             else:
@@ -413,6 +416,41 @@ class ModelRunner:
             outputs = self.input_batch.output_tokens(rows, device=self.device)
         result = self.sampler(logits, md, outputs)
         self._record(result, rows, output)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: np.ndarray, num_scheduled: np.ndarray,
+                         sample_rows: np.ndarray, output: ModelRunnerOutput) -> None:
+        """Logprobs of the prompt tokens this step computed, for requests that asked (vLLM:
+        GPUModelRunner._get_prompt_logprobs_dict): position p's logits give token p + 1's logprob,
+        its rank and the k most likely — from the raw model distribution, whatever logprobs_mode.
+        A chunked prompt fills them in over several steps; they go out when the prompt is done."""
+        batch = self.input_batch
+        k = batch.num_prompt_logprobs[rows]                                            # [n]
+        wanted = np.flatnonzero(k >= 0)
+        if wanted.size == 0:
+            return
+        starts = np.cumsum(num_scheduled) - num_scheduled                              # [n] flat offsets
+        flat, owners = [], []
+        for j in wanted.tolist():
+            row = rows[j]
+            first = int(batch.num_computed_tokens[row])
+            last = min(first + int(num_scheduled[j]), int(batch.num_prompt_tokens[row]) - 1)   # positions [first, last)
+            flat.extend(range(int(starts[j]), int(starts[j]) + max(0, last - first)))
+            owners.extend((row, p) for p in range(first, last))
+        if flat:
+            logits = self.model.compute_logits(hidden[torch.tensor(flat, device=hidden.device)])      # [P, V]
+            targets = torch.tensor([int(batch.token_ids[row, p + 1]) for row, p in owners], device=logits.device)
+            lp = compute_logprobs(logits, targets, int(k[wanted].max()))
+            ids, values, ranks = lp.logprob_token_ids.tolist(), lp.logprobs.tolist(), lp.selected_token_ranks.tolist()
+            for i, (row, p) in enumerate(owners):
+                state, kk = batch.states[row], int(batch.num_prompt_logprobs[row])
+                if state.prompt_logprobs is None:
+                    state.prompt_logprobs = [None] * (len(state.prompt_token_ids) - 1)
+                state.prompt_logprobs[p] = (ids[i][:kk + 1], values[i][:kk + 1], ranks[i])
+        for row in set(sample_rows.tolist()) & set(rows[wanted].tolist()):           # the prompt is complete
+            state = batch.states[row]
+            output.prompt_logprobs[state.req_id] = list(state.prompt_logprobs or [])
+            state.prompt_logprobs_sent = True
+            batch.num_prompt_logprobs[row] = -1
 
     def _record(self, result: SamplerOutput, rows: np.ndarray, output: ModelRunnerOutput) -> None:
         """Append each sampled token to its request (the runner keeps its own copy of the

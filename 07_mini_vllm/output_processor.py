@@ -29,7 +29,7 @@ from spec_decode import SpecDecodingStats
 
 from mini_vllm.core import EngineCoreStep
 from mini_vllm.detokenizer import IncrementalDetokenizer
-from mini_vllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from mini_vllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -43,6 +43,7 @@ class RequestState:
     metrics: RequestMetrics
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: SampleLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     cumulative_logprob: float | None = None
     num_cached_tokens: int = 0
     sent_tokens: int = 0                 # DELTA: tokens already sent
@@ -91,6 +92,9 @@ class OutputProcessor:
                 continue                  # aborted meanwhile; errors are reported below
             new_ids = core_output.new_token_ids
             state.num_cached_tokens = core_output.num_cached_tokens
+            if core_output.request_id in step.prompt_logprobs:
+                state.prompt_logprobs = [None] + [self._logprob_entry(state, entry)
+                                                  for entry in step.prompt_logprobs[core_output.request_id]]
             finish_reason = str(core_output.finish_reason) if core_output.finish_reason is not None else None
             stop_reason = core_output.stop_reason
             stop_str = None
@@ -163,13 +167,18 @@ class OutputProcessor:
         state.output_token_ids.extend(new_ids)
         if state.logprobs is not None and logprobs is not None:
             # One entry per emitted token (zip: tokens cut after a stop are dropped with theirs).
-            for _, (ids, values, sampled_rank) in zip(new_ids, logprobs):
-                # Column 0 is the sampled token, then the top-k most likely (rank 1..k).
-                entry = {ids[0]: Logprob(values[0], sampled_rank, self._decode_one(state, ids[0]))}
-                for rank, (token_id, value) in enumerate(zip(ids[1:], values[1:]), 1):
-                    entry.setdefault(token_id, Logprob(value, rank, self._decode_one(state, token_id)))
-                state.logprobs.append(entry)
-                state.cumulative_logprob += values[0]
+            for _, entry in zip(new_ids, logprobs):
+                state.logprobs.append(self._logprob_entry(state, entry))
+                state.cumulative_logprob += entry[1][0]
+
+    def _logprob_entry(self, state: RequestState, entry: tuple[list[int], list[float], int]) -> dict[int, Logprob]:
+        """(ids, logprobs, rank) -> {id: Logprob}: column 0 is the chosen token (sampled, or the
+        prompt's own), then the top-k most likely (rank 1..k)."""
+        ids, values, chosen_rank = entry
+        out = {ids[0]: Logprob(values[0], chosen_rank, self._decode_one(state, ids[0]))}
+        for rank, (token_id, value) in enumerate(zip(ids[1:], values[1:]), 1):
+            out.setdefault(token_id, Logprob(value, rank, self._decode_one(state, token_id)))
+        return out
 
     def _decode_one(self, state: RequestState, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if state.params.detokenize else None
@@ -194,4 +203,4 @@ class OutputProcessor:
                                       list(logprobs) if logprobs is not None else None,
                                       finish_reason, stop_reason)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
-                             state.metrics, state.num_cached_tokens)
+                             state.metrics, state.num_cached_tokens, prompt_logprobs=state.prompt_logprobs)

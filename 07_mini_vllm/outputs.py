@@ -20,7 +20,7 @@ from spec_decode import SpecDecodingStats
 
 @dataclass
 class Logprob:
-    """One candidate token's log-probability under the model's raw distribution."""
+    """One candidate token's log-probability (the raw model distribution unless EngineConfig.logprobs_mode says otherwise)."""
     logprob: float
     rank: int                          # 1 = the most likely token
     decoded_token: str | None = None
@@ -28,6 +28,9 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token and the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
+# One per prompt token: None for the first (nothing precedes it), then token id -> Logprob (the
+# prompt's own token and the top-k), as vLLM's PromptLogprobs.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -111,6 +114,7 @@ class RequestOutput:
     # KV transfer (chapter 06, vLLM's field): what a finished request hands to another engine —
     # on a prefill node, where its K/V waits for the decode node (pass it as that request's params).
     kv_transfer_params: dict | None = None
+    prompt_logprobs: PromptLogprobs | None = None    # SamplingParams.prompt_logprobs; from the first output on
 
     def __repr__(self) -> str:
         o = self.outputs[0]

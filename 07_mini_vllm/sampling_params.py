@@ -16,6 +16,10 @@ bad value fails at `generate()` time with a message naming it — not as a NaN t
     stop_token_ids  stop when one of these tokens is generated (it is included, like EOS)
     ignore_eos   keep generating past EOS (benchmarks use it to fix the output length)
     logprobs     None: none; k: the sampled token's log-probability plus the k most likely (0..20)
+    prompt_logprobs  None: none; k: for every prompt token after the first, its log-probability
+                 given the tokens before it, plus the k most likely (0..20). The request then
+                 computes its whole prompt: a prefix-cache hit would leave positions without logits
+                 (vLLM does the same), so it is slower to start
 
 Logits processors and penalties (vLLM's definitions; logits_processors.py applies them):
     presence_penalty   [-2, 2]: subtract it from every token that appears in the OUTPUT so far
@@ -82,6 +86,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     detokenize: bool = True
     skip_special_tokens: bool = True
@@ -115,6 +120,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
         for name in ("ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -92,6 +92,19 @@ def test_lookup_is_skipped_when_disabled_or_already_computed():
     assert m2.get_computed_blocks(req("c", range(9), num_computed_tokens=1)) == (KVCacheBlocks([]), 0)
 
 
+def test_a_request_that_must_compute_everything_reads_no_hit_but_fills_the_cache():
+    """skip_reading_prefix_cache (a request that wants its prompt's logprobs): no hit for it, but the
+    blocks it computes are cached, and a plain request then hits them."""
+    m = KVCacheManager(8, B)
+    schedule_prefill(m, req("a", range(9)))
+    full = req("b", range(9), skip_reading_prefix_cache=True)
+    hit, n, _ = schedule_prefill(m, full)
+    assert (hit, n) == (KVCacheBlocks([]), 0)
+    m.free(full)
+    assert m.get_computed_blocks(req("c", range(9)))[1] == 8
+    m.check_invariants()
+
+
 def test_stats_count_tokens_and_intervals_reset():
     m = KVCacheManager(10, B)
     schedule_prefill(m, req("a", range(10)))             # query 10, hit 0
