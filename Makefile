@@ -3,8 +3,9 @@
 #   make test           the whole CPU suite (what CI runs); make test CH=02 for one chapter
 #   make test-gpu       CUDA kernels + native Triton, on a machine with a GPU
 #   make bench          the side-by-side benchmarks (ours vs a peer, one run)
-#   make assignments    the student edition in build/student (CH=02 for one chapter)
-#   make grade          grade a student tree: make grade STUDENT=build/student [CH=02]
+#   make assignments    the student edition in build/student: every task (CH=02: chapter 02's edition)
+#   make grade          grade a student tree: make grade STUDENT=build/student [CH=02]; STUDENT=. grades the reference
+#   make proof          prove the assignments, every task's full test set (CI runs a rotating share)
 #   make notebooks      execute every notebook in place (outputs + figures committed)
 
 SHELL      := /bin/bash
@@ -18,7 +19,7 @@ CH         ?=
 PYTEST_ARGS ?=
 TEST_PATHS := $(if $(CH),$(wildcard tests/$(CH)_*) $(wildcard tests/$(CH)),tests)
 
-.PHONY: setup model demo test test-gpu bench assignments grade notebooks clean check-ch
+.PHONY: setup model demo test test-gpu bench assignments grade proof notebooks clean check-ch
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,7 +65,8 @@ test-gpu: check-ch
 bench: setup
 	$(PY) -m benchmarks.run_all
 
-# Course assignments (course/): the student edition, and grading one.
+# Course assignments (course/): the student edition, grading one (STUDENT=. grades the reference
+# itself), and the proof that every task fails stubbed and passes alone (README, "Course assignments").
 STUDENT ?= build/student
 assignments: setup model
 	$(PY) -m course build $(CH) --out $(STUDENT)
@@ -72,6 +74,9 @@ assignments: setup model
 grade: setup model
 	@test -d "$(STUDENT)" || { echo "make grade: no student tree at $(STUDENT) (make assignments, or STUDENT=path)" >&2; exit 2; }
 	$(PY) -m course grade $(STUDENT) $(if $(CH),--chapters $(CH))
+
+proof: setup model
+	$(PY) -m course proof --full $(CH)
 
 notebooks: setup model
 	$(PY) -m course notebooks

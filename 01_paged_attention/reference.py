@@ -98,10 +98,12 @@ def reshape_and_cache(
     """The cache write, one token at a time: slot -> (block slot // B, row slot % B)."""
     check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, check_values)
     block_size = key_cache.shape[1]
+    ### BEGIN SOLUTION
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot >= 0:                                          # -1: a padding token, write nothing
             key_cache[slot // block_size, slot % block_size] = key[t]
             value_cache[slot // block_size, slot % block_size] = value[t]
+    ### END SOLUTION
 
 
 def paged_decode_attention(

@@ -55,6 +55,8 @@ class FreeKVCacheBlockQueue:
     """
 
     def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        """Link `blocks` in their order between the two sentinels. With no blocks the sentinels
+        point at each other: an empty queue is usable (append works from the first block on)."""
         self.num_free_blocks = len(blocks)
         self.fake_free_list_head = KVCacheBlock(block_id=-1)
         self.fake_free_list_tail = KVCacheBlock(block_id=-1)
@@ -72,7 +74,8 @@ class FreeKVCacheBlockQueue:
         return self.num_free_blocks
 
     def popleft(self) -> KVCacheBlock:
-        """Remove and return the head (the eviction victim)."""
+        """Remove and return the head (the eviction victim); its links are cleared, as by
+        `remove`. ValueError ("no free blocks: the free queue is empty") when nothing is free."""
         ### BEGIN SOLUTION
         block = self.fake_free_list_head.next_free_block
         if block is self.fake_free_list_tail:
@@ -82,7 +85,10 @@ class FreeKVCacheBlockQueue:
         ### END SOLUTION
 
     def remove(self, block: KVCacheBlock) -> None:
-        """Unlink `block` from wherever it is in the queue. O(1): this is the point of the list."""
+        """Unlink `block` from wherever it is in the queue. O(1): this is the point of the list.
+        Clears the block's two links (a block not in the queue has both None) and counts it out.
+        ValueError ("block N is not in the free queue") for a block that is not queued, with the
+        queue unchanged."""
         ### BEGIN SOLUTION
         if block.prev_free_block is None or block.next_free_block is None:
             raise ValueError(f"block {block.block_id} is not in the free queue")
@@ -93,7 +99,8 @@ class FreeKVCacheBlockQueue:
         ### END SOLUTION
 
     def append(self, block: KVCacheBlock) -> None:
-        """Put `block` at the tail: the most recently freed block is evicted last."""
+        """Put `block` at the tail: the most recently freed block is evicted last. ValueError
+        ("block N is already in the free queue") if it is queued already, with the queue unchanged."""
         ### BEGIN SOLUTION
         self._insert_between(block, self.fake_free_list_tail.prev_free_block, self.fake_free_list_tail)
         ### END SOLUTION

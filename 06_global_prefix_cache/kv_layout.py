@@ -21,6 +21,7 @@ import torch
 from global_prefix_cache.grouping import Region
 from kvcache.cache_engine import CacheEngine, KVCacheSpec
 from kvcache.hashing import sha256_hash
+from kvcache.reference import swap_blocks
 
 
 @dataclass(frozen=True)
@@ -149,11 +150,15 @@ class KVLayout:
     def copy_blocks_to(self, other: "KVLayout", src_ids: Sequence[int], dst_ids: Sequence[int],
                        regions: Iterable[int] | None = None) -> None:
         """Local copy between two layouts of the same block shape (KV cache <-> segment),
-        of every K/V tensor or only those in `regions` (one layer at a time, as it is computed)."""
-        src = torch.tensor(self.check_block_ids(src_ids), dtype=torch.long)
-        dst = torch.tensor(other.check_block_ids(dst_ids), dtype=torch.long)
+        of every K/V tensor or only those in `regions` (one layer at a time, as it is computed):
+        chapter 02's swap_blocks, each tensor seen as [num_blocks, 1, 1, block_len] bytes."""
+        pairs = list(zip(self.check_block_ids(src_ids), other.check_block_ids(dst_ids), strict=True))
+        if not pairs:
+            return
+        mapping = torch.tensor(pairs, dtype=torch.long)                     # [n, 2]: (ours, other's)
         for r in (range(len(self.byte_views)) if regions is None else regions):
-            other.byte_views[r].index_copy_(0, dst, self.byte_views[r].index_select(0, src))
+            ours, theirs = self.byte_views[r], other.byte_views[r]
+            swap_blocks([ours.view(ours.shape[0], 1, 1, -1)], [theirs.view(theirs.shape[0], 1, 1, -1)], mapping)
 
     def region_indices(self, layer_name: str) -> list[int]:
         """The K/V tensors named `layer_name`, or under it ("layers.3" -> its K and its V)."""

@@ -1,6 +1,8 @@
-"""ASSIGNMENT.md, one per chapter of the student edition: the tasks in order, what each must
-satisfy (its functions' docstrings, its tests), how it is graded, and what the reference
-achieves (measured numbers quoted from the READMEs, each with the command that reproduces it)."""
+"""ASSIGNMENT.md, one per assigned chapter of the student edition: the tasks in order, where each
+is (its functions' docstrings), the rules its tests enforce (each test's docstring, or its name
+when it has none — hidden tests included, as rules, without their code), what else its tests
+run and what is stubbed in this edition, how it is graded, and what the reference achieves
+(measured numbers quoted from the READMEs, each with the command that reproduces it)."""
 from __future__ import annotations
 
 import ast
@@ -15,12 +17,12 @@ COMMAND = re.compile(r"`((?:python|pytest|make|\.venv/bin/python)[^`]*)`")
 
 
 def _docstrings(path: pathlib.Path) -> dict[str, str]:
-    """{qualified function name: first paragraph of its docstring}."""
+    """{qualified function or class name: first paragraph of its docstring}."""
     try:
         tree = ast.parse(path.read_text())
-    except (SyntaxError, UnicodeDecodeError):
+    except (SyntaxError, UnicodeDecodeError, FileNotFoundError):
         return {}
-    out = {}
+    out = {"": " ".join((ast.get_docstring(tree) or "").split("\n\n")[0].split())}
 
     def walk(node, prefix):
         for child in ast.iter_child_nodes(node):
@@ -59,60 +61,114 @@ def _chapter_title(chapter: Chapter) -> str:
     return chapter.folder
 
 
-def _task_section(task: Task, hidden: set[str], docs_cache: dict) -> list[str]:
-    lines = [f"### {task.id} — {task.title}", ""]
+def rule_of(test_id: str, cache: dict) -> str:
+    """What a test checks, in a sentence: its docstring's first paragraph, else its name."""
+    path, _, rest = test_id.partition("::")
+    if path not in cache:
+        cache[path] = _docstrings(ROOT / path)
+    if not rest:
+        doc = cache[path].get("", "")
+        return doc or f"every test of {pathlib.PurePosixPath(path).name}"
+    name = rest.partition("[")[0].replace("::", ".")
+    doc = cache[path].get(name, "")
+    if doc:
+        return doc
+    words = name.split(".")[-1].removeprefix("test_").replace("_", " ")
+    return words[:1].upper() + words[1:]
+
+
+def _task_section(task: Task, manifest: Manifest, info: dict, cache: dict) -> list[str]:
+    optional = " (optional: performance track)" if task.optional else ""
+    lines = [f"### {task.id} — {task.title}{optional}", ""]
     by_file: dict[str, list[str]] = {}
     for key in task.regions:
         path, _, func = key.partition("::")
         by_file.setdefault(path, []).append(func)
-    lines.append("**Where** (fill in the `BEGIN SOLUTION` / `END SOLUTION` regions; each now raises "
-                 f"`NotImplementedError(\"{task.id}: ...\")`):")
-    lines.append("")
+    stub = ("an `#error` naming the task (the kernel does not build until it is written; the engine then "
+            "runs on torch ops)" if task.optional and task.languages == {"c"} else
+            f"a stub raising `NotImplementedError(\"{task.id}: ...\")`")
+    lines += [f"**Where** (each `BEGIN SOLUTION` / `END SOLUTION` region now holds {stub}):", ""]
     for path, funcs in by_file.items():
-        if path not in docs_cache:
-            docs_cache[path] = _docstrings(ROOT / path) if path.endswith(".py") else {}
+        if path not in cache:
+            cache[path] = _docstrings(ROOT / path) if path.endswith(".py") else {}
         for func in funcs:
-            name = func.split("#")[0]
-            doc = docs_cache[path].get(name, "")
+            doc = cache[path].get(func.split("#")[0], "")
             lines.append(f"- `{path}` — `{func}`" + (f": {doc}" if doc else ""))
     lines.append("")
-    public = [t for t in task.public if t not in hidden]
-    num_hidden = len(task.tests) - len(public)
-    lines.append("**Must satisfy** (graded by these tests; run them with "
-                 f"`pytest -m {task.id}`):")
+    hidden = manifest.hidden_ids()
+    public = [t for t in task.public if t not in hidden and not t.startswith("tests/course/")]
+    secret = [t for t in task.tests if t not in public]
+    lines += [f"**Rules its tests enforce** (public: run them with `make test-task T={task.id}`, or "
+              f"`pytest -m {task.id}`):", ""]
+    lines += [f"- {rule_of(t, cache)} — `{t}`" for t in public] or ["- (no public test)"]
+    if secret:
+        lines += ["", f"Hidden tests ({len(secret)}, run only by the grader) check these rules too:", ""]
+        lines += [f"- {rule_of(t, cache)}" for t in secret]
     lines.append("")
-    lines += [f"- `{t}`" for t in public] or ["- (hidden tests only)"]
-    if num_hidden:
-        lines.append(f"- and {num_hidden} hidden test{'s' if num_hidden > 1 else ''} run only by the grader")
-    lines.append("")
-    lines.append(f"**Graded**: passes when every one of its tests passes (score = share of its tests passed); "
-                 f"time limit {task.timeout_s:.0f} s, a task that runs out of time scores 0.")
+    by_id = {t.id: t for t in manifest.tasks}
+    uses = [by_id[u] for u in task.uses if u in by_id]
+    if uses:
+        solved = set(info.get("solved", []))
+        todo = [u for u in uses if u.id not in solved]
+        given = [u for u in uses if u.id in solved]
+        text = "**Its tests also run** "
+        parts = []
+        if given:
+            parts.append("code given solved in this edition (" + ", ".join(f"`{u.id}`" for u in given) + ")")
+        if todo:
+            parts.append("other tasks' code: " + ", ".join(f"`{u.id}` ({u.title})" for u in todo) +
+                         " — locally they pass once those are done too; the grader fills in their reference "
+                         "while grading this task, so its grade does not depend on them")
+        lines += [text + "; ".join(parts) + ".", ""]
+    lines.append(f"**Graded**: each of its {len(task.tests)} tests passes or not (score = the share passed; the "
+                 f"task passes when all do); time limit {task.timeout_s:.0f} s, a task that runs out of time "
+                 "scores 0." + (" Optional: the score table lists it apart and it never fails the grade."
+                                if task.optional else ""))
     if task.notes:
         lines += ["", task.notes]
     lines.append("")
     return lines
 
 
-def render(chapter: Chapter, manifest: Manifest, hidden: set[str]) -> str:
-    tasks = manifest.of_chapter(chapter.folder)
+def render(chapter: Chapter, manifest: Manifest, info: dict) -> str:
+    assigned = set(info["assigned"])
+    tasks = [t for t in manifest.of_chapter(chapter.folder) if t.id in assigned]
+    by_id = {t.id: t for t in manifest.tasks}
+    solved = sorted({by_id[t].chapter for t in info.get("solved", [])})
+    later = sorted({by_id[t].chapter for t in info.get("later", [])})
+    others = sorted({by_id[t].chapter for t in assigned} - {chapter.folder})
     lines = [f"# Assignment — {_chapter_title(chapter)}", "",
              f"Import name `{chapter.package}`; the chapter's walkthrough is `{chapter.folder}/README.md` "
              "and the notebook under `notebooks/`.", "",
-             "## How it works", "",
-             "Each task below is one or more regions between `### BEGIN SOLUTION` and `### END SOLUTION` "
-             "(`// ### ...` in C++/CUDA). The docstrings, signatures and shape comments around them are the "
-             "specification. Every other chapter's code is complete, and the other tasks of this chapter are "
-             "never needed by a task's tests: each task is graded on its own.", "",
-             f"- run a task's public tests: `pytest -m {tasks[0].id if tasks else 'chNN_taskK'}` "
-             "(Triton kernels run under `TRITON_INTERPRET=1` on a CPU; CUDA kernels run in the CPU emulator "
-             "under tests/, compiled with g++ — no GPU needed);",
-             "- grading (instructor): `python -m course grade <your tree>` runs the public and hidden tests of "
-             "every task in a separate process that imports only your code, prints a score table and writes "
-             "a JSON report; a task that hangs is stopped at its time limit and scores 0.", "",
-             "## Tasks", ""]
-    docs_cache: dict = {}
+             "## What is stubbed in this edition", ""]
+    if info.get("edition") == "full":
+        lines.append("This is the full edition: every task of every chapter is stubbed, this chapter's and all "
+                     "the others' (each chapter has its ASSIGNMENT.md). Tests of this chapter that run an "
+                     "earlier chapter's code pass once you have done that chapter's tasks; each task below "
+                     "says which other tasks its tests run.")
+    else:
+        lines.append("Given solved: " + (", ".join(solved) if solved else "nothing (this is the first chapter)") + ".")
+        if others:
+            lines.append(f"Also assigned in this edition: {', '.join(others)}.")
+        if later:
+            lines.append(f"Stubbed and not assigned here (handed out later): {', '.join(later)}. No test of "
+                         "this chapter's tasks runs their code; yours must not call into it either.")
+    lines += ["",
+              "## How it works", "",
+              "Each task below is one or more regions between `### BEGIN SOLUTION` and `### END SOLUTION` "
+              "(`// ### ...` in C++/CUDA). The docstrings, signatures and shape comments around them are the "
+              "specification, and the rules each task's tests enforce are listed with it.", "",
+              f"- run a task's public tests: `make test-task T={tasks[0].id if tasks else 'chNN_taskK'}` "
+              "(Triton kernels run under `TRITON_INTERPRET=1` on a CPU; CUDA kernels run in the CPU emulator, "
+              "compiled with g++ — no GPU needed);",
+              "- grading (instructor): `python -m course grade <your tree>` runs the public and hidden tests of "
+              "every task, each task in a process of its own that imports only your code, with the reference "
+              "filled in for the tasks it builds on; it prints a score table and the first line of every "
+              "failure, and writes a JSON report. A task that hangs is stopped at its time limit and scores 0.",
+              "", "## Tasks", ""]
+    cache: dict = {}
     for task in tasks:
-        lines += _task_section(task, hidden, docs_cache)
+        lines += _task_section(task, manifest, info, cache)
     lines += ["## What the reference achieves", "",
               "Measured numbers of the reference implementation, quoted from the READMEs with the command "
               "that reproduces each (a correct solution should come close on the same machine):", ""]
@@ -121,9 +177,7 @@ def render(chapter: Chapter, manifest: Manifest, hidden: set[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_assignments(out: pathlib.Path, selected: list[Chapter], manifest: Manifest,
-                      hidden_files: dict) -> None:
-    hidden = manifest.hidden_ids()
+def write_assignments(out: pathlib.Path, selected: list[Chapter], manifest: Manifest, info: dict) -> None:
     for ch in selected:
         if manifest.of_chapter(ch.folder) and (out / ch.folder).is_dir():
-            (out / ch.folder / "ASSIGNMENT.md").write_text(render(ch, manifest, hidden))
+            (out / ch.folder / "ASSIGNMENT.md").write_text(render(ch, manifest, info))

@@ -1,10 +1,20 @@
 """`python -m course grade DIR`: run every task's public and hidden tests against a student
-tree, print a score table, write a JSON report, exit non-zero when a task fails.
+tree, print a score table and what failed, write a JSON report, exit non-zero when a task of
+the core track fails (performance-track tasks are optional: scored, never failing the run).
 
 The tests come from this repository (the student's own copy of tests/ is ignored), the code
-from DIR only (course/runner.py: a separate pytest process whose imports cannot reach the
-reference). A task passes when all its tests pass; its score is the share that passed.
-A task whose time runs out scores 0.
+from DIR (course/runner.py: a separate pytest process whose imports cannot reach the
+reference). Each task runs in a process of its own (forked from a zygote that has imported
+torch & co. once), so its wall time is its own and a crash or a time-out costs only that task.
+A task passes when all its tests pass; its score is the share that passed; a task whose time
+runs out scores 0.
+
+A task's grade never depends on the student's other tasks: the grading copy of the tree has
+the reference filled into the regions of every task it builds on (course/manifest.py:
+`Manifest.builds_on` — the earlier chapters' tasks and its `needs`), never into its own.
+
+`grade .` (this repository itself) grades the reference solution: an instructor's check that
+every task passes as written.
 """
 from __future__ import annotations
 
@@ -13,9 +23,12 @@ import json
 import pathlib
 import time
 
+from course import regions as R
 from course.build import BUILD_INFO
+from course.layout import ROOT
 from course.manifest import Manifest, Task, chapters_with_regions, load
-from course.runner import RunResult, TestResult, Workspace, ZygoteClient, _matches, run_tests
+from course.runner import RunResult, TestResult, Workspace, ZygoteClient, run_tests
+from course.testids import matches
 
 
 @dataclasses.dataclass
@@ -23,6 +36,8 @@ class TaskGrade:
     task: Task
     results: list[TestResult]
     timed_out: bool
+    wall_s: float = 0.0
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -48,16 +63,25 @@ class TaskGrade:
 
     @property
     def seconds(self) -> float:
-        return sum(r.duration for r in self.results)
+        """Wall time of the task's grading process(es), start to end."""
+        return self.wall_s
+
+    @property
+    def failures(self) -> list[TestResult]:
+        return [r for r in self.results if r.outcome != "passed"]
 
 
 def tasks_for(student: pathlib.Path, manifest: Manifest, task_ids: list[str] | None = None,
               chapter_folders: list[str] | None = None) -> list[Task]:
+    """The tasks to grade: those named, else those of the chapters named, else the tasks the
+    student edition assigned (its course_build.json), else every task."""
     if task_ids:
         return [manifest.by_id(t) for t in task_ids]
     info = student / BUILD_INFO
     if chapter_folders is None and info.exists():
-        chapter_folders = json.loads(info.read_text())["chapters"]
+        data = json.loads(info.read_text())
+        assigned = set(data.get("assigned", data.get("tasks", [])))
+        return [t for t in manifest.tasks if t.id in assigned]
     if chapter_folders is None:
         chapter_folders = [c.folder for c in chapters_with_regions()]
     return [t for t in manifest.tasks if t.chapter in chapter_folders]
@@ -67,38 +91,75 @@ def test_ids(task: Task, fast: bool) -> list[str]:
     return list(task.fast if fast else task.tests)
 
 
-def score(tasks: list[Task], run: RunResult, fast: bool) -> list[TaskGrade]:
-    grades = []
-    for task in tasks:
-        results = []
-        for test_id in test_ids(task, fast):
-            matched = [r for n, r in run.results.items() if _matches(n, test_id)]
-            if not matched:
-                results.append(TestResult(test_id, "missing", 0.0, "not collected (import error, or renamed?)"))
-            results += matched
-        grades.append(TaskGrade(task, results, task.id in run.timed_out_tasks))
+def score_task(task: Task, run: RunResult, fast: bool, notes: list[str]) -> TaskGrade:
+    results = []
+    for test_id in test_ids(task, fast):
+        matched = [r for n, r in run.results.items() if matches(n, test_id)]
+        if not matched:
+            results.append(TestResult(test_id, "missing", 0.0, "not collected (import error, or renamed?)",
+                                      summary="not collected: an import error in the test file, or the test was renamed"))
+        results += matched
     if run.reference_modules:         # never trust a run that reached the reference
-        for g in grades:
-            g.results.append(TestResult("<reference guard>", "error", 0.0,
-                                        f"reference modules imported: {run.reference_modules}"))
-    return grades
+        results.append(TestResult("<reference guard>", "error", 0.0,
+                                  f"reference modules imported: {run.reference_modules}",
+                                  summary=f"the grading process imported the reference: {run.reference_modules}"))
+    return TaskGrade(task, results, task.id in run.timed_out_tasks, run.wall_s, notes)
+
+
+def is_reference(student: pathlib.Path) -> bool:
+    return student.resolve() == ROOT.resolve()
+
+
+def fill_overlay(student: pathlib.Path, tasks: list[Task]) -> tuple[dict[str, str], list[str]]:
+    """{path: the student's file with these tasks' regions holding the reference}, and what
+    could not be filled (a file the student removed, or whose markers no longer parse)."""
+    keys = {key for t in tasks for key in t.regions}
+    overlay, notes = {}, []
+    for rel in sorted({k.split("::")[0] for k in keys}):
+        mine, ref = student / rel, ROOT / rel
+        if not mine.is_file() or not ref.is_file():
+            notes.append(f"{rel}: missing, its reference could not be filled in")
+            continue
+        text = mine.read_text()
+        try:
+            bodies = {k: b for k, b in R.bodies(ref.read_text(), rel).items() if k in keys}
+            new = R.fill(text, rel, bodies)
+        except (R.MarkerError, SyntaxError) as e:
+            notes.append(f"{rel}: the reference of the tasks this one builds on could not be filled in ({e})")
+            continue
+        if new != text:
+            overlay[rel] = new
+    return overlay, notes
 
 
 def grade_tree(student: pathlib.Path, tasks: list[Task], *, fast: bool = False,
-               workspace_parent: pathlib.Path | None = None,
-               zygote: ZygoteClient | None = None) -> tuple[list[TaskGrade], RunResult]:
+               workspace_parent: pathlib.Path | None = None, zygote: ZygoteClient | None = None,
+               manifest: Manifest | None = None, verbose: bool = False) -> tuple[list[TaskGrade], RunResult]:
+    """Grade `tasks` on `student`, one process per task; tasks that build on the same tasks
+    (and use the same stand-ins) share a grading workspace."""
+    manifest = manifest or load()
+    student = pathlib.Path(student)
+    reference = is_reference(student)
     groups: dict[tuple, list[Task]] = {}
-    for task in tasks:                      # tasks graded with stand-ins get a process of their own
-        groups.setdefault(tuple(task.standins), []).append(task)
+    for task in tasks:
+        fill = () if reference else tuple(t.id for t in manifest.builds_on(task))
+        groups.setdefault((fill, tuple(task.standins)), []).append(task)
+    grades: dict[str, TaskGrade] = {}
     runs = []
-    with Workspace(student, parent=workspace_parent) as ws:
-        for standins, group in groups.items():
-            limits = {t: (task.id, task.fast_timeout_s if fast else task.timeout_s)
-                      for task in group for t in test_ids(task, fast)}
-            runs.append(run_tests(ws, list(limits), task_limits=limits, student=student, standins=list(standins),
-                                  zygote=zygote))
-    run = _merge(runs)
-    return score(tasks, run, fast), run
+    for (fill, standins), group in groups.items():
+        overlay, notes = fill_overlay(student, [manifest.by_id(i) for i in fill])
+        with Workspace(student, parent=workspace_parent, overlay=overlay) as ws:
+            for task in group:
+                limit = task.fast_timeout_s if fast else task.timeout_s
+                limits = {t: (task.id, limit) for t in test_ids(task, fast)}
+                run = run_tests(ws, list(limits), task_limits=limits, student=student, standins=list(standins),
+                                zygote=zygote, guard=not reference)
+                runs.append(run)
+                grades[task.id] = score_task(task, run, fast, notes)
+                if verbose:
+                    g = grades[task.id]
+                    print(f"  {task.id}: {g.num_passed}/{g.total} {g.status} ({g.seconds:.1f} s)", flush=True)
+    return [grades[t.id] for t in tasks], _merge(runs)
 
 
 def _merge(runs: list[RunResult]) -> RunResult:
@@ -116,44 +177,90 @@ def _merge(runs: list[RunResult]) -> RunResult:
     return merged
 
 
-def report_json(student: pathlib.Path, grades: list[TaskGrade], run: RunResult, fast: bool) -> dict:
+def core_passed(grades: list[TaskGrade]) -> bool:
+    return all(g.passed for g in grades if not g.task.optional)
+
+
+def report_json(student: pathlib.Path, grades: list[TaskGrade], run: RunResult, fast: bool,
+                wall_s: float | None = None) -> dict:
+    core = [g for g in grades if not g.task.optional]
     return {
         "student": str(student),
         "mode": "fast" if fast else "full",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "passed": all(g.passed for g in grades),
-        "num_tasks": len(grades),
-        "num_passed": sum(g.passed for g in grades),
-        "score": round(sum(g.score for g in grades), 3),
-        "wall_s": round(run.wall_s, 1),
+        "passed": core_passed(grades),
+        "num_tasks": len(core),
+        "num_passed": sum(g.passed for g in core),
+        "score": round(sum(g.score for g in core), 3),
+        "optional": {"num_tasks": len(grades) - len(core),
+                     "num_passed": sum(g.passed for g in grades if g.task.optional),
+                     "score": round(sum(g.score for g in grades if g.task.optional), 3)},
+        "wall_s": round(run.wall_s if wall_s is None else wall_s, 1),
         "processes": run.processes,
         "reference_modules_imported": run.reference_modules,
         "tasks": [{
-            "id": g.task.id, "title": g.task.title, "chapter": g.task.chapter, "status": g.status,
-            "passed": g.passed, "score": round(g.score, 3), "tests_passed": g.num_passed, "tests_total": g.total,
-            "seconds": round(g.seconds, 2),
+            "id": g.task.id, "title": g.task.title, "chapter": g.task.chapter, "track": g.task.track,
+            "status": g.status, "passed": g.passed, "score": round(g.score, 3), "tests_passed": g.num_passed,
+            "tests_total": g.total, "seconds": round(g.seconds, 2), "notes": g.notes,
             "tests": [{"nodeid": r.nodeid, "outcome": r.outcome, "duration": round(r.duration, 3),
-                       "message": r.message} for r in g.results],
+                       "summary": r.summary, "message": r.message} for r in g.results],
         } for g in grades],
     }
 
 
-def print_table(grades: list[TaskGrade], run: RunResult, title: str) -> None:
+MAX_FAILURES_SHOWN = 6
+
+
+def failure_lines(grades: list[TaskGrade]) -> list[str]:
+    """What to fix, under the table: each failing test and its first line."""
+    out = []
+    for g in grades:
+        if g.passed:
+            continue
+        head = f"{g.task.id} ({'optional, ' if g.task.optional else ''}{g.status}, {g.num_passed}/{g.total})"
+        if g.timed_out:
+            head += f": ran out of its {g.task.timeout_s:.0f} s"
+        out.append(head)
+        failing = g.failures
+        for r in failing[:MAX_FAILURES_SHOWN]:
+            first = r.summary or (r.message.strip().splitlines() or [""])[-1]
+            out.append(f"  {r.nodeid}: {r.outcome}" + (f" — {first}" if first else ""))
+        if len(failing) > MAX_FAILURES_SHOWN:
+            out.append(f"  ... and {len(failing) - MAX_FAILURES_SHOWN} more (the JSON report has every one)")
+        out += [f"  note: {n}" for n in g.notes]
+    return out
+
+
+def print_table(grades: list[TaskGrade], run: RunResult, title: str, wall_s: float | None = None) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=title)
-    for col in ("task", "title", "tests", "score", "status", "s"):
-        table.add_column(col, justify="right" if col in ("tests", "score", "s") else "left")
+    for col in ("task", "title", "tests", "score", "status", "wall s"):
+        table.add_column(col, justify="right" if col in ("tests", "score", "wall s") else "left",
+                         overflow="fold")
     for g in grades:
         style = {"PASS": "green", "FAIL": "red", "TIMEOUT": "magenta"}[g.status]
-        table.add_row(g.task.id, g.task.title[:60], f"{g.num_passed}/{g.total}", f"{g.score:.2f}",
+        name = g.task.id + (" (optional)" if g.task.optional else "")
+        title_cell = escape(g.task.title) + (" [dim]— performance track[/dim]" if g.task.optional else "")
+        table.add_row(name, title_cell, f"{g.num_passed}/{g.total}", f"{g.score:.2f}",
                       f"[{style}]{g.status}[/{style}]", f"{g.seconds:.1f}")
     console = Console()
     console.print(table)
-    passed = sum(g.passed for g in grades)
-    console.print(f"{passed}/{len(grades)} tasks passed, score {sum(g.score for g in grades):.2f}/{len(grades)} "
-                  f"({run.wall_s:.0f} s, {run.processes} test process{'es' if run.processes > 1 else ''})")
+    core = [g for g in grades if not g.task.optional]
+    optional = [g for g in grades if g.task.optional]
+    line = (f"{sum(g.passed for g in core)}/{len(core)} tasks passed, score {sum(g.score for g in core):.2f}/{len(core)}")
+    if optional:
+        line += (f"; performance track (optional): {sum(g.passed for g in optional)}/{len(optional)} passed, "
+                 f"score {sum(g.score for g in optional):.2f}/{len(optional)}")
+    wall = run.wall_s if wall_s is None else wall_s
+    console.print(f"{line} ({wall:.0f} s, {run.processes} test process{'es' if run.processes != 1 else ''})")
+    lines = failure_lines(grades)
+    if lines:
+        console.print("\nWhat failed (first line of each failure):")
+        for ln in lines:
+            console.print(escape(ln), soft_wrap=True)
     if run.reference_modules:
         console.print(f"[red]the reference solution was imported: {run.reference_modules}[/red]")
 
@@ -168,9 +275,16 @@ def main(student: str, *, chapters: list[str] | None, task_ids: list[str] | None
     manifest = load()
     folders = [find_chapter(c, all_chapters()).folder for c in chapters] if chapters else None
     tasks = tasks_for(root, manifest, task_ids, folders)
-    grades, run = grade_tree(root, tasks, fast=fast)
-    print_table(grades, run, f"{root} — {'fast' if fast else 'full'} grading")
+    if is_reference(root):
+        print(f"{root}: this repository itself — grading the reference solution (every task should pass; "
+              "a student's tree is graded with `make grade STUDENT=build/student`)")
+    t0 = time.monotonic()
+    with ZygoteClient() as zygote:
+        grades, run = grade_tree(root, tasks, fast=fast, zygote=zygote, manifest=manifest)
+    wall = time.monotonic() - t0
+    print_table(grades, run, f"{root} — {'fast' if fast else 'full'} grading", wall_s=wall)
     out = pathlib.Path(json_path) if json_path else root / "grade_report.json"
-    out.write_text(json.dumps(report_json(root, grades, run, fast), indent=1) + "\n")
+    out.write_text(json.dumps(report_json(root, grades, run, fast, wall_s=wall), indent=1) + "\n")
     print(f"report: {out}")
-    return 0 if all(g.passed for g in grades) and not run.reference_modules else 1
+    return 0 if core_passed(grades) and not run.reference_modules else 1
+

@@ -15,7 +15,13 @@ Jobs:
     tasks implement can be replaced by the instructor's simple stand-ins (each file defines
     apply(monkeypatch)), so that no task's grade depends on another's solution; the grader
     runs such tasks in a process of their own;
-  * probes (discovery only): `_course_probe.HITS`, the regions a test ran, are recorded.
+  * probes (discovery only): `_course_probe.HITS`, the regions a test ran, are recorded —
+    with those its module ran while being imported and those its wider-scoped fixtures ran
+    while being set up (a test that only reads a module fixture's cache still depends on the
+    code that wrote it);
+  * selectors (COURSE_SELECT): a manifest id `file::func[torch]` reaches pytest as `file::func`;
+    collection keeps only the parametrizations it selects;
+  * each failure's one-line summary: the exception line and where it was raised.
 """
 import faulthandler
 import json
@@ -26,16 +32,26 @@ import time
 
 import pytest
 
+try:
+    from _course_testids import matches as _matches      # course/testids.py, copied beside this file
+except ImportError:                                      # pragma: no cover — an old workspace
+    def _matches(nodeid, test_id):
+        return nodeid == test_id or nodeid.startswith(test_id + "[") or nodeid.startswith(test_id + "::")
+
 _RESULTS = os.environ.get("COURSE_RESULTS")
 _REF_DIRS = [pathlib.Path(p).resolve() for p in json.loads(os.environ.get("COURSE_REF_DIRS", "[]"))]
 _LIMITS = json.loads(os.environ.get("COURSE_LIMITS", "{}"))
 _STANDINS = json.loads(os.environ.get("COURSE_STANDINS", "[]"))   # stand-in files for this whole process
 _standin_patch = pytest.MonkeyPatch()
 _TEST_LIMIT = float(os.environ.get("COURSE_TEST_LIMIT", "0"))   # tests of no task (discovery)
+_SELECT = json.loads(os.environ.get("COURSE_SELECT", "null"))   # manifest test ids to narrow collection to
 _stream = open(_RESULTS, "a", buffering=1) if _RESULTS else None
 _outcomes: dict = {}
 _spent: dict = {}
 _started: dict = {}
+_module_hits: dict = {}          # module node id -> regions run while it was imported
+_fixture_hits: dict = {}         # fixture name -> regions run while it was set up (scope wider than a test)
+_fixtures_of: dict = {}          # test node id -> its fixture names
 
 
 def _emit(**event):
@@ -80,9 +96,77 @@ _install_guard()
 
 def _task_of(nodeid):
     for test_id, value in _LIMITS.items():
-        if nodeid == test_id or nodeid.startswith(test_id + "[") or nodeid.startswith(test_id + "::"):
+        if _matches(nodeid, test_id):
             return value
     return None
+
+
+def _probe():
+    return sys.modules.get("_course_probe")
+
+
+_PROBE_FILE = None
+if os.environ.get("COURSE_PROBE"):          # discovery: record from the first import on
+    import _course_probe  # noqa: F401
+    _PROBE_FILE = pathlib.Path.cwd() / f".probe.{os.getpid()}"
+    os.environ["COURSE_PROBE_FILE"] = str(_PROBE_FILE)      # what the test's subprocesses run
+    os.environ["COURSE_PROBE_PID"] = str(os.getpid())
+
+
+def _subprocess_hits():
+    if _PROBE_FILE is None or not _PROBE_FILE.exists():
+        return set()
+    found = set(_PROBE_FILE.read_text().split())
+    _PROBE_FILE.unlink()
+    return found
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    probe = _probe()
+    if probe is None or not isinstance(collector, pytest.Module):
+        yield
+        return
+    saved = set(probe.HITS)
+    probe.HITS.clear()
+    yield
+    _module_hits[collector.nodeid] = sorted(probe.HITS)
+    probe.HITS |= saved
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    probe = _probe()
+    if probe is None or fixturedef.scope == "function":
+        yield
+        return
+    saved = set(probe.HITS)
+    probe.HITS.clear()
+    yield
+    _fixture_hits[fixturedef.argname] = sorted(set(_fixture_hits.get(fixturedef.argname, [])) | probe.HITS)
+    probe.HITS |= saved
+
+
+_marks_of: dict = {}             # test node id -> its marker names (discovery: `slow`, `model` stay out of grades)
+
+
+def pytest_runtest_setup(item):
+    if _probe() is not None:
+        _fixtures_of[item.nodeid] = list(getattr(item, "fixturenames", []))
+        _marks_of[item.nodeid] = sorted({m.name for m in item.iter_markers()})
+
+
+def pytest_collection_modifyitems(config, items):
+    """Selectors (`file::func[torch]`) reached pytest as their function: keep only the
+    parametrizations they select (course/runner.py: pytest_args)."""
+    if _SELECT is None:
+        return
+    keep, drop = [], []
+    for item in items:
+        (keep if any(_matches(item.nodeid, s) for s in _SELECT) else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def pytest_collection_finish(session):
@@ -103,21 +187,47 @@ def pytest_runtest_logstart(nodeid, location):
     probe = sys.modules.get("_course_probe")
     if probe is not None:
         probe.HITS.clear()
+        _subprocess_hits()
     _emit(event="start", nodeid=nodeid, limit=limit, t=time.time())
 
 
 def pytest_runtest_logreport(report):
     nodeid = report.nodeid
-    state = _outcomes.setdefault(nodeid, {"outcome": "passed", "message": ""})
+    state = _outcomes.setdefault(nodeid, {"outcome": "passed", "message": "", "summary": ""})
     if report.failed:
         if state["outcome"] != "failed":
             state["outcome"] = "failed" if report.when == "call" else "error"
             text = str(report.longrepr) if report.longrepr is not None else ""
             lines = [ln for ln in text.splitlines() if ln.strip()]
             state["message"] = "\n".join(lines[-6:])[-1500:]
+            state["summary"] = _summary(report, lines)
     elif report.skipped and state["outcome"] == "passed":
         state["outcome"] = "skipped"
         state["message"] = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else ""
+
+
+def _shown_path(path):
+    """A path as the student knows it: '02_kvcache/block.py', 'tests/02_kvcache/test_x.py'."""
+    p = pathlib.Path(path)
+    try:
+        parts = p.relative_to(pathlib.Path.cwd()).parts
+    except ValueError:
+        return p.name
+    if len(parts) > 1 and parts[0] == "_import":
+        parts = (pathlib.Path(os.path.realpath(pathlib.Path("_import", parts[1]))).name,) + parts[2:]
+    return "/".join(parts)
+
+
+def _summary(report, lines):
+    """'AssertionError: assert 3 == 4 (tests/x.py:12)': the exception's first line, where raised."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None:
+        first = (crash.message or "").strip().splitlines()
+        where = f" ({_shown_path(crash.path)}:{crash.lineno})" if crash.path else ""
+        if first:
+            return (first[0][:300] + where)[:400]
+    e_lines = [ln[1:].strip() for ln in lines if ln.startswith("E ")]
+    return (e_lines[0] if e_lines else (lines[-1] if lines else ""))[:400]
 
 
 def pytest_runtest_logfinish(nodeid, location):
@@ -126,10 +236,17 @@ def pytest_runtest_logfinish(nodeid, location):
     entry = _task_of(nodeid)
     if entry is not None:
         _spent[entry[0]] = _spent.get(entry[0], 0.0) + elapsed
-    state = _outcomes.pop(nodeid, {"outcome": "error", "message": "no report"})
-    probe = sys.modules.get("_course_probe")
-    hits = sorted(probe.HITS) if probe is not None else None
-    _emit(event="done", nodeid=nodeid, duration=round(elapsed, 3), hits=hits, **state)
+    state = _outcomes.pop(nodeid, {"outcome": "error", "message": "no report", "summary": "no report"})
+    probe = _probe()
+    hits = None
+    if probe is not None:
+        found = set(probe.HITS) | _subprocess_hits()
+        found.update(_module_hits.get(nodeid.split("::")[0], []))
+        for name in _fixtures_of.pop(nodeid, []):
+            found.update(_fixture_hits.get(name, []))
+        hits = sorted(found)
+    extra = {"marks": _marks_of.pop(nodeid, [])} if probe is not None else {}
+    _emit(event="done", nodeid=nodeid, duration=round(elapsed, 3), hits=hits, **state, **extra)
 
 
 def pytest_sessionfinish(session, exitstatus):

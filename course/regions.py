@@ -21,6 +21,10 @@ Stubs fail loudly but keep everything else importable/compilable:
     string naming that type; in a torch extension (the CPU kernel) std::terminate prints it
     and the grader turns the crash into a failed test.
     Code after a C++ region must not use names declared inside it (checked by compiling).
+  * a C++ region of an OPTIONAL task (the performance track: kernels_cpu/) is an `#error`
+    instead: until it is written the kernel does not build, its `is_available()` says why, and
+    the engine runs on torch ops as with cpu_kernels="off" — an optional task left undone
+    never crashes the rest of the course.
 """
 from __future__ import annotations
 
@@ -156,7 +160,7 @@ def find_regions(text: str, path: str) -> list[Region]:
     return regions
 
 
-def stub_lines(region: Region, task_id: str, title: str) -> list[str]:
+def stub_lines(region: Region, task_id: str, title: str, optional: bool = False) -> list[str]:
     """What a stripped region holds: a stub that fails loudly and names the task."""
     message = f"{task_id}: {title}"
     ind = region.indent
@@ -164,6 +168,10 @@ def stub_lines(region: Region, task_id: str, title: str) -> list[str]:
         return [f"{ind}raise NotImplementedError({json.dumps(message, ensure_ascii=False)})"]
     tag = re.sub(r"\W", "_", task_id)
     comment = message.replace("*/", "* /").replace("\n", " ")
+    if optional:
+        text = comment.replace("\\", "/").replace('"', "'")
+        return [f'{ind}#error "{text} -- not implemented yet (performance track: until it is, this kernel does not '
+                f'build and the engine runs on torch ops)"']
     return [
         f"{ind}{{  // NotImplementedError — {comment}",
         "#if defined(__CUDA_ARCH__)",
@@ -202,14 +210,15 @@ def fill(text: str, path: str, solution_bodies: dict[str, list[str]]) -> str:
     return render(text, path, solution_bodies)
 
 
-def strip(text: str, path: str, task_of: dict[str, tuple[str, str]], keys: set[str] | None = None) -> str:
-    """Replace regions (all, or those in `keys`) by stubs; task_of[key] = (task id, title)."""
+def strip(text: str, path: str, task_of: dict[str, tuple], keys: set[str] | None = None) -> str:
+    """Replace regions (all, or those in `keys`) by stubs; task_of[key] = (task id, title) or
+    (task id, title, optional)."""
     stubs = {}
     for region in find_regions(text, path):
         if keys is not None and region.key not in keys:
             continue
-        task_id, title = task_of.get(region.key, ("unassigned", region.function))
-        stubs[region.key] = stub_lines(region, task_id, title)
+        task_id, title, *rest = task_of.get(region.key, ("unassigned", region.function))
+        stubs[region.key] = stub_lines(region, task_id, title, bool(rest and rest[0]))
     return render(text, path, stubs)
 
 

@@ -15,9 +15,15 @@ finder (which would map `kvcache` to this repository's 02_kvcache) and guards ev
 (kernels_cuda/emulator, which compiles the kernels_cuda/ it is imported from) builds the
 student's kernels.
 
+An overlay ({path: text}) replaces some of the student's files in the workspace: the grader
+fills in the reference of the tasks a task builds on (course/grade.py). A top-level folder with
+an overlaid file is copied rather than linked, so code that finds its sources from its own
+resolved path (the emulator, the CPU kernels' builder) sees the overlay too.
+
 A process that crashes (a C++ stub throws, a segfault) or runs out of a task's time is
-restarted on the tests it had not run yet; the test it died in is scored as crashed /
-timed out, and a timed-out task gets 0.
+restarted on the tests it had not run yet; the test it died in is scored as crashed (with the
+signal, the last frame of the student's code and the C++ exception, when the output has them)
+or timed out, and a timed-out task gets 0.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -36,9 +43,12 @@ import time
 import tomllib
 
 from course.layout import ROOT, Chapter, chapters
+from course.testids import function_of, matches
 
 PLUGIN = pathlib.Path(__file__).with_name("grader_plugin.py")
+TESTIDS = pathlib.Path(__file__).with_name("testids.py")
 ZYGOTE = pathlib.Path(__file__).with_name("zygote.py")
+BIG = 512 * 1024          # files above this are linked even in a copied folder
 
 
 @dataclasses.dataclass
@@ -46,8 +56,10 @@ class TestResult:
     nodeid: str
     outcome: str            # passed / failed / error / skipped / crashed / timeout / not run
     duration: float = 0.0
-    message: str = ""
+    message: str = ""       # the end of the failure report
     hits: list[str] | None = None
+    summary: str = ""       # one line: the failing assertion / exception (where it was raised)
+    marks: list[str] | None = None      # discovery only: its pytest markers
 
 
 @dataclasses.dataclass
@@ -78,34 +90,65 @@ def _ini(extra_markers: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+SKIP_ENTRIES = {"tests", ".git", ".venv", "conftest.py", "pytest.ini", "build", "__pycache__"}
+
+
+def _copy_with_overlay(src: pathlib.Path, dst: pathlib.Path, overlay: dict[str, str], prefix: str) -> None:
+    """src copied to dst (big files linked), the files named in overlay (paths relative to the
+    tree, under `prefix`) written from it."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for entry in sorted(src.iterdir()):
+        rel = f"{prefix}/{entry.name}"
+        if entry.name == "__pycache__":
+            continue
+        if entry.is_dir():
+            _copy_with_overlay(entry, dst / entry.name, overlay, rel)
+        elif rel in overlay:
+            (dst / entry.name).write_text(overlay[rel])
+            shutil.copymode(entry, dst / entry.name)
+        elif entry.stat().st_size > BIG:
+            (dst / entry.name).symlink_to(entry.resolve())
+        else:
+            shutil.copy2(entry, dst / entry.name)
+
+
 def make_workspace(student: pathlib.Path, ws: pathlib.Path, *, tests_src: pathlib.Path = ROOT / "tests",
-                   markers: list[str] = (), chs: list[Chapter] | None = None) -> pathlib.Path:
+                   markers: list[str] = (), chs: list[Chapter] | None = None,
+                   overlay: dict[str, str] | None = None) -> pathlib.Path:
     student = student.resolve()
     chs = chs or chapters()
+    overlay = overlay or {}
+    tops = {rel.split("/", 1)[0] for rel in overlay}
     ws.mkdir(parents=True, exist_ok=True)
     for entry in sorted(student.iterdir()):
-        if entry.name in ("tests", ".git", "conftest.py", "pytest.ini") or entry.name.startswith(".pytest"):
+        if entry.name in SKIP_ENTRIES or entry.name.startswith(".pytest") or entry.name.endswith(".egg-info"):
             continue
-        (ws / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+        if entry.name in tops and entry.is_dir():
+            _copy_with_overlay(entry, ws / entry.name, overlay, entry.name)
+        else:
+            (ws / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
     shutil.copytree(tests_src, ws / "tests", symlinks=False,
                     ignore=shutil.ignore_patterns("__pycache__", ".hypothesis", "*.pyc"))
     imports = ws / "_import"
     imports.mkdir()
     for ch in chs:
-        if (student / ch.folder).is_dir():
-            (imports / ch.package).symlink_to((student / ch.folder).resolve(), target_is_directory=True)
+        if (ws / ch.folder).is_dir():
+            target = ws / ch.folder if ch.folder in tops else (student / ch.folder).resolve()
+            (imports / ch.package).symlink_to(target, target_is_directory=True)
     shutil.copy(PLUGIN, ws / "_course_grader_plugin.py")
+    shutil.copy(TESTIDS, ws / "_course_testids.py")
     (ws / "pytest.ini").write_text(_ini(list(markers)))
     return ws
 
 
-def _extension_dir(student: pathlib.Path) -> str:
-    """torch.utils.cpp_extension build folder keyed by the student's C++ sources: trees with
-    the same sources share one build, and a student build never evicts the repository's."""
+def _extension_dir(tree: pathlib.Path) -> str:
+    """torch.utils.cpp_extension build folder keyed by the tree's C++ sources (and where they
+    are: the builder rebuilds when their paths change): trees with the same sources share one
+    build, and a student build never evicts the repository's."""
     digest = hashlib.sha256()
-    for p in sorted(student.resolve().glob("*/csrc/*")):
+    for p in sorted(tree.glob("*/csrc/*")):
         if p.is_file():
-            digest.update(p.name.encode() + p.read_bytes())
+            digest.update(str(p.resolve().parent).encode() + p.name.encode() + p.read_bytes())
     base = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache"))
     return str(base / "vllm_from_scratch" / "course_extensions" / digest.hexdigest()[:16])
 
@@ -114,8 +157,72 @@ def _reference_dirs(chs: list[Chapter]) -> list[str]:
     return [str((ROOT / ch.folder).resolve()) for ch in chs if (ROOT / ch.folder).is_dir()]
 
 
-def _matches(nodeid: str, test_id: str) -> bool:
-    return nodeid == test_id or nodeid.startswith(test_id + "[") or nodeid.startswith(test_id + "::")
+_matches = matches
+
+
+FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
+
+
+def crash_summary(nodeid: str, returncode: int, output: str, ws: pathlib.Path | None,
+                  chs: list[Chapter]) -> str:
+    """One line a student can act on: the signal, the test, the innermost frame of the
+    student's code in the fault handler's dump, and the C++ exception std::terminate names."""
+    sig = -returncode if returncode < 0 else None
+    if sig is None and "Fatal Python error" in output:
+        m = re.search(r"Fatal Python error: (\w+)", output)
+        names = {"Segmentation": signal.SIGSEGV, "Aborted": signal.SIGABRT, "Bus": signal.SIGBUS,
+                 "Floating": signal.SIGFPE}
+        sig = next((int(v) for k, v in names.items() if m and m.group(1).startswith(k)), None)
+    try:
+        what = f"signal {sig}, {signal.Signals(sig).name}" if sig else f"exit code {returncode}"
+    except ValueError:
+        what = f"signal {sig}"
+    line = f"your code crashed the test process ({what}) in test {nodeid}"
+    dump = output[output.find("Fatal Python error"):] if "Fatal Python error" in output else output
+    by_package = {c.package: c.folder for c in chs}
+    folders = {c.folder for c in chs}
+    for path, lineno, func in FRAME.findall(dump):        # innermost frame first
+        rel = _student_relpath(path, ws, by_package, folders)
+        if rel is not None:
+            line += f", at {rel}:{lineno} in {func}"
+            break
+    m = re.search(r"terminate called after throwing an instance of '([^']+)'", output)
+    if m:
+        line += f"; C++ threw {m.group(1)}"
+        w = re.search(r"what\(\):\s*(.+)", output[m.end():])
+        if w:
+            line += f": {w.group(1).strip()[:200]}"
+    return line
+
+
+def _student_relpath(path: str, ws: pathlib.Path | None, by_package: dict[str, str], folders: set[str]) -> str | None:
+    """'<ws>/_import/kvcache/block.py' or '<ws>/02_kvcache/block.py' -> '02_kvcache/block.py'."""
+    parts = pathlib.PurePosixPath(path).parts
+    for i, part in enumerate(parts):
+        if part == "_import" and i + 1 < len(parts) and parts[i + 1] in by_package:
+            return "/".join((by_package[parts[i + 1]],) + parts[i + 2:])
+    if ws is not None:
+        try:
+            rel = pathlib.PurePosixPath(path).relative_to(ws)
+        except ValueError:
+            return None
+        if rel.parts and rel.parts[0] in folders:
+            return rel.as_posix()
+    return None
+
+
+def pytest_args(test_ids: list[str]) -> tuple[list[str], list[str] | None]:
+    """(what to pass pytest, the ids its collection must be narrowed to, or None). A manifest
+    selector (`file::func[torch]`, course/testids.py) is no pytest node id: pytest is given the
+    function (`file::func`) and the grader plugin deselects what the selector does not match.
+    Exact node ids and other arguments (`-m`, files) pass unchanged."""
+    args, reduced = [], False
+    for a in test_ids:
+        if "::" in a and "[" in a:
+            a, reduced = function_of(a), True
+        if a not in args:
+            args.append(a)
+    return args, (list(test_ids) if reduced else None)
 
 
 def _read_events(path: pathlib.Path) -> list[dict]:
@@ -133,10 +240,12 @@ def _read_events(path: pathlib.Path) -> list[dict]:
 def run_tests(ws: pathlib.Path, test_args: list[str], *, task_limits: dict[str, tuple[str, float]] | None = None,
               extra_env: dict[str, str] | None = None, student: pathlib.Path | None = None,
               startup_s: float = 180.0, quiet: bool = True, chs: list[Chapter] | None = None,
-              standins: list[str] | None = None, zygote: "ZygoteClient | None" = None) -> RunResult:
+              standins: list[str] | None = None, zygote: "ZygoteClient | None" = None,
+              guard: bool = True) -> RunResult:
     """Run pytest in `ws` on `test_args` (node ids or paths) until every collected test has a
     result. task_limits: {test id: (task, seconds for the whole task)}. zygote: fork each pytest
-    process from it instead of starting a new interpreter (the same process, seconds sooner)."""
+    process from it instead of starting a new interpreter (the same process, seconds sooner).
+    guard=False: the tree graded IS the reference (an instructor checking it), nothing to refuse."""
     chs = chs or chapters()
     task_limits = dict(task_limits or {})
     results: dict[str, TestResult] = {}
@@ -151,8 +260,8 @@ def run_tests(ws: pathlib.Path, test_args: list[str], *, task_limits: dict[str, 
     env.update({
         "PYTHONPATH": os.pathsep.join([str(ws / "_import"), str(ws)]),
         "PYTHONDONTWRITEBYTECODE": "1",
-        "COURSE_REF_DIRS": json.dumps(_reference_dirs(chs)),
-        "TORCH_EXTENSIONS_DIR": _extension_dir(student or ws),
+        "COURSE_REF_DIRS": json.dumps(_reference_dirs(chs) if guard else []),
+        "TORCH_EXTENSIONS_DIR": _extension_dir(ws),
     })
     env["COURSE_STANDINS"] = json.dumps(list(standins or []))
     env.pop("PYTEST_ADDOPTS", None)
@@ -175,7 +284,9 @@ def run_tests(ws: pathlib.Path, test_args: list[str], *, task_limits: dict[str, 
         env["COURSE_LIMITS"] = json.dumps(left)
         budget = startup_s + sum({task: s for task, s in left.values()}.values()) if left else None
         args_file = ws / f".args.{token}.{processes}"
-        args_file.write_text("\n".join(pending))
+        args, select = pytest_args(pending)
+        env["COURSE_SELECT"] = json.dumps(select)
+        args_file.write_text("\n".join(args))
         cmd = [sys.executable, "-m", "pytest", "-c", str(ws / "pytest.ini"), "--rootdir", str(ws), "-q",
                "-p", "no:randomly", f"@{args_file}"]
         if zygote is not None:
@@ -202,7 +313,7 @@ def run_tests(ws: pathlib.Path, test_args: list[str], *, task_limits: dict[str, 
                 started = ev
             elif kind == "done":
                 results[ev["nodeid"]] = TestResult(ev["nodeid"], ev["outcome"], ev["duration"], ev["message"],
-                                                   ev.get("hits"))
+                                                   ev.get("hits"), ev.get("summary", ""), ev.get("marks"))
                 task = task_for(ev["nodeid"])
                 if task:
                     spent[task] = spent.get(task, 0.0) + ev["duration"]
@@ -223,8 +334,9 @@ def run_tests(ws: pathlib.Path, test_args: list[str], *, task_limits: dict[str, 
                 if task:
                     timed_out.add(task)
             else:
-                results[nodeid] = TestResult(nodeid, "crashed", elapsed,
-                                             f"the test process died (exit {returncode}):\n{stderr_tail[-1500:]}")
+                summary = crash_summary(nodeid, returncode, out or "", ws, chs)
+                results[nodeid] = TestResult(nodeid, "crashed", elapsed, f"{summary}\n{stderr_tail[-1500:]}",
+                                             summary=summary)
         remaining = [n for n in collected if n not in results and task_for(n) not in timed_out]
         if remaining and remaining == pending:
             for n in remaining:     # no progress: give up on these
@@ -301,15 +413,16 @@ class Workspace:
     """A temporary grading workspace for `student` (removed on exit unless keep=True)."""
 
     def __init__(self, student: pathlib.Path, *, markers: list[str] = (), keep: bool = False,
-                 parent: pathlib.Path | None = None):
+                 parent: pathlib.Path | None = None, overlay: dict[str, str] | None = None):
         self.student = pathlib.Path(student)
         self.markers = list(markers)
         self.keep = keep
         self.parent = parent
+        self.overlay = overlay
 
     def __enter__(self) -> pathlib.Path:
         self.path = pathlib.Path(tempfile.mkdtemp(prefix="course-grade-", dir=self.parent))
-        return make_workspace(self.student, self.path / "ws", markers=self.markers)
+        return make_workspace(self.student, self.path / "ws", markers=self.markers, overlay=self.overlay)
 
     def __exit__(self, *exc):
         if not self.keep:

@@ -127,6 +127,7 @@ void copy_rows(const at::Tensor& key, const at::Tensor& value, const at::Tensor&
   const int64_t kc_head = dst(key_cache, 0, 0, 1), vc_head = dst(value_cache, 0, 0, 1);
   // A decode step's few rows stay on this thread; a prefill chunk's thousands are split.
   at::parallel_for(0, num_tokens, 512, [&](int64_t begin, int64_t end) {
+    // ### BEGIN SOLUTION
     for (int64_t i = begin; i < end; ++i) {
       const int64_t slot = slots[i * slot_stride];
       if (slot < 0) continue;
@@ -140,6 +141,7 @@ void copy_rows(const at::Tensor& key, const at::Tensor& value, const at::Tensor&
         std::memcpy(vc_row + h * vc_head, v_row + h * v_head, row_bytes);
       }
     }
+    // ### END SOLUTION
   });
 }
 

@@ -57,6 +57,7 @@ template <typename T>
 void rms_norm_kernel(T* out, T* x, T* residual, const T* weight, int64_t rows, int64_t hidden, int64_t x_stride,
                      int64_t res_stride, int64_t out_stride, float eps) {
   at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t begin, int64_t end) {
+    // ### BEGIN SOLUTION
     for (int64_t r = begin; r < end; ++r) {
       T* xr = x + r * x_stride;
       T* src = xr;
@@ -80,6 +81,7 @@ void rms_norm_kernel(T* out, T* x, T* residual, const T* weight, int64_t rows, i
       for (int64_t j = 0; j < hidden; ++j)
         o[j] = static_cast<T>(static_cast<float>(weight[j]) * round_to<T>(static_cast<float>(src[j]) * inv_rms));
     }
+    // ### END SOLUTION
   });
 }
 
@@ -152,6 +154,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // two products and the sum each rounded to the dtype, as three torch ops would.
 template <typename T>
 inline void rotate_head(T* dst, const T* src, const T* cos, const T* sin, int64_t half) {
+  // ### BEGIN SOLUTION
   for (int64_t i = 0; i < half; ++i) {
     const float x1 = static_cast<float>(src[i]), x2 = static_cast<float>(src[i + half]);
     const float c1 = static_cast<float>(cos[i]), c2 = static_cast<float>(cos[i + half]);
@@ -159,6 +162,7 @@ inline void rotate_head(T* dst, const T* src, const T* cos, const T* sin, int64_
     dst[i] = static_cast<T>(round_to<T>(x1 * c1) + round_to<T>(-x2 * s1));
     dst[i + half] = static_cast<T>(round_to<T>(x2 * c2) + round_to<T>(x1 * s2));
   }
+  // ### END SOLUTION
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split_qkv(const at::Tensor& qkv, const at::Tensor& cos,

@@ -1,19 +1,24 @@
-"""course build / grade: the student edition, the isolated grading process, its report,
-time limits, crashes, and that grading never reaches the reference solution."""
+"""course build / grade: the student editions (what is solved, assigned, stripped; its own
+project files; local tests that import the student's code), the isolated grading process, its
+report and feedback, time limits, crashes, and that grading never reaches the reference."""
 import json
+import os
 import pathlib
+import subprocess
 import sys
 
 import pytest
 
 from course import regions as R
-from course.build import build, remove_tests
-from course.grade import grade_tree, main as grade_main, report_json
+from course.build import build, edition, remove_tests
+from course.grade import fill_overlay, grade_tree, main as grade_main, report_json
 from course.layout import ROOT
+from course.leaks import leaks, normalise
 from course.manifest import load
 from course.notebooks import strip_notebook
-from course.proof import check_student_edition
-from course.runner import make_workspace, run_tests
+from course.proof import check_student_edition, write_solution
+from course.runner import crash_summary, make_workspace, run_tests
+from course.layout import chapters
 
 
 @pytest.fixture(scope="module")
@@ -31,22 +36,122 @@ def test_student_edition_of_a_chapter(student_03):
     assert "### BEGIN SOLUTION" in text                                   # markers kept: where to write
     assert "kv_cache_manager.allocate_slots" not in "".join(R.bodies(text, "03_scheduler/scheduler.py")
                                                              ["03_scheduler/scheduler.py::Scheduler._schedule_running"])
-    assert "BEGIN SOLUTION" in (student_03 / "02_kvcache" / "block_pool.py").read_text()   # other chapters stay solved
+    # earlier chapters are handed out solved, later ones stripped too (not assigned)
     assert "raise NotImplementedError(" not in (student_03 / "02_kvcache" / "block_pool.py").read_text()
+    later = manifest.of_chapter("05_chunked_prefill")[0]
+    path = later.regions[0].split("::")[0]
+    assert f"raise NotImplementedError(\"{later.id}" in (student_03 / path).read_text()
+    info = json.loads((student_03 / "course_build.json").read_text())
+    assert info["assigned"] == [t.id for t in tasks] and "ch02_task1" in info["solved"] and later.id in info["later"]
     assignment = (student_03 / "03_scheduler" / "ASSIGNMENT.md").read_text()
     for t in tasks:
         assert f"### {t.id} — {t.title}" in assignment
+    assert "Given solved: 01_paged_attention, 02_kvcache." in assignment and "05_chunked_prefill" in assignment
+    assert "every other chapter's code is complete" not in assignment
     assert "What the reference achieves" in assignment and "python -m benchmarks.sim_batching" in assignment
-    info = json.loads((student_03 / "course_tasks.json").read_text())
-    assert set(info) == {t.id for t in tasks}
+    tables = json.loads((student_03 / "course_tasks.json").read_text())
+    assert set(tables["tasks"]) == {t.id for t in tasks} and tables["packages"]["kvcache"] == "02_kvcache"
     assert all(f'"{t.id}:' in (student_03 / "pyproject.toml").read_text() for t in tasks)   # registered markers
-    assert (student_03 / "conftest.py").exists()
+    assert '"course"' not in (student_03 / "pyproject.toml").read_text()
     assert not (student_03 / "course").exists() and not (student_03 / "tests" / "course").exists()
     assert not (student_03 / ".git").exists()
 
 
+def test_the_student_edition_is_its_own_project(student_03):
+    """Its own Makefile and README (not the instructor's, whose `make grade` cannot run there)."""
+    makefile = (student_03 / "Makefile").read_text()
+    for target in ("setup:", "test-task:", "grade:", "test:"):
+        assert f"\n{target}" in makefile
+    assert "course grade" not in makefile and "assignments:" not in makefile
+    assert "hidden tests" in makefile                     # what the instructor's grading adds
+    readme = (student_03 / "README.md").read_text()
+    assert "student edition" in readme and "make test-task T=ch02_task1" in readme
+    assert "How you are graded" in readme and "ch03_task1" in readme
+    assert (student_03 / "conftest.py").exists()
+    assert not (student_03 / "tests" / "test_repository.py").exists()
+
+
+def test_editions(tmp_path):
+    m = load()
+    assigned, solved, later = edition(m, [])
+    assert len(assigned) == len(m.tasks) and not solved and not later
+    assigned, solved, later = edition(m, ["02"])
+    assert {t.chapter for t in assigned} == {"02_kvcache"} and {t.chapter for t in solved} == {"01_paged_attention"}
+    assert {"kernels_cuda", "03_scheduler", "07_mini_vllm"} <= {t.chapter for t in later}
+    assigned, solved, later = edition(m, ["cuda"])
+    assert {t.chapter for t in assigned} == {"kernels_cuda"}
+    assert "kernels_cpu" in {t.chapter for t in later} and "07_mini_vllm" in {t.chapter for t in solved}
+
+
 def test_student_edition_imports_and_is_clean(student_03):
-    assert check_student_edition(student_03, ["03_scheduler"]) == []
+    assert check_student_edition(student_03) == []
+
+
+def _local_pytest(tree, task):
+    """`pytest -m <task>` in the student tree with THIS interpreter, where the repository's
+    editable install is active (what a student next to an instructor checkout has)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", task],
+                          cwd=tree, env=env, capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_local_tests_test_the_students_code(tmp_path):
+    """Stubbed: the task's local tests fail; the reference written in: they pass; a bug in it:
+    they fail again — never the instructor's copy, although it is installed (editable) here."""
+    import kvcache
+    assert pathlib.Path(kvcache.__file__).resolve().is_relative_to(ROOT)      # the trap is set
+    tree = tmp_path / "ed"
+    build(["02"], tree)
+    task = load().by_id("ch02_task1")
+    rc, out = _local_pytest(tree, task.id)
+    assert rc != 0 and "NotImplementedError: ch02_task1" in out and "tasks: public tests passed" in out
+    write_solution(tree, task)
+    rc, out = _local_pytest(tree, task.id)
+    assert rc == 0, out[-3000:]
+    block = tree / "02_kvcache" / "block.py"
+    text = block.read_text()
+    broken = text.replace("block = self.fake_free_list_head.next_free_block",
+                          "block = self.fake_free_list_tail.prev_free_block")        # pops the tail: LIFO
+    assert broken != text
+    block.write_text(broken)
+    rc, out = _local_pytest(tree, task.id)
+    assert rc != 0 and "FAIL" in out, out[-3000:]
+
+
+def test_no_solution_left_in_the_full_edition(tmp_path):
+    """Every stripped region's body (normalised) is gone from every file of the edition, and
+    every known sibling (a copy of a task's code elsewhere) is stubbed too."""
+    tree = tmp_path / "full"
+    info = build([], tree)
+    assert leaks(tree, load(), info["stripped"]) == []
+    # the check itself finds a copy, however it is indented or commented
+    key = "02_kvcache/block.py::FreeKVCacheBlockQueue.popleft"
+    body = R.bodies((ROOT / "02_kvcache/block.py").read_text(), "02_kvcache/block.py")[key]
+    copy = "def my_pop(self):   # a 'helper' left in a later chapter\n" + "\n".join("  " + ln.strip() for ln in body)
+    (tree / "07_mini_vllm" / "helper.py").write_text(copy)
+    assert any("07_mini_vllm/helper.py holds the solution of ch02_task1" in x for x in leaks(tree, load(), info["stripped"]))
+    assert normalise("x = f(a,  b)  # note") == normalise("x=f(a,b)")
+
+
+def test_a_per_chapter_edition_hands_out_no_later_solution(tmp_path):
+    tree = tmp_path / "ed02"
+    info = build(["02"], tree)
+    assert leaks(tree, load(), info["stripped"]) == []
+    assert set(info["stripped"]) >= {t.id for t in load().tasks if t.chapter in ("06_global_prefix_cache", "kernels_cuda")}
+
+
+def test_grading_fills_in_the_tasks_a_task_builds_on_never_its_own(tmp_path):
+    tree = tmp_path / "full"
+    build([], tree)
+    m = load()
+    task = m.by_id("ch02_task1")
+    overlay, notes = fill_overlay(tree, m.builds_on(task))
+    assert not notes and overlay
+    assert {p.split("/")[0] for p in overlay} == {"01_paged_attention"}
+    for rel, text in overlay.items():
+        assert "NotImplementedError(\"ch01_" not in text
+    assert not any(rel.startswith("02_kvcache/") for rel in overlay)
 
 
 def test_hidden_tests_are_cut_out_of_their_file():
@@ -103,15 +208,36 @@ def test_grading_the_stripped_chapter_fails_every_task_and_reports_json(student_
     assert rc == 1
     data = json.loads(report.read_text())
     assert set(data) >= {"student", "mode", "passed", "num_tasks", "num_passed", "score", "tasks",
-                         "reference_modules_imported", "wall_s"}
+                         "reference_modules_imported", "wall_s", "optional"}
     assert data["mode"] == "fast" and data["passed"] is False and data["num_passed"] == 0
     assert data["reference_modules_imported"] == []
     assert [t["id"] for t in data["tasks"]] == [t.id for t in load().of_chapter("03_scheduler")]
     for t in data["tasks"]:
-        assert t["status"] == "FAIL" and t["score"] < 1 and t["tests_total"] >= 1
-        assert set(t["tests"][0]) == {"nodeid", "outcome", "duration", "message"}
-        assert any("NotImplementedError" in x["message"] for x in t["tests"])
-    assert "tasks passed" in capsys.readouterr().out
+        assert t["status"] == "FAIL" and t["score"] < 1 and t["tests_total"] >= 1 and t["seconds"] > 0
+        assert set(t["tests"][0]) == {"nodeid", "outcome", "duration", "summary", "message"}
+        assert any(x["summary"].startswith(f"NotImplementedError: {t['id']}") for x in t["tests"])
+    out = capsys.readouterr().out
+    assert "tasks passed" in out and "What failed" in out
+    first = data["tasks"][0]["tests"][0]
+    assert f"{first['nodeid']}: failed — NotImplementedError: {data['tasks'][0]['id']}" in out.replace("\n", "")
+    title = load().by_id("ch03_task3").title                   # full titles: nothing cut at 60 characters
+    assert title.split()[-1] in out
+
+
+def test_grading_the_reference_itself(capsys, tmp_path):
+    """`make grade STUDENT=.`: the instructor checks the reference; every task passes, its full
+    test set (ch01_task5's has selectors such as `func[torch]`: each selects its parametrizations)."""
+    tasks = ["ch03_task1", "ch02_task1", "ch01_task5"]
+    assert any("[" in x for x in load().by_id("ch01_task5").tests)
+    rc = grade_main(str(ROOT), chapters=None, task_ids=tasks, fast=False, json_path=str(tmp_path / "r.json"))
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "grading the reference solution" in out
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["num_passed"] == 3
+    task5 = next(t for t in data["tasks"] if t["id"] == "ch01_task5")
+    assert not any(x["outcome"] == "missing" for x in task5["tests"])
+    assert task5["tests_total"] > len(load().by_id("ch01_task5").tests)      # parametrizations, each a test
 
 
 # ---------------------------------------------------------------- the grading process itself
@@ -137,8 +263,19 @@ def test_after_the_crash():
 def test_where_kvcache_comes_from():
     import kvcache
     pathlib.Path(os.environ["WHERE_FILE"]).write_text(str(pathlib.Path(kvcache.__file__).resolve()))
+
+def test_segfault_in_student_code():
+    from kvcache.crash_helper import read_address
+    read_address(8)
 ''',
 }
+
+CRASH_HELPER = '''import ctypes
+
+
+def read_address(address):
+    return ctypes.c_int.from_address(address).value
+'''
 
 
 def fake_workspace(tmp_path, student):
@@ -155,6 +292,8 @@ def minimal_student(tmp_path, chapters=("01_paged_attention", "02_kvcache")):   
         (student / ch).mkdir(parents=True)
         for p in (ROOT / ch).glob("*.py"):
             (student / ch / p.name).write_text(p.read_text())
+    if "02_kvcache" in chapters:
+        (student / "02_kvcache" / "crash_helper.py").write_text(CRASH_HELPER)
     return student
 
 
@@ -196,3 +335,27 @@ def test_a_package_missing_from_the_student_tree_does_not_fall_back_to_the_refer
     result = run.results["tests/test_fake.py::test_where_kvcache_comes_from"]
     assert result.outcome == "failed" and ("ModuleNotFoundError" in result.message or "ImportError" in result.message)
     assert not (tmp_path / "where").exists()
+
+
+def test_a_crash_names_the_signal_the_test_and_the_students_code(tmp_path):
+    student = minimal_student(tmp_path)
+    ws = fake_workspace(tmp_path, student)
+    test = "tests/test_fake.py::test_segfault_in_student_code"
+    run = run_tests(ws, [test], student=student)
+    result = run.results[test]
+    assert result.outcome == "crashed"
+    assert result.summary.startswith(f"your code crashed the test process (signal 11, SIGSEGV) in test {test}"), result.summary
+    assert "at 02_kvcache/crash_helper.py:5 in read_address" in result.summary, result.message
+
+
+def test_a_cpp_terminate_is_reported_with_the_exception():
+    output = """terminate called after throwing an instance of 'cuda_task1_NotImplementedError'
+Fatal Python error: Aborted
+
+Thread 0x00007f (most recent call first):
+  File "/tmp/ws/_import/kvcache/ops.py", line 40 in copy_blocks
+  File "/tmp/ws/tests/02_kvcache/test_x.py", line 9 in test_copy
+"""
+    line = crash_summary("tests/02_kvcache/test_x.py::test_copy", -6, output, pathlib.Path("/tmp/ws"), chapters())
+    assert line == ("your code crashed the test process (signal 6, SIGABRT) in test tests/02_kvcache/test_x.py::test_copy, "
+                    "at 02_kvcache/ops.py:40 in copy_blocks; C++ threw cuda_task1_NotImplementedError")

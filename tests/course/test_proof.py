@@ -1,22 +1,47 @@
-"""The proof, in CI, for every chapter with solution regions (course/proof.py):
-(1) the student edition builds and imports; (2) grading it fails every task; (3) putting one
-task's reference back makes exactly that task pass; (4) the reference passes every task.
-On each task's `fast` tests (course/tasks.toml), in parallel on the CI machine's cores."""
+"""The proof, in CI (course/proof.py), on the FULL student edition — every task of every
+chapter stubbed: (1) the edition builds, imports, holds no solution and every task's marker
+collects its public tests; (2) grading it fails every task; (3) putting one task's reference
+back makes that task pass with everything else still stubbed — its full test set (public and
+hidden) for a rotating share of the tasks each day, its fast tests for the rest
+(`python -m course proof --full`: every task's full set). And the proof a course runs: a
+scripted student solving chapter 02 task by task, the score rising by exactly that task."""
 import json
 import os
 
-from course.manifest import chapters_with_regions, load
-from course.proof import proof
+from course.manifest import load
+from course.proof import ROTATION, proof, rotating_share, walk
 
 
-def test_the_assignments_prove_out_for_every_chapter(tmp_path):
-    folders = [c.folder for c in chapters_with_regions()]
+def test_the_full_edition_proves_out(tmp_path):
+    manifest = load()
     report = proof([], fast=True, jobs=max(2, min(4, os.cpu_count() or 2)), out_json=tmp_path / "proof.json",
                    verbose=True)
     failures = [r for r in report["configs"] if not r["ok"]]
     assert not report["step1_errors"], report["step1_errors"]
     assert not failures, json.dumps(failures, indent=1)[:6000]
-    assert report["chapters"] == folders
-    manifest = load()
-    assert len(report["configs"]) == sum(len(manifest.of_chapter(f)) + 2 for f in folders)
+    assert report["edition"] == "full" and report["num_tasks"] == len(manifest.tasks)
+    assert len(report["configs"]) == len(manifest.tasks) + 1               # stripped + one per task
+    stripped = report["configs"][0]
+    assert stripped["config"] == "stripped" and stripped["passed"] == [] and len(stripped["graded"]) == len(manifest.tasks)
+    assert set(report["full_sets"]) == rotating_share([t.id for t in manifest.tasks])
+    assert report["full_sets"]                                            # some full sets every run
+    assert report["ok"]
+
+
+def test_the_rotation_covers_every_task():
+    ids = [t.id for t in load().tasks]
+    covered = set().union(*(rotating_share(ids, day) for day in range(ROTATION)))
+    assert covered == set(ids)
+    assert all(len(rotating_share(ids, day)) <= len(ids) // ROTATION + 1 for day in range(ROTATION))
+
+
+def test_a_student_solving_chapter_02_in_order(tmp_path):
+    report = walk("02", fast=True, tmp_parent=tmp_path)
+    steps = report["steps"]
+    assert steps[0]["passed"] == []
+    assert [s["solved"] for s in steps[1:]] == [t.id for t in load().of_chapter("02_kvcache")]
+    bad = [s for s in steps[1:] if not s["ok"]]
+    assert not bad, bad
+    scores = [s["score"] for s in steps[1:]]
+    assert scores == sorted(scores) and len(set(scores)) == len(scores)
     assert report["ok"]

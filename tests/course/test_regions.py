@@ -121,6 +121,23 @@ def test_stripped_cpp_compiles_and_fails_loudly(tmp_path):
     assert proc.returncode != 0 and "ch09_task1_NotImplementedError" in proc.stderr
 
 
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_an_optional_tasks_cpp_stub_does_not_build_and_says_why(tmp_path):
+    """Performance track: the stub is an #error naming the task, so the kernel is unavailable
+    (the engine falls back to torch ops) instead of crashing whoever calls it; the CPU kernels'
+    builder reports it without running the compiler."""
+    from kernels_cpu.build import unwritten
+    task_of = {r.key: ("cpu_task9", "a fast sum", True) for r in R.find_regions(C, "k.cpp")}
+    stripped = R.strip(C, "k.cpp", task_of)
+    assert R.fill(stripped, "k.cpp", R.bodies(C, "k.cpp")) == C
+    src = tmp_path / "k.cpp"
+    src.write_text(stripped)
+    proc = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-x", "c++", str(src)], capture_output=True, text=True)
+    assert proc.returncode != 0 and "cpu_task9: a fast sum -- not implemented yet" in proc.stderr
+    assert "cpu_task9: a fast sum" in unwritten([src])
+    assert unwritten([tmp_path / "k.cpp"]) and (src.write_text(C) or unwritten([src]) is None)
+
+
 @pytest.mark.parametrize("bad,error", [
     ("def f():\n    ### BEGIN SOLUTION\n    x = 1\n", "never closed"),
     ("def f():\n    x = 1\n    ### END SOLUTION\n", "without a BEGIN"),

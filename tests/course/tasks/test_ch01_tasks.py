@@ -95,22 +95,3 @@ def test_triton_prefill_equals_sdpa_and_writes_the_cache():
     check_prefill(out, q, k, v, qsl)
     torch.testing.assert_close(kc.reshape(40, 2, 16)[slots], k)
     torch.testing.assert_close(vc.reshape(40, 2, 16)[slots], v)
-
-
-@pytest.mark.parametrize("kv_splits", [1, 3])
-def test_cpu_kernel_unified_attention_equals_sdpa(kv_splits):
-    """The C++ kernel (run_item; merge_pieces when the KV of an item is split) on a
-    chunked-prefill + decode batch, checked against SDPA on the same K/V."""
-    from kernels_cpu import attention as cpu_ops
-    try:
-        cpu_ops.load()
-    except RuntimeError as e:                 # no compiler / ninja: the kernel cannot be built here
-        pytest.skip(str(e))
-    seq_lens, query_lens = [37, 5, 64], [4, 5, 1]
-    kc, vc, table, lens, keys, values = paged_cache(seq_lens)
-    q = torch.randn(sum(query_lens), 4, 16, generator=GEN)
-    qsl = torch.tensor([0, 4, 9, 10], dtype=torch.int32)
-    out = cpu_ops.unified_attention(q, kc, vc, table, lens, qsl, 0.25, kv_splits=kv_splits)
-    for i in range(3):
-        a, b = int(qsl[i]), int(qsl[i + 1])
-        torch.testing.assert_close(out[a:b], sdpa(q[a:b], keys[i], values[i], causal=True), atol=1e-4, rtol=1e-4)

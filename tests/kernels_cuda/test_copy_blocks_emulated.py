@@ -2,9 +2,8 @@
 (kernels_cuda/emulator): the real launcher (grid (num_pairs, num_caches), min(1024, words)
 threads, the word type from vec_bytes) and kernel, compiled with g++, one host thread per CUDA
 thread. What it checks: the pair/cache indexing and the word loop, for every word width the
-launcher picks, with blocks larger than a thread block (the loop strides). It is the grading
-test of the CUDA copy_blocks task (course/tasks.toml); a stripped kernel's throw comes back
-as a launch failure naming the task.
+launcher picks, with blocks larger than a thread block (the loop strides). In a course's
+student edition a stripped kernel's throw comes back as a launch failure naming the task.
 """
 import ctypes
 
