@@ -12,19 +12,40 @@ both waiting and running, the scheduler's and the KV manager's invariants; and, 
 the K/V of exactly its own prefix (a shadow of every slot, written through the runner's own block
 tables, moved by the swap pairs, loaded by the connector). At the end: every admitted request
 finished (no deadlock, no livelock) and not one KV block, CPU block or block hash is left behind.
+
+Also the two helpers of the chapters' exact scheduler tests: `req` (a request with a distinct
+prompt) and `step` (schedule, run the mock model, update, check every invariant).
 """
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Callable
 
-from scheduler import POLICIES, Request, RequestStatus, SchedulerConfig, ShadowKVRunner
+from scheduler import MockModelRunner, POLICIES, Request, RequestStatus, SchedulerConfig, ShadowKVRunner
 
 EOS = 2
 SHARED_PREFIX = list(range(100, 140))    # some prompts share a prefix: prefix-cache hits happen
 
 # factory(config, kv_cache_manager, connector or None) -> a scheduler
 SchedulerFactory = Callable
+
+_distinct = itertools.count(1)
+
+
+def req(rid, prompt_len, max_tokens=8, arrival=0.0, first_token=None, **kw) -> Request:
+    """Prompts are distinct unless first_token says otherwise (no accidental prefix hits)."""
+    first = 1000 * next(_distinct) if first_token is None else first_token
+    return Request(rid, list(range(first, first + prompt_len)), max_tokens=max_tokens, arrival_time=arrival, **kw)
+
+
+def step(s, runner=MockModelRunner()):
+    """One step through the mock model, every invariant checked -> (SchedulerOutput, {id: output})."""
+    out = s.schedule()
+    outs = s.update_from_output(out, runner.execute(s.requests, out))
+    s.check_invariants()
+    s.kv_cache_manager.check_invariants()
+    return out, {o.request_id: o for o in outs}
 
 
 def make_runner(num_blocks, block_size, num_cpu_blocks, connector, **kwargs) -> ShadowKVRunner:

@@ -1,10 +1,9 @@
 """Scheduler traces, step by step: exact Δ per request, exact block ids, exact victims."""
-import itertools
-
 import pytest
 
 from kvcache import BlockSpaceManager
-from scheduler import FinishReason, MockModelRunner, ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerConfig
+from scheduler import FinishReason, ModelRunnerOutput, Request, RequestStatus, Scheduler, SchedulerConfig
+from scheduler_workloads import req, step
 
 
 def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, max_model_len=64, caching=True, cpu=0, **config):
@@ -12,23 +11,6 @@ def make(num_blocks=16, block_size=4, max_num_seqs=8, budget=64, max_model_len=6
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
                              **config)
     return Scheduler(config, kv), kv
-
-
-_distinct = itertools.count(1)
-
-
-def req(rid, prompt_len, max_tokens=8, arrival=0.0, first_token=None, **kw):
-    """Prompts are distinct unless first_token says otherwise (no accidental prefix hits)."""
-    first = 1000 * next(_distinct) if first_token is None else first_token
-    return Request(rid, list(range(first, first + prompt_len)), max_tokens=max_tokens, arrival_time=arrival, **kw)
-
-
-def step(s, runner=MockModelRunner()):
-    out = s.schedule()
-    outs = s.update_from_output(out, runner.execute(s.requests, out))
-    s.check_invariants()
-    s.kv_cache_manager.check_invariants()
-    return out, {o.request_id: o for o in outs}
 
 
 def test_requests_join_and_leave_every_step():

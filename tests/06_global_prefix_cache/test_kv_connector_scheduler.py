@@ -3,31 +3,15 @@ hit that lives on another machine ([Kwon 2025, §4.4.4, Table 4.1], the prefill-
 row), exact traces step by step: asynchronous loads wait in WAITING_FOR_REMOTE_KVS without
 blocking the queue, the last token is always computed, and idle holders of loaded K/V give their
 blocks up when the pool is full."""
-import itertools
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from global_prefix_cache.scheduler import KVConnectorBase, KVConnectorScheduler
 from kvcache import BlockSpaceManager, KVCacheManager
 from scheduler import MockModelRunner, ModelRunnerOutput, Request, RequestStatus, SchedulerConfig
+from scheduler_workloads import req, step
 
 MAX_MODEL_LEN = 128
-_distinct = itertools.count(1)
-
-
-def req(rid, prompt_len, max_tokens=8, arrival=0.0, first_token=None, **kw):
-    """Prompts are distinct unless first_token says otherwise (no accidental prefix hits)."""
-    first = 1000 * next(_distinct) if first_token is None else first_token
-    return Request(rid, list(range(first, first + prompt_len)), max_tokens=max_tokens, arrival_time=arrival, **kw)
-
-
-def step(s, runner=MockModelRunner()):
-    out = s.schedule()
-    outs = s.update_from_output(out, runner.execute(s.requests, out))
-    s.check_invariants()
-    s.kv_cache_manager.check_invariants()
-    return out, {o.request_id: o for o in outs}
 
 
 def test_the_core_scheduler_needs_no_connector_and_this_one_needs_one():
