@@ -75,14 +75,11 @@ class EngineCore:
             logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", config.capture_sizes(),
                         time.perf_counter() - t0)
 
-        # Swap preemption needs vLLM v0's BlockSpaceManager (a CPU tier); otherwise the v1 manager.
-        if self.kv_cache_report.num_cpu_blocks:
-            self.kv_cache_manager: KVCacheManager = BlockSpaceManager(
-                self.kv_cache_report.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
-                num_cpu_blocks=self.kv_cache_report.num_cpu_blocks)
-        else:
-            self.kv_cache_manager = KVCacheManager(self.kv_cache_report.num_blocks, config.block_size,
-                                                   enable_caching=config.enable_prefix_caching)
+        # Chapter 02's v1 manager with vLLM v0's two additions: copy-on-write (parallel sampling
+        # forks its children on it) and the CPU tier of swap preemption (0 blocks: none).
+        self.kv_cache_manager: KVCacheManager = BlockSpaceManager(
+            self.kv_cache_report.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
+            num_cpu_blocks=self.kv_cache_report.num_cpu_blocks)
         self.kv_connector = self._make_kv_connector()
         self.scheduler = make_scheduler(config.scheduler_config(model_config.max_model_len), self.kv_cache_manager,
                                         self.kv_connector)

@@ -33,6 +33,7 @@ from mini_vllm.config import ModelConfig, read_default_sampling_params
 from mini_vllm.core import EngineCore, EngineCoreStep
 from mini_vllm.engine_config import EngineConfig
 from mini_vllm.output_processor import OutputProcessor
+from mini_vllm.parallel_sampling import ParentRequest
 from mini_vllm.outputs import RequestOutput
 from mini_vllm.processor import Processor, PromptType
 from mini_vllm.sampling_params import SamplingParams
@@ -106,6 +107,8 @@ class LLMEngine:
             prompt_token_ids = self.processor.validate(prompt_token_ids, params)
         params = self.processor.prepare_params(params)
         kv_transfer_params = self.engine_core.validate_kv_transfer_params(kv_transfer_params)
+        if params.n > 1:
+            self._check_parallel_sampling(request_id, params.n, kv_transfer_params)
         if kv_transfer_params is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs cannot be combined with kv_transfer_params: K/V loaded from another "
                              "engine comes without the logits the prompt's logprobs need")
@@ -123,9 +126,21 @@ class LLMEngine:
         self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None,
                                           prompt_token_ids, params, arrival_time)
 
+    def _check_parallel_sampling(self, request_id: str, n: int, kv_transfer_params) -> None:
+        """n > 1: its children's ids must be free, and it runs on this engine alone."""
+        if kv_transfer_params is not None:
+            raise ValueError("n > 1 cannot be combined with kv_transfer_params (remote K/V is per request)")
+        if self.config.speculative_config is not None:
+            raise ValueError("n > 1 is not supported with speculative decoding here: a forked child would need "
+                             "its own drafter state (an EAGLE head's hidden states of the prompt)")
+        taken = [i for i in ParentRequest(request_id, n).child_ids[1:] if i in self.output_processor.request_states]
+        if taken:
+            raise ValueError(f"request id {request_id!r}: its children's ids {taken[:3]} are in use")
+
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
-        """Stop requests now; their KV blocks are freed at once."""
+        """Stop requests now (with n > 1: every child); their KV blocks are freed at once."""
         request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        request_ids = [c for r in request_ids for c in self.output_processor.child_ids(r)]
         self.engine_core.abort_requests(request_ids)
         self.output_processor.abort_requests(request_ids)
         for request_id in request_ids:

@@ -43,6 +43,7 @@ the sampler refuses such rows, the runner samples the other rows and reports the
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -66,7 +67,8 @@ from mini_vllm.model_inputs import ModelInputs, prepare_inputs
 from mini_vllm.models.attention import ATTENTION_BACKENDS
 from mini_vllm.models.loader import get_model
 from mini_vllm.input_batch import CachedRequestState, InputBatch
-from mini_vllm.logits_processors import apply_logits_processors
+from mini_vllm.logits_processors import OutputTokens, apply_logits_processors
+from mini_vllm.parallel_sampling import child_request_id
 from mini_vllm.sampler import (Sampler, SamplerOutput, SamplingMetadata, compute_logprobs, nonfinite_rows,
                               request_generator)
 from mini_vllm.sampling_params import SamplingParams
@@ -89,6 +91,8 @@ class ModelRunnerOutput(SchedulerModelRunnerOutput):
     logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
     # req_id -> its prompt's logprobs (positions 1..L-1, same tuples), once, when the prompt is complete
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
+    # parallel sampling: parent req_id -> [(child req_id, its first token)] forked this step
+    forked: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
     spec_decode: SpecDecodeStepStats | None = None      # what speculation did this step (chapter 04)
 
 
@@ -243,13 +247,16 @@ class ModelRunner:
                 hidden = self.cuda_graph_runner.run(inputs)                              # [T, hidden]
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-            self._prompt_logprobs(hidden, rows, num_scheduled, sample_rows, output)
             if self.spec_decode is None:
                 self._sample(hidden, inputs.logits_indices, sample_rows, output)
             else:
                 self._sample_with_drafts(hidden, inputs, sample_rows, output)
                 self._keep_hidden_for_drafter(hidden, rows, num_scheduled, output)
             ### END SOLUTION
+            # What only some requests ask for, from the same step's hidden [T, hidden], inputs and
+            # sample_rows: their prompts' logprobs, and parallel sampling's children.
+            self._prompt_logprobs(hidden, rows, num_scheduled, sample_rows, output)
+            self._fork_rows(hidden, inputs.logits_indices, sample_rows, output)
         except Exception as error:      # noqa: BLE001 — isolating per-request faults is the point
             if len(rows) == 1:
                 req_id = self.input_batch.req_ids[rows[0]]
@@ -367,6 +374,9 @@ class ModelRunner:
         else:
             state.block_ids.extend(new_block_ids)
         row = batch.req_id_to_index.get(req_id)
+        if resumed and row is not None:                  # still in the batch, its block table replaced
+            batch.remove_request(req_id)                 # (copy-on-write): the row is rebuilt
+            row = None
         if row is None:                                  # resumed, or back after a step unscheduled
             batch.add_request(state)
         else:
@@ -451,6 +461,55 @@ class ModelRunner:
             output.prompt_logprobs[state.req_id] = list(state.prompt_logprobs or [])
             state.prompt_logprobs_sent = True
             batch.num_prompt_logprobs[row] = -1
+
+    def _fork_rows(self, hidden: torch.Tensor, logits_indices: torch.Tensor, sample_rows: np.ndarray,
+                   output: ModelRunnerOutput) -> None:
+        """Parallel sampling (n > 1): a request that just completed its prompt has sampled child 0's
+        first token; draw children 1..n-1's from the same logits row, each with its own params
+        (seed + i) and generator, and keep their states for when the scheduler sends them
+        (parallel_sampling.py: the scheduler forks their blocks). Prompt rows carry no drafts,
+        so logits_indices[j] is sample row j's last token in either sampling path."""
+        batch = self.input_batch
+        num_children = batch.num_children[sample_rows]                                  # [S]
+        pos = [j for j in np.flatnonzero(num_children > 0).tolist()
+               if batch.req_ids[sample_rows[j]] not in output.failed]
+        if not pos:
+            return
+        parents = [batch.states[sample_rows[j]] for j in pos]
+        families = [[self._child_state(parent, i) for i in range(1, parent.sampling_params.n)] for parent in parents]
+        children = [c for family in families for c in family]
+        logits = self.model.compute_logits(hidden[logits_indices[pos]])                 # [F, V]
+        logits = logits.repeat_interleave(torch.tensor([p.sampling_params.n - 1 for p in parents],
+                                                       device=logits.device), dim=0)    # [C, V]
+        md = SamplingMetadata.from_params([c.sampling_params for c in children], [c.generator for c in children],
+                                          req_ids=[c.req_id for c in children], device=self.device,
+                                          prompt_token_ids=[c.prompt_token_ids for c in children])
+        no_outputs = OutputTokens.from_lists([[] for _ in children], device=self.device)
+        result = self.sampler(logits, md, no_outputs if md.logits_processors is not None else None)
+        lp = result.logprobs_tensors
+        for j, (child, token) in enumerate(zip(children, result.sampled_token_ids.tolist())):
+            child.output_token_ids.append(token)
+            self.requests[child.req_id] = child
+            k = child.sampling_params.logprobs
+            if k is not None:
+                output.logprobs[child.req_id] = [(lp.logprob_token_ids[j, :k + 1].tolist(),
+                                                  lp.logprobs[j, :k + 1].tolist(), int(lp.selected_token_ranks[j]))]
+        for j, parent, family in zip(pos, parents, families):
+            parent.forked = True
+            batch.num_children[sample_rows[j]] = 0
+            output.forked[parent.req_id] = [(c.req_id, c.output_token_ids[0]) for c in family]
+
+    def _child_state(self, parent: CachedRequestState, index: int) -> CachedRequestState:
+        """Child `index` of a parallel-sampling request: the parent's prompt (its K/V is the
+        parent's, shared), its own params — seed + index, as vLLM's ParentRequest — and generator."""
+        params = copy.copy(parent.sampling_params)     # keeps what the Processor filled in
+        params.n = 1
+        if params.seed is not None:
+            params.seed += index
+        state = CachedRequestState(child_request_id(parent.req_id, index), list(parent.prompt_token_ids), params,
+                                   request_generator(params, self.device), [], len(parent.prompt_token_ids))
+        state.forked = state.prompt_logprobs_sent = True
+        return state
 
     def _record(self, result: SamplerOutput, rows: np.ndarray, output: ModelRunnerOutput) -> None:
         """Append each sampled token to its request (the runner keeps its own copy of the

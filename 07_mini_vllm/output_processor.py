@@ -18,6 +18,10 @@ the one plain decoding gives, so a request with stop strings is detokenized toke
 cut at the first token that completes one (the tokens after it were computed, but plain
 decoding would never have produced them). Each step's draft counts and times go into the
 request's `RequestMetrics.spec_decoding`.
+
+Parallel sampling (n > 1): each child has its own RequestState (its own detokenizer, stop
+strings, logprobs); a `ParentRequest` gathers their completions into the parent's RequestOutput
+(`outputs[i]` is child i), finished when all n are.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from spec_decode import SpecDecodingStats
 
 from mini_vllm.core import EngineCoreStep
 from mini_vllm.detokenizer import IncrementalDetokenizer
+from mini_vllm.parallel_sampling import ParentRequest
 from mini_vllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -53,20 +58,34 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}          # child id (child 0: the parent's) -> its parent
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float) -> None:
-        if request_id in self.request_states:
-            raise ValueError(f"request id {request_id!r} is already running")
-        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if params.detokenize else None
-        self.request_states[request_id] = RequestState(
-            request_id, prompt, prompt_token_ids, params, detokenizer, RequestMetrics(arrival_time),
-            logprobs=[] if params.logprobs is not None else None,
-            cumulative_logprob=0.0 if params.logprobs is not None else None)
+        parent = ParentRequest(request_id, params.n) if params.n > 1 else None
+        ids = parent.child_ids if parent else [request_id]
+        if any(i in self.request_states for i in ids):
+            raise ValueError(f"request id {request_id!r} (or one of its children {ids[1:]}) is already running")
+        for child_id in ids:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if params.detokenize else None
+            self.request_states[child_id] = RequestState(
+                child_id, prompt, prompt_token_ids, params, detokenizer, RequestMetrics(arrival_time),
+                logprobs=[] if params.logprobs is not None else None,
+                cumulative_logprob=0.0 if params.logprobs is not None else None)
+            if parent:
+                self.parents[child_id] = parent
+                parent.first_state = parent.first_state or self.request_states[child_id]
+
+    def child_ids(self, request_id: str) -> list[str]:
+        """The ids the engine core knows a request by: its own, and its children's when n > 1."""
+        parent = self.parents.get(request_id)
+        return parent.child_ids if parent is not None and parent.request_id == request_id else [request_id]
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:
-            self.request_states.pop(request_id, None)
+            for child_id in self.child_ids(request_id):
+                self.request_states.pop(child_id, None)
+                self.parents.pop(child_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
@@ -199,8 +218,29 @@ class OutputProcessor:
                 return None               # nothing new to say this step
         else:
             token_ids, logprobs = list(state.output_token_ids), state.logprobs
-        completion = CompletionOutput(0, text, token_ids, state.cumulative_logprob,
-                                      list(logprobs) if logprobs is not None else None,
+        parent = self.parents.get(state.request_id)
+        completion = CompletionOutput(parent.index_of(state.request_id) if parent else 0, text, token_ids,
+                                      state.cumulative_logprob, list(logprobs) if logprobs is not None else None,
                                       finish_reason, stop_reason)
+        if parent is not None:
+            return self._parent_output(parent, state, completion)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
                              state.metrics, state.num_cached_tokens, prompt_logprobs=state.prompt_logprobs)
+
+    def _parent_output(self, parent: ParentRequest, state: RequestState,
+                       completion: CompletionOutput) -> RequestOutput | None:
+        """One child's completion -> the parent's RequestOutput: every child's latest completion
+        (DELTA: this child's news only), by index; FINAL_ONLY waits for the last child."""
+        parent.completions[completion.index] = completion
+        if completion.finish_reason is not None:
+            parent.finished.add(completion.index)
+            self.parents.pop(state.request_id, None)
+        finished = len(parent.finished) == parent.n
+        kind = state.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        outputs = ([completion] if kind == RequestOutputKind.DELTA
+                   else [parent.completions[i] for i in sorted(parent.completions)])
+        first = parent.first_state
+        return RequestOutput(parent.request_id, state.prompt, state.prompt_token_ids, outputs, finished,
+                             first.metrics, first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs)

@@ -107,7 +107,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]    # one (no parallel sampling here), vLLM keeps the list for n > 1
+    outputs: list[CompletionOutput]    # one per child: n with SamplingParams.n (outputs[i].index == i)
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0         # prompt tokens served from the prefix cache

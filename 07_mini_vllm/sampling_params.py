@@ -4,6 +4,9 @@ Mirrors vLLM's `vllm/sampling_params.py: SamplingParams` (same names, same meani
 once in `__post_init__` so that the sampler and the stop checks can trust every field and a
 bad value fails at `generate()` time with a message naming it — not as a NaN three layers down.
 
+    n            parallel sampling: n completions of the one prompt, whose K/V is computed once and
+                 shared (copy-on-write); child i samples with seed + i when a seed is given. Needs
+                 temperature > 0 (vLLM's rule: n greedy completions would be n copies)
     temperature  0 -> greedy (argmax, deterministic); > 0 -> sample from softmax(logits / T);
                  below 1e-5 (vLLM's _SAMPLING_EPS) is greedy too: logits / 1e-40 would overflow
     top_k        keep the k most likely tokens (-1: all)
@@ -98,6 +101,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    n: int = 1
     # __post_init__ normalises `stop` to a list[str] and `stop_token_ids` to a list[int].
     # Filled by the engine's Processor (vLLM: update_from_generation_config / update_from_tokenizer)
     # on its own copy of the params: every id that ends a request, EOS included (min_tokens masks
@@ -145,6 +149,10 @@ class SamplingParams:
         self.stop_token_ids = list(stop_ids)
 
         self._verify_logits_processors()
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.n > 1 and self.temperature < _SAMPLING_EPS:
+            raise ValueError(f"n must be 1 when using greedy sampling (temperature 0), got n={self.n}")
 
         if self.temperature < _SAMPLING_EPS:
             # Greedy ignores the filters; reset them so that the sampler's "all greedy" fast path

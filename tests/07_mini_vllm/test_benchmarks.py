@@ -118,3 +118,15 @@ def test_spec_decode_benchmark_quick(tmp_path):
         if r["method"] != "none":
             assert r["num_draft_tokens"] > 0 and 0 <= r["num_accepted_tokens"] <= r["num_draft_tokens"]
             assert 1.0 <= r["mean_acceptance_length"] <= 1 + r["config"]["num_speculative_tokens"]
+
+
+def test_parallel_sampling_memory_quick(tmp_path):
+    """Sharing the prompt among n samples holds fewer KV blocks than n independent requests with
+    the same tokens (the benchmark asserts the tokens are identical)."""
+    from benchmarks import bench_parallel_sampling_memory
+
+    result = bench_parallel_sampling_memory.main(["--quick", "--out-dir", str(tmp_path)])
+    assert [r["n"] for r in result["rows"]] == [2, 4, 6]
+    for r in result["rows"]:
+        assert r["block_steps_shared"] < r["block_steps_unshared"] and 0 < r["memory_saving"] < 1
+    assert (tmp_path / "parallel_sampling_memory_quick.json").exists()

@@ -1,0 +1,91 @@
+"""KV blocks saved by sharing the prompt among parallel samples, in the thesis' form.
+
+    python -m benchmarks.bench_parallel_sampling_memory            # SmolLM2, ~5 min on 2 cores
+    python -m benchmarks.bench_parallel_sampling_memory --quick    # 4 prompts, 8 tokens (tests)
+
+[Kwon 2025, §3.6.3, Fig. 3.15] reports the memory saving of parallel sampling as the blocks saved
+by sharing divided by the blocks used without sharing (6.1–9.8% on Alpaca, 16.2–30.5% on
+ShareGPT, OPT-13B). Here: bench_engine's real-text prompts, each asked for n = 2, 4, 6 samples
+(temperature 1, seeded, ignore_eos, fixed output length), run once as n > 1 requests (one prompt
+copy, copy-on-write: parallel_sampling.py) and once as n independent requests with the prefix
+cache off (nothing shared). Child i with seed s + i produces exactly the tokens of the request
+with seed s + i (tests/07_mini_vllm/test_parallel_sampling.py), so both runs hold the same tokens
+and differ only in how the K/V is stored. Blocks in use are summed over the steps (block-steps:
+the integral of the KV footprint) and their peak recorded.
+Writes benchmarks/results/parallel_sampling_memory.json.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from benchmarks.common import RESULTS_DIR, write_result
+
+BLOCK_SIZE = 16
+
+
+def footprint(llm, prompts: list[list[int]], params: list) -> tuple[int, int, list[list[int]]]:
+    """(block-steps, peak blocks, the token ids of every completion) for one run."""
+    engine = llm.llm_engine
+    pool = engine.engine_core.kv_cache_manager.block_pool
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, p)
+    block_steps = peak = 0
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [c.token_ids for c in out.outputs]
+        used = pool.num_blocks - pool.get_num_free_blocks()
+        block_steps += used
+        peak = max(peak, used)
+    return block_steps, peak, [t for i in range(len(prompts)) for t in done[f"r{i}"]]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="4 prompts of 8 output tokens (tests)")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    args = ap.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from benchmarks.bench_engine import make_workload
+    from mini_vllm import LLM, SamplingParams, default_model_path
+
+    model_dir = default_model_path()
+    num_prompts, output_len = (4, 8) if args.quick else (args.num_prompts, args.output_len)
+    workload = make_workload(AutoTokenizer.from_pretrained(model_dir), num_prompts, (32, 512), (output_len, output_len), 0)
+    prompts = [p for p, _ in workload]
+    common = dict(block_size=BLOCK_SIZE, max_model_len=1024, max_num_seqs=128, kv_cache_memory=1 << 30)
+    shared_llm = LLM(str(model_dir), **common)
+    unshared_llm = LLM(str(model_dir), enable_prefix_caching=False, **common)
+    rows = []
+    for n in (2, 4, 6):
+        sample = dict(temperature=1.0, max_tokens=output_len, ignore_eos=True)
+        shared = footprint(shared_llm, prompts, [SamplingParams(n=n, seed=1000 * i, **sample)
+                                                 for i in range(len(prompts))])
+        unshared = footprint(unshared_llm, [p for p in prompts for _ in range(n)],
+                             [SamplingParams(seed=1000 * i + j, **sample) for i in range(len(prompts)) for j in range(n)])
+        assert shared[2] == unshared[2], "children must produce the tokens of their independent twins"
+        shared_llm.reset_prefix_cache()
+        rows.append(dict(n=n, block_steps_shared=shared[0], block_steps_unshared=unshared[0],
+                         peak_blocks_shared=shared[1], peak_blocks_unshared=unshared[1],
+                         memory_saving=round(1 - shared[0] / unshared[0], 4),
+                         peak_saving=round(1 - shared[1] / unshared[1], 4)))
+        print(rows[-1], flush=True)
+    workload_info = dict(model=Path(model_dir).name, dtype="float32", device="cpu", num_prompts=num_prompts,
+                         prompt_len=[32, 512], output_len=output_len, block_size=BLOCK_SIZE, temperature=1.0,
+                         identical_tokens=True,
+                         command=" ".join(["python -m benchmarks.bench_parallel_sampling_memory",
+                                           *(argv if argv is not None else sys.argv[1:])]))
+    name = "parallel_sampling_memory_quick" if args.quick else "parallel_sampling_memory"
+    path = write_result(name, workload_info, rows, args.out_dir)
+    return dict(rows=rows, path=path)
+
+
+if __name__ == "__main__":
+    main()

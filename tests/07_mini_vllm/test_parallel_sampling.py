@@ -1,0 +1,108 @@
+"""Parallel sampling (n > 1) on one shared copy of the prompt's K/V (parallel_sampling.py).
+
+The truth kept: child i of a request with seed s must produce exactly the tokens of an
+independent request with seed s + i (vLLM's seeding of children) — so any K/V a child reads
+that is not its own (a missing copy-on-write, a block freed while another child still holds it,
+a wrong block table after a fork) changes its tokens. Checked with the prompt's last block
+partly filled (the block the children write differently), through chunked prefill, a pool small
+enough to preempt, and max_num_seqs too small for all children at once. Also: the prompt is
+computed once, the copy happens, sharing holds fewer blocks than independent requests, every
+block is free after each test (tests/conftest.py), and bad n values are refused.
+"""
+from __future__ import annotations
+
+import pytest
+
+from mini_vllm import SamplingParams
+
+N, MAX_NEW, SEED = 4, 10, 7
+CONFIGS = {
+    "default": dict(),
+    "chunked": dict(max_num_batched_tokens=8, max_num_seqs=8),
+    "preempt": dict(num_gpu_blocks_override=11, max_model_len=64),
+    "few-seqs": dict(max_num_seqs=2),
+}
+
+
+def sampled(**kw) -> SamplingParams:
+    return SamplingParams(**{**dict(temperature=1.0, top_k=40, max_tokens=MAX_NEW, ignore_eos=True), **kw})
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_children_equal_independent_seeded_requests(config, tiny_engine_models, make_llm, traced):
+    model_dir, _ = tiny_engine_models["llama"]
+    llm = make_llm(model_dir, block_size=4, **CONFIGS[config])
+    prompt = llm.get_tokenizer()("Parallel sampling shares the prompt's blocks between children").input_ids
+    assert len(prompt) % 4, "the prompt's last block must be partly filled: the block children copy"
+    alone = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": prompt}] * N,
+                                                          [sampled(seed=SEED + i) for i in range(N)], use_tqdm=False)]
+    assert len({tuple(t) for t in alone}) == N, "seeds must give different samples: the test would prove little"
+    llm.reset_prefix_cache()
+    (out,), steps = traced(llm, [{"prompt_token_ids": prompt}], sampled(seed=SEED, n=N))
+    assert [c.index for c in out.outputs] == list(range(N)) and out.finished
+    assert [c.token_ids for c in out.outputs] == alone
+    assert all(c.finish_reason == "length" for c in out.outputs)
+    so = [s.scheduler_output for s in steps]
+    prompt_tokens = sum(s.num_scheduled_tokens.get("t0", 0) for s in so[:next(i for i, s in enumerate(so)
+                                                                              if "1_t0" in s.num_scheduled_tokens)])
+    if config != "preempt":
+        assert prompt_tokens == len(prompt), "the prompt is computed once, by the parent"
+    if config in ("default", "chunked"):      # all children run at once: all share the partial block
+        assert sum(len(s.blocks_to_copy) for s in so) == N - 1, "each writer but the last copies the partial block"
+    if config == "preempt":
+        assert any(s.preempted_req_ids for s in so)
+
+
+def test_sharing_holds_fewer_blocks_than_independent_requests(tiny_engine_models, make_llm, traced):
+    """Without the prefix cache (so independent requests share nothing): peak blocks in use."""
+    model_dir, _ = tiny_engine_models["qwen3"]
+    llm = make_llm(model_dir, block_size=4, enable_prefix_caching=False)
+    prompt = llm.get_tokenizer()("A long shared prompt " * 8).input_ids
+    pool = llm.llm_engine.engine_core.kv_cache_manager.block_pool
+
+    def peak(prompts, params):
+        engine, used = llm.llm_engine, 0
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+        while engine.has_unfinished_requests():
+            engine.step()
+            used = max(used, pool.num_blocks - pool.get_num_free_blocks())
+        return used
+    shared = peak([prompt], [sampled(seed=1, n=N)])
+    independent = peak([prompt] * N, [sampled(seed=1 + i) for i in range(N)])
+    blocks_per_prompt = -(-len(prompt) // 4)
+    assert independent - shared >= (N - 1) * (blocks_per_prompt - 1), (shared, independent)
+
+
+def test_logprobs_stop_and_abort_per_child(tiny_engine_models, make_llm):
+    model_dir, _ = tiny_engine_models["llama"]
+    llm = make_llm(model_dir, block_size=4)
+    engine = llm.llm_engine
+    out = llm.generate("Hello there", sampled(seed=3, n=3, logprobs=2), use_tqdm=False)[0]
+    for c in out.outputs:
+        assert len(c.logprobs) == len(c.token_ids) == MAX_NEW
+        assert all(t in entry for t, entry in zip(c.token_ids, c.logprobs))
+    # A stop token that child 1 produces first ends child 1 alone.
+    stop = out.outputs[1].token_ids[0]
+    again = llm.generate("Hello there", sampled(seed=3, n=3, stop_token_ids=[stop]), use_tqdm=False)[0]
+    assert again.outputs[1].token_ids == [stop] and again.outputs[1].finish_reason == "stop"
+    for c, before in zip(again.outputs, out.outputs):
+        assert c.token_ids == before.token_ids[:len(c.token_ids)]
+    # Aborting the parent mid-flight aborts every child (tests/conftest.py checks every block is free).
+    engine.add_request("p", "Hello there", sampled(seed=3, n=3, max_tokens=50))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("p")
+    assert not engine.has_unfinished_requests()
+
+
+def test_bad_n(tiny_engine_models, make_llm):
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+        SamplingParams(n=0)
+    with pytest.raises(ValueError, match="n must be 1 when using greedy sampling"):
+        SamplingParams(n=2, temperature=0)
+    llm = make_llm(tiny_engine_models["llama"][0])
+    llm.llm_engine.add_request("1_x", "taken", sampled())
+    with pytest.raises(ValueError, match=r"its children's ids \['1_x'\] are in use"):
+        llm.llm_engine.add_request("x", "hello", sampled(n=2))
+    llm.llm_engine.abort_request("1_x")
