@@ -10,6 +10,7 @@ import pathlib
 import re
 
 from course.layout import ROOT, Chapter
+from course.regions import parse_python
 from course.manifest import Manifest, Task
 
 NUMBER = re.compile(r"\d+(\.\d+)?\s*(%|ms|µs|us|ns|s\b|×|x\b|tok/s|req/s|GB|MB|KiB|MiB)")
@@ -19,7 +20,7 @@ COMMAND = re.compile(r"`((?:python|pytest|make|\.venv/bin/python)[^`]*)`")
 def _docstrings(path: pathlib.Path) -> dict[str, str]:
     """{qualified function or class name: first paragraph of its docstring}."""
     try:
-        tree = ast.parse(path.read_text())
+        tree = parse_python(path.read_text())
     except (SyntaxError, UnicodeDecodeError, FileNotFoundError):
         return {}
     out = {"": " ".join((ast.get_docstring(tree) or "").split("\n\n")[0].split())}

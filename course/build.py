@@ -46,7 +46,7 @@ def _excluded(rel: str) -> bool:
 
 def remove_tests(text: str, names: list[str]) -> str:
     """Cut top-level test functions / classes (or methods: 'Class::method') out of a file."""
-    tree = ast.parse(text)
+    tree = R.parse_python(text)
     lines = text.splitlines(keepends=True)
     spans = []
     for name in names:

@@ -42,7 +42,7 @@ def _function_body(text: str, path: str, name: str) -> str | None:
     if path.endswith(".py"):
         import ast
         try:
-            tree = ast.parse(text)
+            tree = R.parse_python(text)
         except SyntaxError:
             return None
         lines = text.splitlines()

@@ -185,8 +185,8 @@ def check_student_edition(tree: pathlib.Path, folders: list[str] | None = None, 
     return errors
 
 
-# One tree build at a time: CPython 3.11's ast.parse is not thread-safe ("SystemError: AST
-# constructor recursion depth mismatch" when two worker threads parse at once, seen in CI).
+# One tree build at a time (builds write shared caches; every parse of the course is also
+# serialised by regions.parse_python: CPython 3.11's ast.parse is not thread-safe).
 _BUILD_LOCK = threading.Lock()
 
 

@@ -33,11 +33,22 @@ import dataclasses
 import json
 import pathlib
 import re
+import threading
 
 PY_BEGIN, PY_END = "### BEGIN SOLUTION", "### END SOLUTION"
 C_BEGIN, C_END = "// ### BEGIN SOLUTION", "// ### END SOLUTION"
 C_SUFFIXES = {".c", ".cc", ".cpp", ".cu", ".cuh", ".h", ".hpp"}
 SUFFIXES = {".py"} | C_SUFFIXES
+
+# CPython 3.11's ast.parse is not thread-safe: two threads parsing at once can fail with
+# "SystemError: AST constructor recursion depth mismatch" (the proof grades configurations in
+# threads; seen in CI). Every parse of the course goes through here.
+_AST_LOCK = threading.Lock()
+
+
+def parse_python(text: str) -> ast.Module:
+    with _AST_LOCK:
+        return ast.parse(text)
 
 
 class MarkerError(ValueError):
@@ -79,7 +90,7 @@ def _is_marker(line: str, marker: str) -> bool:
 def _py_functions(text: str, path: str) -> list[tuple[int, int, str]]:
     """(first line, last line, qualified name) of every function, 1-based lines."""
     try:
-        tree = ast.parse(text)
+        tree = parse_python(text)
     except SyntaxError as e:
         raise MarkerError(f"{path}: does not parse: {e}") from e
     out = []
