@@ -60,9 +60,12 @@ def main(argv: list[str] | None = None) -> dict:
     num_prompts, output_len = (4, 8) if args.quick else (args.num_prompts, args.output_len)
     workload = make_workload(AutoTokenizer.from_pretrained(model_dir), num_prompts, (32, 512), (output_len, output_len), 0)
     prompts = [p for p, _ in workload]
-    common = dict(block_size=BLOCK_SIZE, max_model_len=1024, max_num_seqs=128, kv_cache_memory=1 << 30)
+    # A pool no run fills (no preemption: the footprints are what the requests hold, not what fits).
+    common = dict(block_size=BLOCK_SIZE, max_model_len=1024, max_num_seqs=128,
+                  kv_cache_memory=(1 << 30) if args.quick else (3 << 30))
     shared_llm = LLM(str(model_dir), **common)
     unshared_llm = LLM(str(model_dir), enable_prefix_caching=False, **common)
+    pool_blocks = shared_llm.llm_engine.engine_core.kv_cache_manager.block_pool.num_blocks
     rows = []
     for n in (2, 4, 6):
         sample = dict(temperature=1.0, max_tokens=output_len, ignore_eos=True)
@@ -71,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
         unshared = footprint(unshared_llm, [p for p in prompts for _ in range(n)],
                              [SamplingParams(seed=1000 * i + j, **sample) for i in range(len(prompts)) for j in range(n)])
         assert shared[2] == unshared[2], "children must produce the tokens of their independent twins"
+        assert max(shared[1], unshared[1]) < pool_blocks, "the pool filled up: a preempted run measures the pool"
         shared_llm.reset_prefix_cache()
         rows.append(dict(n=n, block_steps_shared=shared[0], block_steps_unshared=unshared[0],
                          peak_blocks_shared=shared[1], peak_blocks_unshared=unshared[1],
