@@ -156,7 +156,7 @@ class _Progress:
         self.progress.start()
 
     def update(self, output: RequestOutput) -> None:
-        self.output_tokens += len(output.outputs[0].token_ids)
+        self.output_tokens += sum(len(o.token_ids) for o in output.outputs)      # n > 1: every child
         elapsed = self.progress.tasks[0].elapsed or 1e-9
         self.progress.update(self.task, advance=1, speed=f"output {self.output_tokens / elapsed:,.1f} tok/s")
 

@@ -33,8 +33,8 @@ from mini_vllm.config import ModelConfig, read_default_sampling_params
 from mini_vllm.core import EngineCore, EngineCoreStep
 from mini_vllm.engine_config import EngineConfig
 from mini_vllm.output_processor import OutputProcessor
-from mini_vllm.parallel_sampling import ParentRequest
 from mini_vllm.outputs import RequestOutput
+from mini_vllm.parallel_sampling import ParentRequest
 from mini_vllm.processor import Processor, PromptType
 from mini_vllm.sampling_params import SamplingParams
 

@@ -33,8 +33,8 @@ from spec_decode import SpecDecodingStats
 
 from mini_vllm.core import EngineCoreStep
 from mini_vllm.detokenizer import IncrementalDetokenizer
-from mini_vllm.parallel_sampling import ParentRequest
 from mini_vllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
+from mini_vllm.parallel_sampling import ParentRequest
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 
 
