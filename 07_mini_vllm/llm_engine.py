@@ -34,7 +34,7 @@ from mini_vllm.core import EngineCore, EngineCoreStep
 from mini_vllm.engine_config import EngineConfig
 from mini_vllm.output_processor import OutputProcessor
 from mini_vllm.outputs import RequestOutput
-from mini_vllm.parallel_sampling import ParentRequest
+from mini_vllm.parallel_sampling import child_request_id
 from mini_vllm.processor import Processor, PromptType
 from mini_vllm.sampling_params import SamplingParams
 
@@ -133,7 +133,8 @@ class LLMEngine:
         if self.config.speculative_config is not None:
             raise ValueError("n > 1 is not supported with speculative decoding here: a forked child would need "
                              "its own drafter state (an EAGLE head's hidden states of the prompt)")
-        taken = [i for i in ParentRequest(request_id, n).child_ids[1:] if i in self.output_processor.request_states]
+        children = [child_request_id(request_id, i) for i in range(1, n)]
+        taken = [c for c in children if c in self.output_processor.request_states]
         if taken:
             raise ValueError(f"request id {request_id!r}: its children's ids {taken[:3]} are in use")
 

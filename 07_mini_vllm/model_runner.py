@@ -484,8 +484,10 @@ class ModelRunner:
         md = SamplingMetadata.from_params([c.sampling_params for c in children], [c.generator for c in children],
                                           req_ids=[c.req_id for c in children], device=self.device,
                                           prompt_token_ids=[c.prompt_token_ids for c in children])
-        no_outputs = OutputTokens.from_lists([[] for _ in children], device=self.device)
-        result = self.sampler(logits, md, no_outputs if md.logits_processors is not None else None)
+        no_outputs = None          # penalties & co. see an empty output: this is each child's first token
+        if md.logits_processors is not None:
+            no_outputs = OutputTokens.from_lists([[] for _ in children], device=self.device)
+        result = self.sampler(logits, md, no_outputs)
         lp = result.logprobs_tensors
         for j, (child, token) in enumerate(zip(children, result.sampled_token_ids.tolist())):
             child.output_token_ids.append(token)

@@ -4,7 +4,6 @@ caches and one block copied to several places (a parallel-sampling fork)."""
 import importlib.util
 import pathlib
 
-import pytest
 import torch
 
 _spec = importlib.util.spec_from_file_location(
@@ -12,15 +11,7 @@ _spec = importlib.util.spec_from_file_location(
 _public = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_public)
 run_emulated = _public.run_emulated
-
-
-@pytest.fixture(scope="module")
-def emu():
-    from kernels_cuda import emulator
-    try:
-        return emulator.load("copy_blocks")
-    except emulator.EmulatorUnavailable as e:
-        pytest.skip(str(e))
+emu = _public.emu            # the public tests' fixture: the emulated kernel, or a skip saying why
 
 
 def test_copy_blocks_fans_one_block_out_across_many_caches_of_an_odd_size(emu):
