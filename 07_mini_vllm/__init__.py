@@ -17,6 +17,9 @@ _LAZY = {
     "CompletionOutput": "mini_vllm.outputs",
     "RequestMetrics": "mini_vllm.outputs",
     "Logprob": "mini_vllm.outputs",
+    "BeamSearchParams": "mini_vllm.beam_search",
+    "BeamSearchOutput": "mini_vllm.beam_search",
+    "BeamSearchSequence": "mini_vllm.beam_search",
 }
 
 __all__ = ["SamplingParams", "RequestOutputKind", "default_model_path", *_LAZY]

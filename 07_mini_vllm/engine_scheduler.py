@@ -9,8 +9,8 @@ them composes them, and Python's method resolution order chains the overrides, l
         -> ChunkedPrefillScheduler (05: Δ cut into chunks)
           -> Scheduler (03: two counters, a budget, preemption, the prefix cache)
 
-and chapter 07's own layer, parallel sampling's fork (`parallel_sampling.ForkingScheduler`, copy-on-
-write on chapter 02's BlockSpaceManager), goes on top of whichever of these the config picks —
+and chapter 07's own layers, parallel sampling's fork (`parallel_sampling.ForkingScheduler`, copy-on-
+write on chapter 02's BlockSpaceManager) and beam search on it (`beam_search_scheduler.py`), go on top of whichever of these the config picks —
 so that, e.g., a decoding request's Δ is chapter 05's chunk (here: its one token) plus chapter
 04's drafts, and the output chapter 06 hands its connector already carries those drafts. vLLM has
 one `Scheduler` class with all of it inline (`vllm/v1/core/sched/scheduler.py`); the split here is
@@ -25,7 +25,7 @@ from kvcache import KVCacheManager
 from scheduler import Scheduler, SchedulerConfig
 from spec_decode.scheduler import SpecDecodeScheduler
 
-from mini_vllm.parallel_sampling import ForkingScheduler
+from mini_vllm.beam_search_scheduler import BeamSearchScheduler
 
 
 class ChunkedSpecDecodeScheduler(SpecDecodeScheduler, ChunkedPrefillScheduler):
@@ -40,18 +40,18 @@ class KVConnectorChunkedSpecDecodeScheduler(KVConnectorScheduler, ChunkedSpecDec
     """Chapters 03 + 05 + 04 + 06."""
 
 
-class EngineScheduler(ForkingScheduler, ChunkedSpecDecodeScheduler):
-    """Chapters 03 + 05 + 04, and parallel sampling."""
+class EngineScheduler(BeamSearchScheduler, ChunkedSpecDecodeScheduler):
+    """Chapters 03 + 05 + 04, parallel sampling and beam search."""
 
 
-class EngineSchedulerNoChunking(ForkingScheduler, SpecDecodeScheduler):
-    """Chapters 03 + 04, and parallel sampling."""
+class EngineSchedulerNoChunking(BeamSearchScheduler, SpecDecodeScheduler):
+    """Chapters 03 + 04, parallel sampling and beam search."""
 
 
 def make_scheduler(config: SchedulerConfig, kv_cache_manager: KVCacheManager,
                    connector: KVConnectorBase | None = None) -> SpecDecodeScheduler:
     """Chunking when `config` is chapter 05's config, remote K/V when there is a connector
-    (the engine refuses n > 1 with a connector, so those compositions need no fork layer)."""
+    (the engine refuses n > 1 and beam search with a connector, so those compositions need no fork layer)."""
     chunked = isinstance(config, ChunkedPrefillConfig)
     if connector is None:
         cls = EngineScheduler if chunked else EngineSchedulerNoChunking

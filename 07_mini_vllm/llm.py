@@ -8,6 +8,8 @@ Mirrors vLLM's `vllm/entrypoints/llm.py: LLM` (`generate`, `chat`, `_validate_an
     outputs = llm.generate(["The capital of France is", "def fibonacci(n):"],
                            SamplingParams(temperature=0, max_tokens=32))
     print(outputs[0].outputs[0].text, outputs[0].metrics.time_to_first_token)
+    best = llm.beam_search(["The capital of France is"], BeamSearchParams(beam_width=4, max_tokens=16))
+    print(best[0].sequences[0].text)
 
 All prompts are validated and tokenized before the first one is queued: a bad prompt in a
 batch raises without starting any of it. Outputs come back in the order of the prompts.
@@ -18,6 +20,8 @@ import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 
+from mini_vllm.beam_search import (BeamSearchOutput, BeamSearchParams, BeamSearchSamplingParams, BeamSearchSequence,
+                                   beam_score)
 from mini_vllm.engine_config import EngineConfig
 from mini_vllm.llm_engine import LLMEngine
 from mini_vllm.outputs import RequestOutput
@@ -66,6 +70,37 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         return self._run(prompt_list, [None] * len(prompt_list), sampling_params, use_tqdm, priority,
                          kv_transfer_params)
+
+    def beam_search(self, prompts, params: BeamSearchParams, *, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """The beam_width most likely continuations of each prompt (vLLM's LLM.beam_search; the
+        search itself is HF's, see beam_search.py). Sequences hold the prompt and the generated
+        tokens, best first. A search the engine failed comes back with one sequence whose
+        finish_reason is "error" and whose stop_reason says why; the others are unaffected."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        engine = self.llm_engine
+        inner = BeamSearchSamplingParams.from_beam_search(params)
+        requests = [engine.processor.process_inputs(p, inner) for p in _as_prompt_list(prompts)]   # all first
+        added: list[str] = []
+        try:
+            for text, ids in requests:
+                request_id = f"{next(self._request_counter)}"
+                engine.add_request(request_id, text, params, prompt_token_ids=ids)
+                added.append(request_id)
+        except BaseException:
+            engine.abort_request(added)
+            raise
+        return [BeamSearchOutput([self._beam_sequence(output.prompt_token_ids, c, params.length_penalty)
+                                  for c in output.outputs])
+                for output in self._run_engine(added, use_tqdm)]
+
+    @staticmethod
+    def _beam_sequence(prompt_token_ids: list[int], c, length_penalty: float) -> BeamSearchSequence:
+        logprobs = [next(iter(entry.values())).logprob for entry in c.logprobs or []]
+        cum = c.cumulative_logprob or 0.0
+        score = beam_score(cum, len(c.token_ids), length_penalty) if c.token_ids else float("-inf")
+        return BeamSearchSequence(list(prompt_token_ids) + list(c.token_ids), logprobs, cum, score, c.text,
+                                  c.finish_reason, c.stop_reason)
 
     def shutdown(self) -> None:
         """Stop the engine's KV connector (servers, threads); nothing else needs it."""

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from scheduler import Request, RequestStatus
 
+from mini_vllm.beam_search import BeamSearchParams, BeamSearchSamplingParams
 from mini_vllm.config import ModelConfig, read_default_sampling_params
 from mini_vllm.core import EngineCore, EngineCoreStep
 from mini_vllm.engine_config import EngineConfig
@@ -89,17 +90,22 @@ class LLMEngine:
         return self.engine_core.kv_cache_report
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | BeamSearchParams | None = None, *,
                     arrival_time: float | None = None, priority: int = 0,
                     prompt_token_ids: list[int] | None = None, kv_transfer_params: dict | None = None) -> None:
         """Validate, tokenize and queue one request. Raises (changing nothing) on bad input.
 
         prompt_token_ids: the ids of `prompt` when the caller tokenized it already (LLM.generate
-        tokenizes a whole batch before adding any of it); they are validated again here."""
+        tokenizes a whole batch before adding any of it); they are validated again here.
+        BeamSearchParams: a beam search (beam_search.py), whose one RequestOutput holds the best
+        beams, best first."""
         params = params if params is not None else self.get_default_sampling_params()
+        if isinstance(params, BeamSearchParams):
+            params = BeamSearchSamplingParams.from_beam_search(params)
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.output_processor.request_states:
+        if request_id in self.output_processor.request_states or request_id in self.output_processor.beam_slots:
             raise ValueError(f"request id {request_id!r} is already running")
         if prompt_token_ids is None:
             prompt, prompt_token_ids = self.processor.process_inputs(prompt, params)
@@ -109,6 +115,8 @@ class LLMEngine:
         kv_transfer_params = self.engine_core.validate_kv_transfer_params(kv_transfer_params)
         if params.n > 1:
             self._check_parallel_sampling(request_id, params.n, kv_transfer_params)
+        if isinstance(params, BeamSearchSamplingParams):
+            self._check_beam_search(request_id, params.beam_search.beam_width, kv_transfer_params)
         if kv_transfer_params is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs cannot be combined with kv_transfer_params: K/V loaded from another "
                              "engine comes without the logits the prompt's logprobs need")
@@ -137,6 +145,20 @@ class LLMEngine:
         taken = [c for c in children if c in self.output_processor.request_states]
         if taken:
             raise ValueError(f"request id {request_id!r}: its children's ids {taken[:3]} are in use")
+
+    def _check_beam_search(self, request_id: str, beam_width: int, kv_transfer_params) -> None:
+        """A beam search runs on this engine alone, without drafts (its slots fork every step),
+        and its slots' ids must be free."""
+        if kv_transfer_params is not None:
+            raise ValueError("beam search cannot be combined with kv_transfer_params (remote K/V is per request)")
+        if self.config.speculative_config is not None:
+            raise ValueError("beam search is not supported with speculative decoding here: each beam would need "
+                             "its own drafter state, and drafts are verified against one sampled token, not K")
+        slots = [child_request_id(request_id, i) for i in range(1, beam_width)]
+        states, reserved = self.output_processor.request_states, self.output_processor.beam_slots
+        taken = [s for s in slots if s in states or s in reserved]
+        if taken:
+            raise ValueError(f"request id {request_id!r}: its beams' ids {taken[:3]} are in use")
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Stop requests now (with n > 1: every child); their KV blocks are freed at once."""

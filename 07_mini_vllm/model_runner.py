@@ -93,6 +93,8 @@ class ModelRunnerOutput(SchedulerModelRunnerOutput):
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
     # parallel sampling: parent req_id -> [(child req_id, its first token)] forked this step
     forked: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    # beam search: slot req_id -> its K most likely next tokens and their log-probabilities
+    beam_candidates: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
     spec_decode: SpecDecodeStepStats | None = None      # what speculation did this step (chapter 04)
 
 
@@ -420,6 +422,7 @@ class ModelRunner:
             rows, logits = rows[~bad], logits[torch.from_numpy(~bad).to(logits.device)]
             if len(rows) == 0:
                 return
+        self._beam_candidates(logits, rows, output)
         md = self._sampling_metadata_for(rows)
         outputs = None
         if md.logits_processors is not None and md.logits_processors.needs_output_tokens:
@@ -500,6 +503,30 @@ class ModelRunner:
             parent.forked = True
             batch.num_children[sample_rows[j]] = 0
             output.forked[parent.req_id] = [(c.req_id, c.output_token_ids[0]) for c in family]
+
+    def _beam_candidates(self, logits: torch.Tensor, rows: np.ndarray, output: ModelRunnerOutput) -> None:
+        """Beam search's slots (beam_search_scheduler.py): each row's K most likely next tokens,
+        log_softmax of the raw fp32 logits as HF's beam search scores them. A slot that just
+        completed its search's prompt also brings the search's other slots into being here
+        (runner-side states the scheduler will send as resumed requests)."""
+        batch = self.input_batch
+        k = batch.num_beam_candidates[rows]                                             # [S]
+        pos = np.flatnonzero(k > 0)
+        if pos.size == 0:
+            return
+        logprobs = torch.log_softmax(logits[torch.from_numpy(pos).to(logits.device)].float(), dim=-1)   # [B, V]
+        top_logprobs, top_ids = torch.topk(logprobs, int(k[pos].max()), dim=-1)         # [B, K]
+        top_logprobs, top_ids = top_logprobs.tolist(), top_ids.tolist()
+        for j, p in enumerate(pos.tolist()):
+            state, kk = batch.states[rows[p]], int(k[p])
+            output.beam_candidates[state.req_id] = (top_ids[j][:kk], top_logprobs[j][:kk])
+            if not state.forked:
+                state.forked = True
+                for i in range(1, state.sampling_params.beam_search.beam_width):
+                    slot = CachedRequestState(child_request_id(state.req_id, i), list(state.prompt_token_ids),
+                                              state.sampling_params, None, [], len(state.prompt_token_ids))
+                    slot.forked = slot.prompt_logprobs_sent = True
+                    self.requests[slot.req_id] = slot
 
     def _child_state(self, parent: CachedRequestState, index: int) -> CachedRequestState:
         """Child `index` of a parallel-sampling request: the parent's prompt (its K/V is the

@@ -22,6 +22,10 @@ request's `RequestMetrics.spec_decoding`.
 Parallel sampling (n > 1): each child has its own RequestState (its own detokenizer, stop
 strings, logprobs); a `ParentRequest` gathers their completions into the parent's RequestOutput
 (`outputs[i]` is child i), finished when all n are.
+
+Beam search: the engine core sends one output when the search is done, with its best beams; they
+become the RequestOutput's completions, best first (vLLM v0's beam search output), each with
+every generated token's log-probability. The search's slot ids are reserved while it runs.
 """
 from __future__ import annotations
 
@@ -31,10 +35,12 @@ from dataclasses import dataclass, field
 
 from spec_decode import SpecDecodingStats
 
+from mini_vllm.beam_search import BeamSearchSamplingParams
+from mini_vllm.beam_search_scheduler import BeamSearchCoreOutput
 from mini_vllm.core import EngineCoreStep
 from mini_vllm.detokenizer import IncrementalDetokenizer
 from mini_vllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
-from mini_vllm.parallel_sampling import ParentRequest
+from mini_vllm.parallel_sampling import ParentRequest, child_request_id
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -59,13 +65,18 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.request_states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}          # child id (child 0: the parent's) -> its parent
+        self.beam_slots: dict[str, str] = {}                 # a running beam search's slot ids -> its id
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float) -> None:
         parent = ParentRequest(request_id, params.n) if params.n > 1 else None
         ids = parent.child_ids if parent else [request_id]
-        if any(i in self.request_states for i in ids):
-            raise ValueError(f"request id {request_id!r} (or one of its children {ids[1:]}) is already running")
+        slots = ([child_request_id(request_id, i) for i in range(1, params.beam_search.beam_width)]
+                 if isinstance(params, BeamSearchSamplingParams) else [])
+        if any(i in self.request_states or i in self.beam_slots for i in ids + slots):
+            raise ValueError(f"request id {request_id!r} (or one of its children / beams {(ids + slots)[1:4]}) "
+                             "is already running")
+        self.beam_slots.update((slot, request_id) for slot in slots)
         for child_id in ids:
             detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if params.detokenize else None
             self.request_states[child_id] = RequestState(
@@ -86,6 +97,11 @@ class OutputProcessor:
             for child_id in self.child_ids(request_id):
                 self.request_states.pop(child_id, None)
                 self.parents.pop(child_id, None)
+            self._release_beam_slots(request_id)
+
+    def _release_beam_slots(self, request_id: str) -> None:
+        for slot in [s for s, owner in self.beam_slots.items() if owner == request_id]:
+            del self.beam_slots[slot]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
@@ -109,6 +125,13 @@ class OutputProcessor:
             state = self.request_states.get(core_output.request_id)
             if state is None or core_output.request_id in step.errors:
                 continue                  # aborted meanwhile; errors are reported below
+            if isinstance(state.params, BeamSearchSamplingParams) and core_output.finished:
+                self._release_beam_slots(core_output.request_id)
+                if isinstance(core_output, BeamSearchCoreOutput):
+                    del self.request_states[core_output.request_id]
+                    state.metrics.finished_time = state.metrics.first_token_time = now
+                    request_outputs.append(self._beam_search_output(state, core_output))
+                    continue
             new_ids = core_output.new_token_ids
             state.num_cached_tokens = core_output.num_cached_tokens
             if core_output.request_id in step.prompt_logprobs:
@@ -226,6 +249,22 @@ class OutputProcessor:
             return self._parent_output(parent, state, completion)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
                              state.metrics, state.num_cached_tokens, prompt_logprobs=state.prompt_logprobs)
+
+    def _beam_search_output(self, state: RequestState, core_output: BeamSearchCoreOutput) -> RequestOutput:
+        """A finished search's best beams as completions, best first: "stop" for a beam that ended
+        in an EOS id (its text without it, unless include_stop_str_in_output), else "length"."""
+        params = state.params.beam_search
+        completions = []
+        for index, (_, beam) in enumerate(core_output.beams):
+            ended = bool(beam.tokens) and beam.tokens[-1] in state.params.eos_token_ids
+            shown = beam.tokens[:-1] if ended and not params.include_stop_str_in_output else beam.tokens
+            text = self.tokenizer.decode(shown, skip_special_tokens=not params.include_stop_str_in_output)
+            logprobs = [{t: Logprob(lp, rank, self._decode_one(state, t))}
+                        for t, lp, rank in zip(beam.tokens, beam.logprobs, beam.ranks)]
+            completions.append(CompletionOutput(index, text, list(beam.tokens), beam.cum_logprob, logprobs,
+                                                "stop" if ended else "length"))
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, True,
+                             state.metrics, core_output.num_cached_tokens)
 
     def _parent_output(self, parent: ParentRequest, state: RequestState,
                        completion: CompletionOutput) -> RequestOutput | None:

@@ -72,13 +72,14 @@ class ForkingScheduler(Scheduler):
             child.status = RequestStatus.PREEMPTED
             self.waiting.add_request(child)
         self._unsent.add(child_id)
+        waiting = child.status == RequestStatus.PREEMPTED
         child.append_output_token_ids(first_token)
-        if check_stop(child, self.max_model_len):
-            if child.status == RequestStatus.PREEMPTED:
+        if check_stop(child, self.max_model_len):          # (it sets the finished status)
+            if waiting:
                 self.waiting.remove_requests([child])
             else:
                 self.running.remove(child)
-            self._free_request(child, child.status, owns_kv=child_id in self._sharing)
+            self._free_request(child, child.status, owns_kv=not waiting)
             return EngineCoreOutput(child_id, [first_token], child.get_finished_reason(), child.stop_reason,
                                     child.num_cached_tokens)
         return EngineCoreOutput(child_id, [first_token], num_cached_tokens=child.num_cached_tokens)

@@ -1,6 +1,9 @@
 """An independent NumPy version of vLLM's logits processors and penalties, the oracle of
-chapter 07's logits_processors.py (unit tests) and of the engine (as an HF LogitsProcessor)."""
+chapter 07's logits_processors.py (unit tests) and of the engine (as an HF LogitsProcessor); and
+the bound the distributional tests hold samples to."""
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -30,3 +33,9 @@ def numpy_vllm_row(logits: np.ndarray, p, prompt: list[int], output: list[int]) 
     for t in set(output):
         x[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
     return x
+
+
+def bhc_eps(num_outcomes: int, num_draws: int, delta: float = 1e-6) -> float:
+    """Bretagnolle–Huber–Carol: P(‖p̂ − p‖₁ ≥ ε) ≤ 2^V·exp(−Nε²/2) — the ε at which a correct
+    sampler fails with probability at most `delta` (V outcomes, N draws)."""
+    return math.sqrt(2 * (num_outcomes * math.log(2) + math.log(1 / delta)) / num_draws)

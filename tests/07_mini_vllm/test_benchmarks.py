@@ -122,11 +122,13 @@ def test_spec_decode_benchmark_quick(tmp_path):
 
 def test_parallel_sampling_memory_quick(tmp_path):
     """Sharing the prompt among n samples holds fewer KV blocks than n independent requests with
-    the same tokens (the benchmark asserts the tokens are identical)."""
+    the same tokens (the benchmark asserts the tokens are identical); beams hold fewer than a
+    private copy each."""
     from benchmarks import bench_parallel_sampling_memory
 
     result = bench_parallel_sampling_memory.main(["--quick", "--out-dir", str(tmp_path)])
-    assert [r["n"] for r in result["rows"]] == [2, 4, 6]
+    assert [r.get("n", r.get("beam_width")) for r in result["rows"]] == [2, 4, 6, 2, 4, 6]
+    assert [r["kind"] for r in result["rows"]] == ["parallel_sampling"] * 3 + ["beam_search"] * 3
     for r in result["rows"]:
         assert r["block_steps_shared"] < r["block_steps_unshared"] and 0 < r["memory_saving"] < 1
     assert (tmp_path / "parallel_sampling_memory_quick.json").exists()

@@ -8,10 +8,16 @@ partly filled (the block the children write differently), through chunked prefil
 enough to preempt, and max_num_seqs too small for all children at once. Also: the prompt is
 computed once, the copy happens, sharing holds fewer blocks than independent requests, every
 block is free after each test (tests/conftest.py), and bad n values are refused.
+Distributional: unseeded children's first tokens follow the model's distribution, and two
+children of one request are independent (their joint distribution is the product).
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
+
+from sampling_oracle import bhc_eps
 
 from mini_vllm import SamplingParams
 
@@ -72,6 +78,45 @@ def test_sharing_holds_fewer_blocks_than_independent_requests(tiny_engine_models
     independent = peak([prompt] * N, [sampled(seed=1 + i) for i in range(N)])
     blocks_per_prompt = -(-len(prompt) // 4)
     assert independent - shared >= (N - 1) * (blocks_per_prompt - 1), (shared, independent)
+
+
+def test_one_token_children_finish_at_once_even_when_they_wait_for_room(tiny_engine_models, make_llm):
+    """max_tokens=1: every child is done the moment it is forked — also a child forked into the
+    waiting queue because max_num_seqs is full (it must leave that queue, not `running`)."""
+    llm = make_llm(tiny_engine_models["llama"][0], max_num_seqs=2)
+    outs = llm.generate(["one token each"] * 3, sampled(n=4, max_tokens=1, seed=5), use_tqdm=False)
+    assert all(len(c.token_ids) == 1 and c.finish_reason == "length" for o in outs for c in o.outputs)
+    assert not llm.llm_engine.engine_core.scheduler.waiting
+
+
+def test_children_sample_the_model_and_are_independent(tiny_engine_models, make_llm):
+    """4000 first tokens (500 requests, n = 8, temperature 1, top-k 4 so there are 4 outcomes)
+    against the model's own top-4 distribution q; the 2000 disjoint child pairs (0, 1), (2, 3), ...
+    against q ⊗ q. Bound: Bretagnolle–Huber–Carol at a false-failure probability of 10⁻⁶, as the
+    sampler's tests; the power checks say a sampler that gave children the same token, or sampled
+    greedily, would be far outside it."""
+    model_dir, hf = tiny_engine_models["llama"]
+    llm = make_llm(model_dir, max_num_seqs=128)
+    prompt = llm.get_tokenizer()("Independent children").input_ids
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0, -1].double()
+    top = torch.topk(logits, 4)
+    q = torch.softmax(top.values, -1).numpy()                                       # [4]
+    index = {t: i for i, t in enumerate(top.indices.tolist())}
+    params = SamplingParams(n=8, temperature=1.0, top_k=4, max_tokens=1)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 500, params, use_tqdm=False)
+    first = np.array([[index[c.token_ids[0]] for c in o.outputs] for o in outs])    # [500, 8]
+    marginal = np.bincount(first.ravel(), minlength=4) / first.size
+    pairs = first.reshape(-1, 2)                                                    # [2000, 2]
+    joint = np.bincount(pairs[:, 0] * 4 + pairs[:, 1], minlength=16) / len(pairs)
+    product = np.outer(q, q).ravel()
+    eps_marginal, eps_joint = bhc_eps(4, first.size), bhc_eps(16, len(pairs))
+    assert np.abs(marginal - q).sum() < eps_marginal, (marginal, q)
+    assert np.abs(joint - product).sum() < eps_joint, (joint.reshape(4, 4), np.outer(q, q))
+    same_token = np.diag(q).ravel()                      # children that copied each other
+    assert np.abs(same_token - product).sum() > 2 * eps_joint
+    greedy = np.eye(4)[0]
+    assert np.abs(greedy - q).sum() > 2 * eps_marginal
 
 
 def test_logprobs_stop_and_abort_per_child(tiny_engine_models, make_llm):

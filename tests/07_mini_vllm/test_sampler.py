@@ -11,19 +11,18 @@ the nearest plausible wrong answer (no filter, or the filters in another order) 
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from sampling_oracle import bhc_eps
+
 from mini_vllm.sampler import Sampler, SamplingMetadata, draw_uniforms, nonfinite_rows, request_generator
 from mini_vllm.sampling_params import SamplingParams, SamplingType
 from mini_vllm.topk_topp_sampler import apply_top_k_top_p, inverse_cdf_sample, top_k_top_p_candidates
 
-DELTA = 1e-6
 # CPU always; the same tests on CUDA (CUDA generators, CUDA kernels) under `make test-gpu`.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.7, 0.3, 0.1, -0.2, -0.6, -1.0, -1.7, -2.5])   # V = 12, no ties
@@ -54,10 +53,6 @@ def target_distribution(logits, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0)
             mass_before += kept_probs[token]
     out = np.where(keep, np.exp(z - z.max()), 0.0)
     return out / out.sum()
-
-
-def bhc_eps(num_outcomes: int, num_draws: int, delta: float = DELTA) -> float:
-    return math.sqrt(2 * (num_outcomes * math.log(2) + math.log(1 / delta)) / num_draws)
 
 
 CASES = {

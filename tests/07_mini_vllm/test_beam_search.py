@@ -1,0 +1,191 @@
+"""Beam search on forking slots (beam_search.py, beam_search_scheduler.py), with HF as the oracle.
+
+The truth kept: HF's `generate(num_beams=W, do_sample=False, num_return_sequences=W)` — every
+returned beam's tokens and score, not only the best — for each of HF's three early-stopping
+rules and several length penalties. Beams re-point their block tables every step, fork, copy
+the partly filled block they share and free what pruned beams held: a beam reading one K/V
+value that is not its own changes its log-probabilities, hence the scores, and almost surely
+the tokens. Checked through chunked prefill and a pool small enough to preempt slots mid-round.
+To make EOS (and so the early-stopping rules) matter, the tiny model's EOS id is set to a token
+it likes to produce. Every block is free after each test (tests/conftest.py).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from mini_vllm import BeamSearchParams, SamplingParams
+
+PROMPTS = ["Beam search keeps the best", "Copy on write shares blocks between beams", "A B C"]
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def eos_heavy(tiny_engine_models, tmp_path_factory):
+    """(checkpoint dir, HF model, eos id): the tiny Llama with its EOS id moved to the token its
+    greedy continuations of PROMPTS produce most — so beams end at different lengths."""
+    src, hf = tiny_engine_models["llama"]
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(src)
+    counts: dict[int, int] = {}
+    for prompt in PROMPTS:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        out = hf.generate(ids, do_sample=False, max_new_tokens=MAX_NEW, num_beams=4, num_return_sequences=4,
+                          eos_token_id=None, pad_token_id=0)
+        for t in out[:, ids.shape[1]:].flatten().tolist():
+            counts[t] = counts.get(t, 0) + 1
+    eos = max(counts, key=counts.get)
+    dst = tmp_path_factory.mktemp("eos-heavy") / "llama"
+    shutil.copytree(src, dst)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((dst / name).read_text())
+        config["eos_token_id"] = eos
+        (dst / name).write_text(json.dumps(config))
+    return dst, hf, eos
+
+
+def hf_beams(hf, prompt_ids: list[int], params: BeamSearchParams, eos: int):
+    """HF's W beams for one prompt: [(generated tokens incl. EOS, score)], best first."""
+    ids = torch.tensor([prompt_ids])
+    out = hf.generate(ids, do_sample=False, num_beams=params.beam_width, num_return_sequences=params.beam_width,
+                      max_new_tokens=params.max_tokens, length_penalty=params.length_penalty,
+                      early_stopping=params.early_stopping, eos_token_id=eos, pad_token_id=eos,
+                      output_scores=True, return_dict_in_generate=True)
+    beams = []
+    scores = out.sequences_scores.tolist() if params.beam_width > 1 else [None]   # num_beams=1: greedy search
+    for row, score in zip(out.sequences.tolist(), scores):
+        generated = row[len(prompt_ids):]
+        if eos in generated:                      # cut after the first EOS: the rest is padding
+            generated = generated[:generated.index(eos) + 1]
+        beams.append((generated, score))
+    return beams
+
+
+def assert_equal_hf(llm, hf, eos, params: BeamSearchParams, prompts=PROMPTS):
+    tok = llm.get_tokenizer()
+    outputs = llm.beam_search(prompts, params)
+    ended = 0
+    for prompt, output in zip(prompts, outputs):
+        prompt_ids = tok(prompt).input_ids
+        ours = [(s.tokens[len(prompt_ids):], s.score) for s in output.sequences]
+        theirs = hf_beams(hf, prompt_ids, params, eos)
+        assert [t for t, _ in ours] == [t for t, _ in theirs], (prompt, params)
+        if params.beam_width > 1:
+            assert [s for _, s in ours] == pytest.approx([s for _, s in theirs], rel=1e-6, abs=1e-4)
+        ended += sum(s.finish_reason == "stop" for s in output.sequences)
+    return ended
+
+
+@pytest.mark.parametrize("early_stopping, length_penalty", [(False, 1.0), (True, 1.0), ("never", 1.0),
+                                                            ("never", 2.0), (False, -1.0), (False, 0.0)])
+def test_beams_equal_hf(early_stopping, length_penalty, eos_heavy, make_llm):
+    model_dir, hf, eos = eos_heavy
+    llm = make_llm(model_dir, block_size=4)
+    ended = 0
+    for width in (1, 2, 4):
+        ended += assert_equal_hf(llm, hf, eos, BeamSearchParams(width, MAX_NEW, length_penalty=length_penalty,
+                                                                early_stopping=early_stopping))
+    if length_penalty <= 1:   # (a penalty of 2 favours long beams: the best may all run to max_tokens)
+        assert ended, "no beam ended in EOS: the early-stopping rule was never exercised"
+
+
+@pytest.mark.parametrize("config", ["chunked", "preempt"])
+def test_beams_equal_hf_through_chunks_and_preemption(config, eos_heavy, make_llm, traced):
+    """A pool of 9 blocks of 4 tokens cannot hold 4 beams of ~20 tokens plus a neighbour:
+    slots are preempted (their blocks dropped) between and within rounds, and recomputed."""
+    model_dir, hf, eos = eos_heavy
+    kwargs = dict(max_num_batched_tokens=8, max_num_seqs=8) if config == "chunked" else \
+        dict(num_gpu_blocks_override=9, max_model_len=32)
+    llm = make_llm(model_dir, block_size=4, **kwargs)
+    params = BeamSearchParams(4, MAX_NEW)
+    assert_equal_hf(llm, hf, eos, params, PROMPTS[:2])
+    # Traced with a plain neighbour: the search forks, copies the shared partial block, and (in the
+    # small pool) gets preempted; the neighbour's tokens are those it gets alone.
+    alone = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    engine = llm.llm_engine
+    engine.add_request("search", PROMPTS[0], params)
+    engine.add_request("plain", PROMPTS[2], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    steps, finished = [], {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        steps.append(engine.last_step.scheduler_output)
+        engine.engine_core.check_invariants()
+    assert finished["plain"].outputs[0].token_ids == alone
+    tok = llm.get_tokenizer()
+    ours = [c.token_ids for c in finished["search"].outputs]
+    assert ours == [t for t, _ in hf_beams(hf, tok(PROMPTS[0]).input_ids, params, eos)]
+    assert sum(len(s.blocks_to_copy) for s in steps) > 0, "beams never wrote into a block they shared"
+    if config == "preempt":
+        assert any(s.preempted_req_ids for s in steps)
+
+
+def test_forks_share_blocks_and_pruned_beams_free_theirs(eos_heavy, make_llm):
+    """Without the prefix cache: the peak of blocks held by a width-4 search stays well below
+    four private copies of its beams, and every block is back in the pool at the end."""
+    model_dir, _, _ = eos_heavy
+    llm = make_llm(model_dir, block_size=4, enable_prefix_caching=False)
+    engine, pool = llm.llm_engine, llm.llm_engine.engine_core.kv_cache_manager.block_pool
+    prompt = llm.get_tokenizer()("A long prompt that all beams share " * 4).input_ids
+    engine.add_request("s", {"prompt_token_ids": prompt}, BeamSearchParams(4, 16, ignore_eos=True))
+    peak = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = max(peak, pool.num_blocks - pool.get_num_free_blocks())
+    private = 4 * -(-(len(prompt) + 16) // 4)
+    assert peak <= private // 2, (peak, private)
+    assert pool.get_num_free_blocks() == pool.num_blocks
+
+
+@pytest.mark.model
+def test_smollm2_beams_equal_hf(smollm2_dir, smollm2_hf, make_llm):
+    """The real model, a chat prompt that ends in EOS within the budget, HF's default rule and
+    early_stopping=True."""
+    llm = make_llm(smollm2_dir)
+    tok = llm.get_tokenizer()
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     tokenize=False, add_generation_prompt=True)
+    eos = llm.llm_engine.model_config.eos_token_ids[0]
+    for early_stopping in (False, True):
+        ended = assert_equal_hf(llm, smollm2_hf, eos, BeamSearchParams(3, 24, early_stopping=early_stopping),
+                                [prompt])
+        assert ended
+
+
+def test_abort_and_errors(eos_heavy, make_llm, tiny_engine_models):
+    model_dir, _, _ = eos_heavy
+    llm = make_llm(model_dir, block_size=4)
+    engine = llm.llm_engine
+    engine.add_request("s", "Abort me", BeamSearchParams(4, 30, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    engine.abort_request("s")                      # every slot goes (conftest: every block free)
+    assert not engine.has_unfinished_requests() and not engine.engine_core.scheduler.requests
+
+    for bad, match in [(dict(beam_width=0, max_tokens=4), "beam_width must be an integer >= 1"),
+                       (dict(beam_width=2, max_tokens=0), "max_tokens must be an integer >= 1"),
+                       (dict(beam_width=2, max_tokens=4, early_stopping="sometimes"), "early_stopping must be"),
+                       (dict(beam_width=2, max_tokens=4, length_penalty=float("nan")), "length_penalty must be"),
+                       (dict(beam_width=2, max_tokens=4, ignore_eos=1), "ignore_eos must be a bool")]:
+        with pytest.raises(ValueError, match=match):
+            BeamSearchParams(**bad)
+    with pytest.raises(TypeError, match="BeamSearchParams"):
+        llm.beam_search("x", SamplingParams())
+    # A slot's id taken by a plain request: refused before anything is queued.
+    engine.add_request("1_x", "taken", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=r"its beams' ids \['1_x'\] are in use"):
+        engine.add_request("x", "hello", BeamSearchParams(2, 4))
+    engine.add_request("y", "hello", BeamSearchParams(2, 4))
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_request("1_y", "hello", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="kv_transfer_params"):
+        engine.add_request("z", "hello", BeamSearchParams(2, 4), kv_transfer_params={"do_remote_decode": True})
+    while engine.has_unfinished_requests():
+        engine.step()
+    # A prompt longer than the model: the whole batch is refused, nothing queued.
+    with pytest.raises(ValueError):
+        llm.beam_search(["fine", {"prompt_token_ids": [5] * 600}], BeamSearchParams(2, 4))
+    assert not engine.has_unfinished_requests()
