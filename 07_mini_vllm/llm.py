@@ -132,6 +132,8 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != n:
                 raise ValueError(f"{len(params_list)} SamplingParams for {n} prompts")
+        if any(isinstance(p, BeamSearchParams) for p in params_list):
+            raise TypeError("BeamSearchParams go to LLM.beam_search(prompts, params), not generate()")
         if priority is not None and len(priority) != n:
             raise ValueError(f"{len(priority)} priorities for {n} prompts")
         engine = self.llm_engine

@@ -174,6 +174,8 @@ def test_abort_and_errors(eos_heavy, make_llm, tiny_engine_models):
             BeamSearchParams(**bad)
     with pytest.raises(TypeError, match="BeamSearchParams"):
         llm.beam_search("x", SamplingParams())
+    with pytest.raises(TypeError, match="LLM.beam_search"):
+        llm.generate("x", BeamSearchParams(2, 4))
     # A slot's id taken by a plain request: refused before anything is queued.
     engine.add_request("1_x", "taken", SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match=r"its beams' ids \['1_x'\] are in use"):
