@@ -126,14 +126,14 @@ class LLM:
             kv_params_list = list(kv_transfer_params)
             if len(kv_params_list) != n:
                 raise ValueError(f"{len(kv_params_list)} kv_transfer_params for {n} prompts")
+        if isinstance(sampling_params, BeamSearchParams):
+            raise TypeError("BeamSearchParams go to LLM.beam_search(prompts, params), not generate()")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or self.get_default_sampling_params()] * n
         else:
             params_list = list(sampling_params)
             if len(params_list) != n:
                 raise ValueError(f"{len(params_list)} SamplingParams for {n} prompts")
-        if any(isinstance(p, BeamSearchParams) for p in params_list):
-            raise TypeError("BeamSearchParams go to LLM.beam_search(prompts, params), not generate()")
         if priority is not None and len(priority) != n:
             raise ValueError(f"{len(priority)} priorities for {n} prompts")
         engine = self.llm_engine
