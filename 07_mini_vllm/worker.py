@@ -88,7 +88,18 @@ class Worker:
 
     # ------------------------------------------------------------------ each step
     def execute_model(self, scheduler_output):
-        return self.model_runner.execute_model(scheduler_output)
+        output = self.model_runner.execute_model(scheduler_output)
+        # The runner turns an exception in the forward into per-request failures (one bad request must
+        # not take the batch down); a failed collective is not that — a peer rank is gone. Raise, so
+        # the executor fails the engine instead of this rank's requests one by one.
+        failure = parallel_state.communication_failure()
+        if failure is not None:
+            raise RuntimeError(f"rank {self.rank}: {failure}")
+        return output
+
+    def kv_cache_shapes(self) -> list[tuple[int, ...]]:
+        """Each local layer's K cache shape: what this rank actually holds (tests, the notebook)."""
+        return [tuple(k.shape) for k, _ in self.model_runner.kv_caches]
 
     def comm_stats(self, reset: bool = False) -> dict:
         """This rank's collectives since the last reset: {group: {op: (calls, bytes, seconds)}}."""

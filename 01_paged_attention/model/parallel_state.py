@@ -71,8 +71,15 @@ class GroupCoordinator:
         return self.rank_in_group == self.world_size - 1
 
     def _timed(self, op: str, nbytes: int, fn):
+        global _COMM_FAILURE
         t0 = time.perf_counter()
-        out = fn()
+        try:
+            out = fn()
+        except Exception as e:
+            # Remembered for the worker: a failed collective means a peer is gone or the ranks have
+            # diverged — not a fault of the request being run, whatever the caller concludes.
+            _COMM_FAILURE = f"{op} on ranks {self.ranks} failed: {e}"
+            raise
         self.stats.add(op, nbytes, time.perf_counter() - t0)
         return out
 
@@ -123,6 +130,15 @@ class GroupCoordinator:
         self._timed("broadcast_object", nbytes,
                     lambda: dist.broadcast_object_list(box, src=self.ranks[src], group=self.cpu_group))
         return box[0]
+
+
+_COMM_FAILURE: str | None = None
+
+
+def communication_failure() -> str | None:
+    """Why a collective of this process failed, if one did: the group is broken for good (chapter
+    07's worker checks it after each step — the model runner would otherwise blame the requests)."""
+    return _COMM_FAILURE
 
 
 def _single() -> GroupCoordinator:
@@ -204,8 +220,8 @@ def _new_group(ranks: list[int], backend: str, world: int):
 
 def destroy_model_parallel() -> None:
     """Forget the groups and leave the world (the worker's shutdown); back to a single rank."""
-    global _WORLD, _TP, _PP
-    _WORLD, _TP, _PP = _single(), _single(), _single()
+    global _WORLD, _TP, _PP, _COMM_FAILURE
+    _WORLD, _TP, _PP, _COMM_FAILURE = _single(), _single(), _single(), None
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -132,7 +132,7 @@ class MultiprocExecutor(Executor):
         # spawn, not fork: the engine's process has torch's (OpenMP) thread pools running, which a
         # forked child inherits in a broken state; a spawned one starts clean (vLLM spawns once CUDA is up).
         ctx = multiprocessing.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.init_method = init_method = f"tcp://127.0.0.1:{_free_port()}"      # rank 0 serves the rendezvous
         self.procs, self.conns = [], []
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
@@ -186,8 +186,9 @@ class MultiprocExecutor(Executor):
                     status, value = conn.recv()
                 except (EOFError, OSError):
                     continue                                    # its sentinel tells how it died
-                if status == "error":
-                    self._fail(value)
+                if status == "error":                          # a dead peer explains a failed collective
+                    dead = self._dead_workers()
+                    self._fail(f"{dead}; then {value}" if dead else value)
                 replies[rank] = value
             dead = self._dead_workers()
             if dead and len(replies) < len(ranks):
