@@ -10,7 +10,7 @@ which heads' K/V it holds (tensor parallel) or which layers (pipeline parallel).
 inside the model (all-reduce after each row-parallel linear, the logits' all-gather, the stage
 hand-offs) keep the ranks' activations identical where they must be, so every rank samples the
 same token and the ranks' block tables, counters and batches never drift apart: the scheduler's
-one decision per step is all the coordination needed (thesis §3.5: one scheduler, block tables
+one decision per step is all the coordination needed ([Kwon 2025, §3.4.6]: one scheduler, block tables
 broadcast, each worker holding its heads' K/V).
 """
 from __future__ import annotations

@@ -38,9 +38,15 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
+def _check_full(loaded: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
+    """The WHOLE checkpoint tensor must have the unsplit shape before a rank cuts its shard out of it:
+    narrowing a tensor of the wrong size would silently load the wrong numbers."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(expected)}")
+
+
 def _copy(target: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
-    if loaded.shape != target.shape:
-        raise ValueError(f"{what}: checkpoint shard has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
+    _check_full(loaded, tuple(target.shape), what)
     target.copy_(loaded)
 
 
@@ -56,6 +62,7 @@ class ColumnParallelLinear(Linear):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         n = param.shape[0]                                                   # rows of this rank
+        _check_full(loaded_weight, (n * self.tp_size, *param.shape[1:]), "column-parallel weight")
         _copy(param.data, loaded_weight.narrow(0, self.tp_rank * n, n), "column-parallel weight")
 
 
@@ -78,6 +85,7 @@ class RowParallelLinear(Linear):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         n = param.shape[1]                                                   # input columns of this rank
+        _check_full(loaded_weight, (param.shape[0], n * self.tp_size), "row-parallel weight")
         _copy(param.data, loaded_weight.narrow(1, self.tp_rank * n, n), "row-parallel weight")
 
     def bias_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -103,9 +111,14 @@ class MergedColumnParallelLinear(MergedColumnLinear):
         _, size = self.shard_slice(shard_id)
         return self.tp_rank * size
 
+    def checkpoint_rows(self, shard_id) -> int:
+        """Rows of the unsplit checkpoint piece `shard_id`."""
+        return self.shard_slice(shard_id)[1] * self.tp_size
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id) -> None:
         offset, size = self.shard_slice(shard_id)
         target = param.data.narrow(0, offset, size)
+        _check_full(loaded_weight, (self.checkpoint_rows(shard_id), *target.shape[1:]), f"shard {shard_id!r}")
         _copy(target, loaded_weight.narrow(0, self.shard_offset_in_checkpoint(shard_id), size), f"shard {shard_id!r}")
 
 
@@ -141,6 +154,9 @@ class QKVParallelLinear(MergedColumnParallelLinear):
             return self.tp_rank * size
         return (self.tp_rank // self.num_kv_head_replicas) * size          # the KV head this rank's queries read
 
+    def checkpoint_rows(self, shard_id) -> int:
+        return (self.total_num_heads if shard_id == "q" else self.total_num_kv_heads) * self.head_dim
+
 
 class VocabParallelEmbedding(VocabEmbedding):
     """Embedding rows split by vocabulary: rank r holds ids [r n, (r + 1) n), n = padded vocab / tp.
@@ -162,12 +178,7 @@ class VocabParallelEmbedding(VocabEmbedding):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        if loaded_weight.shape[0] != self.org_vocab_size:
-            raise ValueError(f"embedding: checkpoint has {loaded_weight.shape[0]} rows, the model's vocab_size is "
-                             f"{self.org_vocab_size}")
-        start, end = self.vocab_start_index, min(self.vocab_end_index, self.org_vocab_size)
-        param.data.zero_()                                                   # padding rows
-        _copy(param.data[:max(end - start, 0)], loaded_weight[start:end], "vocab-parallel embedding")
+        _load_vocab_rows(self, param, loaded_weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:   # [T] -> [T, hidden]
         if self.tp_size == 1:
@@ -178,16 +189,42 @@ class VocabParallelEmbedding(VocabEmbedding):
         return get_tp_group().all_reduce(out)
 
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
-        """[N, V / tp] on each rank -> [N, vocab_size] on every rank (vLLM: LogitsProcessor._gather_logits;
-        vLLM gathers to rank 0 only — here every rank samples, so every rank's persistent batch gets the token)."""
-        if self.tp_size == 1:
-            return local_logits
-        return get_tp_group().all_gather(local_logits, dim=-1)[..., :self.org_vocab_size]
+        return _gather_logits(self, local_logits)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection of an untied model: the same row split, run as a linear (through the
-    linear-method seam) and never looked up. A tied model uses its VocabParallelEmbedding instead."""
+class ParallelLMHead(ColumnParallelLinear):
+    """The output projection of an untied model: W [vocab, hidden] split by rows like the embedding
+    (ids [r n, (r + 1) n) on rank r, padded) — which is a column-parallel linear: each rank computes
+    its slice of the logits, [T, V / tp], and `gather_logits` concatenates them. vLLM derives it from
+    VocabParallelEmbedding; here it is a Linear so that the CPU GEMMs pack it (and drop the unpacked
+    copy) like every other linear. A tied model uses its VocabParallelEmbedding instead."""
 
-    def forward(self, input_ids):
-        raise RuntimeError("ParallelLMHead is a projection: call compute_logits, not forward")
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        tp = get_tp_group()
+        padded = -(-num_embeddings // tp.world_size) * tp.world_size
+        super().__init__(embedding_dim, padded, bias=False)
+        self.org_vocab_size = num_embeddings
+        self.vocab_start_index = self.tp_rank * self.output_size
+        self.vocab_end_index = self.vocab_start_index + self.output_size
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        _load_vocab_rows(self, param, loaded_weight)
+
+    def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        return _gather_logits(self, local_logits)
+
+
+def _load_vocab_rows(layer, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    """This rank's rows [start, end) of a [vocab, hidden] checkpoint matrix; padding rows are zero."""
+    _check_full(loaded_weight, (layer.org_vocab_size, param.shape[1]), "vocab-parallel weight")
+    start, end = layer.vocab_start_index, min(layer.vocab_end_index, layer.org_vocab_size)
+    param.data.zero_()
+    _copy(param.data[:max(end - start, 0)], loaded_weight[start:end], "vocab-parallel weight")
+
+
+def _gather_logits(layer, local_logits: torch.Tensor) -> torch.Tensor:
+    """[N, V / tp] on each rank -> [N, vocab_size] on every rank (vLLM: LogitsProcessor._gather_logits;
+    vLLM gathers to rank 0 only — here every rank samples, so every rank's persistent batch gets the token)."""
+    if layer.tp_size == 1:
+        return local_logits
+    return get_tp_group().all_gather(local_logits, dim=-1)[..., :layer.org_vocab_size]

@@ -139,3 +139,16 @@ def test_one_rank_layers_are_the_single_device_layers():
     plain.weight.data.copy_(w)
     row.weight.weight_loader(row.weight, w)
     assert torch.equal(row(x), plain(x))                                  # the same matmul: bit for bit
+
+
+def test_a_wrong_sized_checkpoint_tensor_is_refused_before_it_is_cut(as_rank):
+    """A rank narrows the checkpoint tensor to its shard: the full tensor's shape is checked first,
+    or a too-big tensor would load silently."""
+    as_rank(1, 2)
+    col, row, qkv = ColumnParallelLinear(8, 16), RowParallelLinear(16, 8), QKVParallelLinear(8, 2, 4, 2)
+    with pytest.raises(ValueError, match=r"checkpoint tensor has shape \(18, 8\), expected \(16, 8\)"):
+        col.weight.weight_loader(col.weight, torch.zeros(18, 8))
+    with pytest.raises(ValueError, match=r"checkpoint tensor has shape \(8, 18\), expected \(8, 16\)"):
+        row.weight.weight_loader(row.weight, torch.zeros(8, 18))
+    with pytest.raises(ValueError, match=r"shard 'k': checkpoint tensor has shape \(6, 8\), expected \(4, 8\)"):
+        qkv.weight.weight_loader(qkv.weight, torch.zeros(6, 8), "k")
