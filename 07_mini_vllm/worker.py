@@ -57,8 +57,11 @@ class Worker:
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.world_size))
             backend = "gloo"
+        # The collectives' own timeout is only a backstop (the engine gives up on a step after
+        # execute_model_timeout_s and stops every worker); it also bounds the rendezvous, where ranks
+        # spawned seconds apart meet — hence never below two minutes.
         parallel_state.init_distributed_environment(pc.world_size, self.rank, self.distributed_init_method, backend,
-                                                    timeout_s=self.config.execute_model_timeout_s)
+                                                    timeout_s=max(self.config.execute_model_timeout_s, 120.0))
         parallel_state.initialize_model_parallel(pc.tensor_parallel_size, pc.pipeline_parallel_size)
 
     def load_model(self) -> None:

@@ -20,6 +20,12 @@ decode step (medians):
                          averaged over stages. Without micro-batches, stage 0 waits while stage 1 runs
                          and the reverse, so the ideal is (pp - 1) / pp = 0.5 at PP=2.
 
+A step's time inside a collective is transfer PLUS waiting for the slowest rank to arrive (ranks
+that share too few cores drift apart), so the benchmark also measures the collectives alone
+(`collective_latency`): 2 gloo processes, nothing else running in them, all-reduce of [T, 576] fp32
+(SmolLM2's hidden size: one decode step at T sequences) and all-gather of [T, 49152 / 2], median of
+200 calls after warm-up. One TP=2 decode step of SmolLM2 is 61 all-reduces + 1 all-gather.
+
 These are CPU processes sharing the machine's cores (threads per rank = cores / ranks): the
 numbers show what the communication costs relative to a step, not a speed-up — on 2 cores there
 is no parallel compute to gain. Writes benchmarks/results/parallel_cpu.json.
@@ -112,6 +118,49 @@ def summarize(per_step, pc) -> dict:
     return out
 
 
+def _collective_worker(rank: int, world: int, init_method: str, sizes: list[int], iters: int, queue) -> None:
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, world_size=world, rank=rank)
+    rows = []
+    for t in sizes:
+        # logits are gathered for the sampled rows only (at most max_num_seqs), so no prefill-sized gather
+        for op, shape in (("all_reduce", (t, 576)), ("all_gather", (t, 49152 // world)))[:1 if t > 64 else 2]:
+            x = torch.randn(*shape)
+            parts = [torch.empty_like(x) for _ in range(world)]
+            run = (lambda: dist.all_reduce(x)) if op == "all_reduce" else (lambda: dist.all_gather(parts, x))
+            for _ in range(20):
+                run()
+            samples = []
+            for _ in range(iters):
+                dist.barrier()
+                t0 = time.perf_counter()
+                run()
+                samples.append(time.perf_counter() - t0)
+            rows.append({"op": op, "tokens": t, "bytes": x.numel() * 4, "median_us": round(1e6 * median(samples), 1)})
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
+def collective_latency(sizes=(1, 8, 64, 512), iters: int = 200, world: int = 2) -> list[dict]:
+    """Median latency of gloo all-reduce / all-gather between `world` otherwise idle processes."""
+    import multiprocessing
+
+    from mini_vllm.executor.multiproc_executor import _free_port
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [ctx.Process(target=_collective_worker, args=(r, world, init, list(sizes), iters, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    rows = queue.get(timeout=600)
+    for p in procs:
+        p.join(60)
+    return rows
+
+
 def control_message_bytes(num_requests: int) -> int:
     """Size of one decode step's pickled (method, SchedulerOutput, reply rank) for num_requests requests."""
     import pickle
@@ -130,6 +179,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     num_requests, prompt_len = 8, 96
     output_len, skip = (8, 2) if args.quick else (48, 8)
+    latency = collective_latency(iters=50 if args.quick else 200)
+    for row in latency:
+        print(row, flush=True)
     rows, reference = [], None
     for label, overrides in CONFIGS:
         row, tokens = run_config(label, overrides, num_requests, prompt_len, output_len, skip)
@@ -141,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
                     output_len=output_len, timed="decode steps after the first %d" % skip, cpu_kernels="off",
                     backend="gloo", decode_control_message_bytes=control_message_bytes(num_requests),
                     command="python -m benchmarks.bench_parallel" + (" --quick" if args.quick else ""))
-    path = write_result("parallel_cpu", workload, rows, args.out)
+    path = write_result("parallel_cpu", {**workload, "collective_latency": latency}, rows, args.out)
     print(f"wrote {path}")
     return {"rows": rows, "path": str(path)}
 

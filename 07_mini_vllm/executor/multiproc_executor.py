@@ -42,6 +42,10 @@ from mini_vllm.executor.abstract import Executor, ExecutorError
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0          # how long a worker may take to leave its process groups before it is killed
+# Start-up (spawn, import torch, load the checkpoint) is given at least this long, whatever
+# execute_model_timeout_s says: a short step timeout must not fail a slow but healthy start.
+# A worker that dies while starting is still noticed at once.
+STARTUP_TIMEOUT_S = 600.0
 
 
 def _free_port() -> int:
@@ -96,18 +100,18 @@ class WorkerProc:
             conn.close()
 
 
-def _stop_workers(procs: list, conns: list[Connection]) -> None:
-    """Ask, then insist: shutdown message, join, terminate, kill. Safe to call twice."""
+def _stop_workers(procs: list, conns: list[Connection], grace_s: float = SHUTDOWN_GRACE_S) -> None:
+    """Ask, then insist: shutdown message, join (up to grace_s), terminate, kill. Safe to call twice."""
     for conn in conns:
         try:
             conn.send_bytes(pickle.dumps(("shutdown", (), None)))
         except (OSError, ValueError):
             pass
-    deadline = time.monotonic() + SHUTDOWN_GRACE_S
+    deadline = time.monotonic() + grace_s
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
     for proc in procs:
-        if proc.is_alive():
+        if proc.is_alive() and grace_s > 0:
             proc.terminate()
             proc.join(2.0)
         if proc.is_alive():
@@ -146,7 +150,8 @@ class MultiprocExecutor(Executor):
         # If the executor is dropped without shutdown(), its workers still go (and with the engine's process: daemon).
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
         try:
-            pids = self._wait_replies(list(range(self.world_size)), "start-up")
+            pids = self._wait_replies(list(range(self.world_size)), "start-up",
+                                      max(self.timeout_s, STARTUP_TIMEOUT_S))
         except BaseException:
             self.shutdown()
             raise
@@ -168,10 +173,12 @@ class MultiprocExecutor(Executor):
         results = self._wait_replies(ranks, method)
         return results if unique_reply_rank is None else results[0]
 
-    def _wait_replies(self, ranks: list[int], what: str) -> list:
-        """One reply from each of `ranks`, waiting at most timeout_s; a dead worker ends the wait at once."""
+    def _wait_replies(self, ranks: list[int], what: str, timeout_s: float | None = None) -> list:
+        """One reply from each of `ranks`, waiting at most timeout_s (default: execute_model_timeout_s);
+        a dead worker ends the wait at once."""
         replies: dict[int, object] = {}
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
         while len(replies) < len(ranks):
             pending = {self.conns[r]: r for r in ranks if r not in replies}
@@ -179,7 +186,7 @@ class MultiprocExecutor(Executor):
             ready = wait(list(pending) + list(sentinels), timeout=max(0.0, left)) if left > 0 else []
             if not ready:
                 self._fail(f"no reply to {what} from worker rank(s) {sorted(pending.values())} within "
-                           f"{self.timeout_s:g} s (execute_model_timeout_s): the workers are hung")
+                           f"{timeout_s:g} s: the workers are hung")
             for conn in (c for c in ready if c in pending):     # a reply first: it may carry the traceback
                 rank = pending[conn]
                 try:
@@ -216,7 +223,9 @@ class MultiprocExecutor(Executor):
         """The ranks can no longer step together: remember why, stop every worker, raise."""
         self.failure = f"the multiprocess executor failed: {message}"
         logger.error("%s", self.failure)
-        self._finalizer()                                       # stops the survivors (blocked in collectives)
+        # The survivors are blocked in collectives with the dead or hung rank: no grace, terminate them.
+        if self._finalizer.detach() is not None:
+            _stop_workers(self.procs, self.conns, grace_s=0.0)
         raise ExecutorError(self.failure)
 
     def check_health(self) -> None:
@@ -231,4 +240,5 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         """Stop every worker (they leave their process groups, rank 0 closes the rendezvous port)."""
-        self._finalizer()
+        if self._finalizer.alive:
+            self._finalizer()

@@ -145,14 +145,22 @@ def test_tp2_replicates_a_single_kv_head_then_survives_a_dead_worker(parallel_ll
     assert_workers_gone(executor)
 
 
-def test_pp2_matches_one_rank(parallel_llm, tiny_models):
+def test_pp2_matches_one_rank_then_gives_up_on_a_hung_stage(parallel_llm, tiny_models):
     prompts = shared_prefix_prompts(4)
     ref = parallel_llm(tiny_models / "llama", **STRESS).generate(prompts, GREEDY, use_tqdm=False)
-    llm = parallel_llm(tiny_models / "llama", pipeline_parallel_size=2, **STRESS)
+    llm = parallel_llm(tiny_models / "llama", pipeline_parallel_size=2, execute_model_timeout_s=3, **STRESS)
     out = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
-    shapes = llm.llm_engine.engine_core.model_executor.collective_rpc("kv_cache_shapes")
+    executor = llm.llm_engine.engine_core.model_executor
+    shapes = executor.collective_rpc("kv_cache_shapes")
     assert shapes == [[(16, 16, 2, 16)], [(16, 16, 2, 16)]]               # one layer (all its KV heads) per stage
+
+    # Stage 1 stops answering (SIGSTOP: alive, silent): the step is given up after the 3 s timeout.
+    os.kill(executor.worker_pids[1], signal.SIGSTOP)
+    t0 = time.monotonic()
+    out = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+    assert {o.outputs[0].finish_reason for o in out} == {"error"}
+    assert "within 3 s: the workers are hung" in str(out[0].outputs[0].stop_reason) and time.monotonic() - t0 < 10
 
 
 @pytest.mark.parametrize("kwargs,match", [
