@@ -14,15 +14,15 @@ and every single-process test run this way).
 Rank layout (vLLM's): world rank = pp_rank * tp_size + tp_rank. TP groups are consecutive ranks
 (they talk every layer: keep them on one node / NVLink); a PP group is every tp_size-th rank.
 
-Each group has two process groups, as vLLM's GroupCoordinator: `device_group` (gloo on CPU, NCCL on
-GPU) for tensors, and `cpu_group` (always gloo) for Python objects — NCCL cannot move a pickled
-scheduler output. Every collective is counted (calls, bytes, seconds) so the communication per step
-can be measured (`comm_stats`).
+Each group's `device_group` is a torch.distributed process group: gloo on CPU, NCCL on GPU. (vLLM's
+GroupCoordinator also keeps a gloo `cpu_group` for Python objects; here the scheduler output reaches
+the workers through the executor's pipes, chapter 07's executor/multiproc_executor.py.) Every
+collective is counted (calls, bytes, seconds) so the communication per step can be measured
+(chapter 07's `Worker.comm_stats`).
 """
 from __future__ import annotations
 
 import datetime
-import pickle
 import time
 from dataclasses import dataclass, field
 
@@ -50,11 +50,11 @@ class GroupCoordinator:
     rank (or no process group at all) every collective is the identity, so single-device code pays
     nothing for going through it."""
 
-    def __init__(self, ranks: list[int], rank_in_group: int, device_group=None, cpu_group=None):
+    def __init__(self, ranks: list[int], rank_in_group: int, device_group=None):
         self.ranks = list(ranks)
         self.world_size = len(self.ranks)
         self.rank_in_group = rank_in_group
-        self.device_group, self.cpu_group = device_group, cpu_group
+        self.device_group = device_group
         self.stats = CommStats()
 
     @property
@@ -120,17 +120,6 @@ class GroupCoordinator:
         return self._timed("recv", x.numel() * x.element_size(),
                            lambda: (dist.recv(x, self.ranks[src], group=self.device_group), x)[1])
 
-    # ------------------------------------------------------------------ Python objects (cpu_group)
-    def broadcast_object(self, obj=None, src: int = 0):
-        """Rank `src`'s object to every rank (pickled, over gloo): the scheduler output, each step."""
-        if self.world_size == 1:
-            return obj
-        box = [obj if self.rank_in_group == src else None]
-        nbytes = len(pickle.dumps(obj)) if self.rank_in_group == src else 0
-        self._timed("broadcast_object", nbytes,
-                    lambda: dist.broadcast_object_list(box, src=self.ranks[src], group=self.cpu_group))
-        return box[0]
-
 
 _COMM_FAILURE: str | None = None
 
@@ -185,8 +174,7 @@ def init_distributed_environment(world_size: int, rank: int, init_method: str, b
     global _WORLD
     dist.init_process_group(backend, init_method=init_method, world_size=world_size, rank=rank,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    cpu_group = dist.new_group(list(range(world_size)), backend="gloo") if backend != "gloo" else dist.group.WORLD
-    _WORLD = GroupCoordinator(list(range(world_size)), rank, dist.group.WORLD, cpu_group)
+    _WORLD = GroupCoordinator(list(range(world_size)), rank, dist.group.WORLD)
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int, pipeline_model_parallel_size: int = 1) -> None:
@@ -197,25 +185,23 @@ def initialize_model_parallel(tensor_model_parallel_size: int, pipeline_model_pa
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     if tp * pp != world:
         raise ValueError(f"tensor_parallel_size ({tp}) x pipeline_parallel_size ({pp}) must equal the world size ({world})")
-    backend = dist.get_backend() if dist.is_initialized() else "gloo"
     for ranks in ([p * tp + t for t in range(tp)] for p in range(pp)):          # TP groups: consecutive ranks
-        group = _new_group(ranks, backend, world)
+        group = _new_group(ranks, world)
         if rank in ranks:
-            _TP = GroupCoordinator(ranks, ranks.index(rank), *group)
+            _TP = GroupCoordinator(ranks, ranks.index(rank), group)
     for ranks in ([p * tp + t for p in range(pp)] for t in range(tp)):          # PP groups: stride tp
-        group = _new_group(ranks, backend, world)
+        group = _new_group(ranks, world)
         if rank in ranks:
-            _PP = GroupCoordinator(ranks, ranks.index(rank), *group)
+            _PP = GroupCoordinator(ranks, ranks.index(rank), group)
 
 
-def _new_group(ranks: list[int], backend: str, world: int):
-    """(device_group, cpu_group) over `ranks`; with one rank no process group is needed."""
+def _new_group(ranks: list[int], world: int):
+    """A process group over `ranks` (the world's backend); one rank needs none, all ranks are the world."""
     if len(ranks) == 1:
-        return None, None
+        return None
     if len(ranks) == world:
-        return dist.group.WORLD, _WORLD.cpu_group
-    device = dist.new_group(ranks, backend=backend)
-    return device, (dist.new_group(ranks, backend="gloo") if backend != "gloo" else device)
+        return dist.group.WORLD
+    return dist.new_group(ranks)
 
 
 def destroy_model_parallel() -> None:

@@ -162,7 +162,11 @@ class MultiprocExecutor(Executor):
     def collective_rpc(self, method: str, args: tuple = (), unique_reply_rank: int | None = None):
         if self.failure is not None:
             raise ExecutorError(self.failure)
-        message = pickle.dumps((method, args, unique_reply_rank))          # pickled once for every rank
+        try:
+            message = pickle.dumps((method, args, unique_reply_rank))      # pickled once for every rank
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            raise ValueError(f"{method}: its arguments cannot be sent to the worker processes ({e}); e.g. a "
+                             "logits processor must be a module-level function, not a lambda") from None
         self.last_message_bytes = len(message)
         try:
             for conn in self.conns:
