@@ -1,11 +1,11 @@
 """Data parallelism: a cache-aware router vs round-robin (and least-loaded) on a multi-tenant workload.
 
-    python -m benchmarks.bench_dp_router                 # SmolLM2, 2 replicas, 8 tenants x 8 users
+    python -m benchmarks.bench_dp_router                 # SmolLM2, 2 replicas, 8 tenants x 6 users
     python -m benchmarks.bench_dp_router --quick         # fewer users (smoke)
 
 The workload (SGLang's router and llm-d motivate cache-aware routing with exactly this shape): T
 tenants, each with its own system prompt (a distinct 192-token slice of real text), and U users per
-tenant, each asking a 24-48-token question after that system prompt; 16 output tokens, greedy. The
+tenant, each asking a 24-48-token question after that system prompt; 8 output tokens, greedy. The
 requests of all tenants are interleaved at random and arrive R per round. The same request order goes
 through DPEngine (dp_engine.py: replicas stepped in lockstep, a round costs the slowest replica's
 step) once per router, on fresh replicas, in one run, after one untimed pass (warm-up). Each replica's KV pool holds about half of the
@@ -46,6 +46,24 @@ def make_workload(tokenizer, tenants: int, users: int, system_len: int, seed: in
             requests.append((t, systems[t] + rest[start:start + q]))
     rng.shuffle(requests)
     return requests
+
+
+def make_tiny_llama() -> str:
+    """A random tiny Llama (the tests' shape: 4 heads, 2 KV heads, 2 layers) with SmolLM2's tokenizer."""
+    import tempfile
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from mini_vllm.default_model import default_model_path
+    path = tempfile.mkdtemp(prefix="tiny-llama-")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+    AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(path)
+    return path
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -101,14 +119,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="4 tenants x 3 users, 4 output tokens (smoke)")
     ap.add_argument("--model", default=None, help="HF directory (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a random 2-layer Llama (hidden 64) with SmolLM2's vocabulary instead: routing and hit "
+                         "rates are the model's business not at all, and it runs where SmolLM2 would take long")
     ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--out", default=None, help="results directory (default benchmarks/results)")
     args = ap.parse_args(argv)
+    import torch
     from transformers import AutoTokenizer
+    # One thread: the replicas run one after another here, and on a shared machine two OpenMP threads
+    # that lose their cores spin on each other; routing, not thread scaling, is what is compared.
+    torch.set_num_threads(args.threads)
 
     from mini_vllm.default_model import default_model_path
-    model = args.model or str(default_model_path())
-    tenants, users, system_len, output_len, per_round = (4, 3, 64, 4, 2) if args.quick else (8, 8, 192, 16, 2)
+    model = make_tiny_llama() if args.tiny else (args.model or str(default_model_path()))
+    tenants, users, system_len, output_len, per_round = (4, 3, 64, 4, 2) if args.quick else (8, 6, 192, 8, 2)
     requests = make_workload(AutoTokenizer.from_pretrained(model), tenants, users, system_len)
     # A pool of about half the tenants' system prompts per replica (+ room for the running requests).
     blocks = (tenants // 2) * (system_len // 16) + 8 * 5
@@ -124,12 +150,13 @@ def main(argv: list[str] | None = None) -> dict:
         row["same_tokens_as_round_robin"] = tokens == reference
         rows.append(row)
         print(row, flush=True)
-    workload = dict(model=model.rsplit("/", 1)[-1], replicas=args.replicas, tenants=tenants, users_per_tenant=users,
+    workload = dict(model="tiny random Llama (2 layers, hidden 64)" if args.tiny else model.rsplit("/", 1)[-1], replicas=args.replicas, tenants=tenants, users_per_tenant=users,
                     system_prompt_tokens=system_len, question_tokens="24-48", output_len=output_len,
-                    arrivals_per_round=per_round, kv_blocks_per_replica=blocks, block_size=16,
+                    arrivals_per_round=per_round, kv_blocks_per_replica=blocks, block_size=16, torch_threads=args.threads,
                     clock="lockstep rounds: each round costs the slowest replica's step",
                     warm_up="one untimed round_robin pass over the same requests before the timed ones",
-                    command="python -m benchmarks.bench_dp_router" + (" --quick" if args.quick else ""))
+                    command="python -m benchmarks.bench_dp_router" + (" --quick" if args.quick else "")
+                    + (" --tiny" if args.tiny else ""))
     path = write_result("dp_router", workload, rows, args.out)
     print(f"wrote {path}")
     return {"rows": rows, "path": str(path)}
