@@ -94,11 +94,9 @@ STRESS = dict(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256, num_
 
 
 def test_tp2_matches_one_rank_with_prefix_caching_chunked_prefill_and_preemption(parallel_llm, tiny_models):
-    """With the CPU kernels on (cpu_kernels="auto": packed GEMMs on each rank's shard, the C++ attention
-    over its heads, the fused layer ops), as the other tests run on torch ops alone."""
     prompts = shared_prefix_prompts()
-    ref_outs, ref_steps = trace(parallel_llm(tiny_models / "llama", cpu_kernels="auto", **STRESS), prompts, GREEDY)
-    llm = parallel_llm(tiny_models / "llama", tensor_parallel_size=2, cpu_kernels="auto", **STRESS)
+    ref_outs, ref_steps = trace(parallel_llm(tiny_models / "llama", **STRESS), prompts, GREEDY)
+    llm = parallel_llm(tiny_models / "llama", tensor_parallel_size=2, **STRESS)
     executor = llm.llm_engine.engine_core.model_executor
     assert isinstance(executor, MultiprocExecutor) and len(executor.worker_pids) == 2
     outs, steps = trace(llm, prompts, GREEDY)
