@@ -5,8 +5,14 @@ Mirrors vLLM v1's `vllm/v1/engine/core.py: EngineCore` (`__init__` -> `_initiali
 the LLMEngine's processor and output processor).
 
     step():  scheduler.schedule()                      -> SchedulerOutput      (chapters 03-06, engine_scheduler.py)
-             model_runner.execute_model(...)           -> ModelRunnerOutput    (this chapter)
+             model_executor.execute_model(...)         -> ModelRunnerOutput    (this chapter)
              scheduler.update_from_output(...)         -> EngineCoreOutputs    (chapter 03)
+
+The model runs behind an executor (executor/, vLLM's `Executor`): UniProcExecutor keeps the model
+runner in this process (`self.model_runner`), MultiprocExecutor runs one worker process per
+tensor / pipeline-parallel rank (`self.model_runner` is None: the runners are in the workers). If
+the workers fail (a rank died, hung, raised), every request is finished with the executor's
+message and the engine refuses new ones: it cannot step any more.
 
 Start-up sizes the KV cache (`kv_memory.py`), allocates it, captures CUDA graphs, and only
 then builds the KV cache manager (chapter 02) with that many blocks and the scheduler on top.
@@ -30,10 +36,11 @@ from scheduler import EngineCoreOutput, FinishReason, Request, RequestStatus, Sc
 from mini_vllm.config import ModelConfig, weights_fingerprint
 from mini_vllm.engine_config import GiB, EngineConfig
 from mini_vllm.engine_scheduler import make_scheduler
+from mini_vllm.executor import Executor, ExecutorError
 from mini_vllm.model_inputs import ModelInputs
 from mini_vllm.kv_memory import (DEFAULT_CPU_KV_CACHE_MEMORY, GPUMemorySnapshot, KVCacheReport,
                                  check_enough_kv_cache_memory, gpu_kv_cache_bytes, num_blocks_for_bytes)
-from mini_vllm.model_runner import ModelRunner
+from mini_vllm.model_runner import ModelRunnerOutput
 from mini_vllm.spec_decode_worker import SpecDecodeEngineStats, SpecDecodeStepStats
 
 logger = logging.getLogger(__name__)
@@ -64,14 +71,21 @@ class EngineCore:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             baseline = GPUMemorySnapshot.take(device)
-        self.model_runner = ModelRunner(config, model_config)
-        self.kv_cache_report = self._determine_kv_cache_size(baseline)
-        self.model_runner.initialize_kv_cache(self.kv_cache_report.num_blocks, self.kv_cache_report.num_cpu_blocks)
-        use_graphs = (device.type == "cuda" and not config.enforce_eager
-                      and self.model_runner.attn_backend in ("triton", "cuda"))
+        self.failure: str | None = None                  # why the executor can no longer step, once it cannot
+        self.model_executor: Executor = Executor.get_class(config)(config, model_config)
+        self.model_runner = self.model_executor.model_runner    # in this process, or None (multiprocess)
+        try:
+            self.kv_cache_report = self._determine_kv_cache_size(baseline)
+            self.model_executor.initialize_kv_cache(self.kv_cache_report.num_blocks, self.kv_cache_report.num_cpu_blocks)
+        except BaseException:
+            self.model_executor.shutdown()               # no worker outlives a failed start
+            raise
+        # CUDA graphs around NCCL collectives are not attempted: one rank per engine only.
+        use_graphs = (device.type == "cuda" and not config.enforce_eager and config.parallel_config.world_size == 1
+                      and self.model_executor.attn_backend in ("triton", "cuda"))
         if use_graphs:
             t0 = time.perf_counter()
-            self.model_runner.capture_model()
+            self.model_executor.capture_model()
             logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", config.capture_sizes(),
                         time.perf_counter() - t0)
 
@@ -125,14 +139,17 @@ class EngineCore:
         return self.kv_connector.take_kv_transfer_params(request_id)
 
     def shutdown(self) -> None:
-        """Stop the connector's servers and threads (leaves the pool); the engine is unusable after."""
+        """Stop the connector's servers and threads (leaves the pool) and the executor's workers;
+        the engine is unusable after."""
         if getattr(self, "kv_connector", None) is not None:
             self.kv_connector.shutdown()
             self.kv_connector = None
+        if getattr(self, "model_executor", None) is not None:
+            self.model_executor.shutdown()
 
     def _determine_kv_cache_size(self, baseline: GPUMemorySnapshot | None) -> KVCacheReport:
         config = self.config
-        spec = self.model_runner.kv_cache_spec
+        spec = self.model_executor.kv_cache_spec          # one rank's: its heads, its layers
         bytes_per_block = spec.bytes_per_block
         max_model_len = self.model_config.max_model_len
         num_cpu_blocks = int(config.swap_space * GiB) // bytes_per_block if config.preemption_mode == "swap" else 0
@@ -156,6 +173,8 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
+        if self.failure is not None:
+            raise RuntimeError(f"the engine cannot run requests any more: {self.failure}")
         self.scheduler.add_request(request)
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[str]:
@@ -171,19 +190,24 @@ class EngineCore:
     def spec_decoding_stats(self) -> SpecDecodeEngineStats | None:
         """Acceptance rate, mean acceptance length, per-position acceptance, drafting and
         verification time over the engine's life (None without speculative_config)."""
-        worker = self.model_runner.spec_decode
+        worker = self.spec_decode_worker
         return worker.engine_stats if worker is not None else None
+
+    @property
+    def spec_decode_worker(self):
+        """The drafter's worker: in this process's model runner (speculative decoding needs one rank)."""
+        return self.model_runner.spec_decode if self.model_runner is not None else None
 
     def _release_drafter_state(self, req_ids) -> None:
         """The drafter frees a finished request's draft KV now, not at the next step."""
-        if self.model_runner.spec_decode is not None and req_ids:
-            self.model_runner.spec_decode.remove_requests(req_ids)
+        if self.spec_decode_worker is not None and req_ids:
+            self.spec_decode_worker.remove_requests(req_ids)
 
     def _update_draft_token_ids(self, outputs: list[EngineCoreOutput]) -> None:
         """After update_from_output (vLLM: EngineCore.post_step): the drafts proposed this step
         go to the scheduler, which schedules them next step as Δ = 1 + k (stale ones — finished,
         preempted, still prefilling — it drops)."""
-        if self.model_runner.spec_decode is None:
+        if self.spec_decode_worker is None:
             return
         self._release_drafter_state([o.request_id for o in outputs if o.finish_reason is not None])
         self.scheduler.update_draft_token_ids(self.model_runner.take_draft_token_ids())
@@ -195,7 +219,7 @@ class EngineCore:
         self.scheduler.check_invariants()
         self.kv_cache_manager.check_invariants()
         known = set(self.scheduler.requests) | self.scheduler.finished_req_ids
-        stale = set(self.model_runner.requests) - known
+        stale = set(self.model_runner.requests) - known if self.model_runner is not None else set()
         assert not stale, f"the model runner still holds requests the scheduler does not know: {sorted(stale)}"
         if not self.scheduler.has_unfinished_requests():
             kv = self.kv_cache_manager
@@ -204,8 +228,8 @@ class EngineCore:
             assert cpu is None or kv.num_free_cpu_blocks == cpu.num_blocks, "CPU swap blocks leaked"
             if self.kv_connector is not None:
                 assert not self.kv_connector.has_pending_loads(), "remote K/V still loading for no request"
-            if self.model_runner.spec_decode is not None:
-                self.model_runner.spec_decode.check_idle()
+            if self.spec_decode_worker is not None:
+                self.spec_decode_worker.check_idle()
 
     # ------------------------------------------------------------------ the step
     def step(self) -> EngineCoreStep:
@@ -215,7 +239,10 @@ class EngineCore:
         for faults of the engine (the scheduler's own bookkeeping)."""
         start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        try:
+            runner_output = self.model_executor.execute_model(scheduler_output)
+        except ExecutorError as e:
+            return self._fail_all_requests(str(e), scheduler_output, start)
         if scheduler_output.is_empty and self.kv_connector is not None:
             # Nothing to compute, remote K/V on its way: wait for it (bounded) instead of spinning.
             self.kv_connector.wait_for_loads(timeout=0.01)
@@ -236,5 +263,18 @@ class EngineCore:
                                "waiting requests with an idle engine: this is a bug, not a full cache")
         return EngineCoreStep(scheduler_output, outputs, runner_output.logprobs, errors,
                               runner_output.prompt_logprobs,
-                              self.model_runner.last_inputs if not scheduler_output.is_empty else None, start,
+                              self.model_executor.last_inputs if not scheduler_output.is_empty else None, start,
                               runner_output.spec_decode)
+
+    def _fail_all_requests(self, message: str, scheduler_output: SchedulerOutput, start: float) -> EngineCoreStep:
+        """The executor cannot step any more: finish every request with `message` — the scheduled
+        ones through update_from_output's failure path (their blocks freed, never cached: their K/V
+        may be half written), the others directly — and refuse new requests from now on."""
+        self.failure = message
+        scheduled = list(scheduler_output.num_scheduled_tokens)
+        failed_output = ModelRunnerOutput(scheduled, [[] for _ in scheduled], failed=dict.fromkeys(scheduled, message))
+        outputs = self.scheduler.update_from_output(scheduler_output, failed_output)
+        rest = self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ERROR)
+        outputs += [EngineCoreOutput(req_id, [], FinishReason.ERROR, message, 0) for req_id in rest]
+        errors = {o.request_id: message for o in outputs if o.finish_reason == FinishReason.ERROR}
+        return EngineCoreStep(scheduler_output, outputs, errors=errors, start_time=start)

@@ -25,6 +25,7 @@ from scheduler import POLICIES, SchedulerConfig
 
 from mini_vllm.models.linear_method import CPU_GEMMS
 from mini_vllm.models.loader import CPU_LAYER_OPS
+from mini_vllm.parallel_config import ParallelConfig
 from mini_vllm.sampler import LOGPROBS_MODES
 from mini_vllm.speculative_config import SpeculativeConfig
 
@@ -96,7 +97,8 @@ class EngineConfig:
     """GPU: the fraction of the device's memory this engine may use (weights + activations + KV)."""
 
     kv_cache_memory: int | None = None
-    """Bytes for KV blocks. Default: 2 GiB on a CPU; on a GPU None = profile (gpu_memory_utilization)."""
+    """Bytes for KV blocks (of each rank, with tensor / pipeline parallelism). Default: 2 GiB on a CPU; on a
+    GPU None = profile (gpu_memory_utilization)."""
 
     num_gpu_blocks_override: int | None = None
     """Exactly this many KV blocks, skipping the memory computation (tests: a tiny pool forces preemption).
@@ -155,6 +157,23 @@ class EngineConfig:
     "layer_skip", "num_speculative_tokens": k, "prompt_lookup_min": m, "prompt_lookup_max": n,
     "model": path, ...} (all keys: mini_vllm/speculative_config.py). None: off."""
 
+    tensor_parallel_size: int = 1
+    """Ranks that split every layer (Megatron-style: heads, MLP features, vocabulary); each holds
+    its heads' K/V. Must divide the attention heads (parallel_config.py says what else)."""
+
+    pipeline_parallel_size: int = 1
+    """Stages that split the layers; activations go from stage to stage each step."""
+
+    distributed_executor_backend: str | None = None
+    """Who runs the ranks (vLLM's name): "uni" (UniProcExecutor: the model runner in this process;
+    one rank) | "mp" (MultiprocExecutor: one worker process per rank, torch.distributed between them:
+    gloo on CPU, NCCL on GPU). None: "uni" for one rank, else "mp"."""
+
+    execute_model_timeout_s: float = 300.0
+    """The multiprocess executor waits at most this long for a step (and for workers to start)
+    before declaring the workers hung and failing the requests (vLLM: VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS).
+    A worker that dies is noticed at once, not after this timeout."""
+
     def __post_init__(self):
         if self.model is not None and not isinstance(self.model, (str, Path)):
             raise ValueError(f"model must be a path (str or Path) or None, got {self.model!r}")
@@ -206,11 +225,33 @@ class EngineConfig:
             if self.resolved_device.type != "cpu":
                 raise ValueError(f"kv_transfer_config needs device='cpu' (chapter 06 moves host memory; GPU K/V "
                                  f"would need GPUDirect RDMA or a staging copy), got {self.device!r}")
+        self._check_parallel()
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
             if self.logprobs_mode.startswith("processed"):
                 raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is not supported with speculative decoding "
                                  "(accepted drafts report the raw distribution); use raw_logprobs or raw_logits")
+
+    def _check_parallel(self) -> None:
+        """The split itself (parallel_config.py; against the model once it is read: LLMEngine) and
+        what the multiprocess executor does not carry: features whose state lives in the model
+        runner of the engine's own process."""
+        parallel = self.parallel_config                       # validates the sizes and the backend
+        if not isinstance(self.execute_model_timeout_s, (int, float)) or not self.execute_model_timeout_s > 0:
+            raise ValueError(f"execute_model_timeout_s must be > 0 seconds, got {self.execute_model_timeout_s!r}")
+        if parallel.executor_backend == "uni":
+            return
+        for name in ("speculative_config", "kv_transfer_config"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported with distributed_executor_backend='mp' (tensor / pipeline "
+                                 "parallel): its drafter / connector lives in the engine's single model runner")
+        if self.resolved_device.type == "cuda" and self.num_gpu_blocks_override is None and self.kv_cache_memory is None:
+            raise ValueError("the multiprocess executor does not profile GPU memory: give kv_cache_memory (bytes per "
+                             "rank) or num_gpu_blocks_override")
+
+    @property
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.distributed_executor_backend)
 
     def _check_cpu_kernels(self) -> None:
         """Validate the master switch; with "off", a CPU kernel asked for by name is a conflict,

@@ -103,7 +103,7 @@ class LLM:
                                   c.finish_reason, c.stop_reason)
 
     def shutdown(self) -> None:
-        """Stop the engine's KV connector (servers, threads); nothing else needs it."""
+        """Stop the engine's KV connector (servers, threads) and its executor's worker processes."""
         self.llm_engine.shutdown()
 
     def chat(self, messages: Sequence[Mapping] | Sequence[Sequence[Mapping]],

@@ -190,7 +190,7 @@ class LLMEngine:
         return outputs
 
     def shutdown(self) -> None:
-        """Release what outlives a step: the KV connector's servers and threads."""
+        """Release what outlives a step: the KV connector's servers and threads, the executor's workers."""
         self.engine_core.shutdown()
 
     def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,

@@ -1,11 +1,16 @@
 """The Llama model code around this chapter's ops: one decoder layer, shared by chapter 04 and the engine.
 
-Mirrors vLLM's `vllm/model_executor/` (one device, so no tensor-parallel split):
+Mirrors vLLM's `vllm/model_executor/` and `vllm/distributed/`:
 
     custom_op.py   CustomOp: a readable `forward_native` and, optionally, a faster `forward_cpu`, bound once
     linear.py      Linear (+ the linear-method seam: LinearMethodBase, UnquantizedLinearMethod),
                    MergedColumnLinear, QKVLinear, VocabEmbedding
                    (vLLM: layers/linear.py, layers/vocab_parallel_embedding.py)
+    parallel_linear.py  ColumnParallelLinear, RowParallelLinear, MergedColumnParallelLinear,
+                   QKVParallelLinear, VocabParallelEmbedding, ParallelLMHead: the linears above split over
+                   tensor-parallel ranks (vLLM: layers/linear.py, vocab_parallel_embedding.py)
+    parallel_state.py  the TP / PP groups and their collectives (vLLM: distributed/parallel_state.py);
+                   one rank unless chapter 07's worker sets them up, and then the layers are chapter 01's
     layers.py      RMSNorm (fused residual add), rope_inv_freq + RotaryEmbedding (rope scaling),
                    apply_rotary_emb, SiluAndMul
                    (vLLM: layers/layernorm.py, layers/rotary_embedding/, layers/activation.py)

@@ -31,7 +31,7 @@ from torch import nn
 
 from paged_attention.model.custom_op import CustomOp
 from paged_attention.model.layers import RMSNorm, SiluAndMul, apply_rotary_emb
-from paged_attention.model.linear import Linear, MergedColumnLinear, QKVLinear
+from paged_attention.model.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]   # (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -54,6 +54,11 @@ class SelfAttention(CustomOp):
     qk_norm:  Qwen3 RMS-normalises each head of q and k before RoPE (stabilises attention logits).
     A CustomOp: on a CPU its forward_cpu splits q/k/v out of the qkv projection and rotates q and k in
     one C++ pass.
+
+    Tensor parallel (parallel_linear.py; one rank unless chapter 07's worker set up a TP group): the
+    projections are split by heads, so num_heads / num_kv_heads here are THIS rank's heads
+    (H / tp, and KVH / tp or 1 replicated KV head) and attention runs on them alone — heads never
+    talk to each other; o_proj (row-parallel) all-reduces the partial outputs.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, attn: nn.Module, *,
@@ -61,10 +66,11 @@ class SelfAttention(CustomOp):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = QKVLinear(hidden_size, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
-        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
+        # This rank's heads: all of them on one device.
+        self.num_heads, self.num_kv_heads, self.head_dim = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.attn = attn
@@ -103,13 +109,14 @@ class SelfAttention(CustomOp):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one matmul."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up as one matmul. Tensor parallel: gate_up split
+    by columns, down by rows — one all-reduce (parallel_linear.py)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
         self.act_fn = SiluAndMul()
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:      # [T, hidden] -> [T, hidden]
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

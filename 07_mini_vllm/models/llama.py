@@ -18,6 +18,18 @@ K/V go and which blocks each request reads. Only the rows that are sampled go th
 vocabulary projection: for a 500-token prefill that is 1 row, not 500.
 
 Qwen2 and Qwen3 differ from Llama in three switches, chosen by `attention_options` (qwen2.py, qwen3.py).
+
+Parallel (set up by the worker, `paged_attention.model.parallel_state`; one rank otherwise):
+  * tensor parallel: the layers split themselves (chapter 01's parallel_linear.py); here the
+    embedding and the LM head are split by vocabulary and the logits all-gathered, so every rank
+    samples the same token from the same [N, vocab] logits.
+  * pipeline parallel: this rank builds only its layers [start_layer, end_layer) (the others are
+    `PPMissingLayer` placeholders, so parameter names keep their global layer index and the loader
+    skips what another stage holds — vLLM: make_layers, PPMissingLayer). A stage receives the
+    previous stage's (hidden, residual) [T, hidden] each, runs its layers and sends them on; the
+    last stage normalises, computes the logits and broadcasts them to the other stages, which
+    therefore sample the same tokens and keep their persistent batch in step (vLLM sends the
+    sampled token ids instead: fewer bytes, one more code path in the model runner).
 """
 from __future__ import annotations
 
@@ -26,37 +38,77 @@ from torch import nn
 
 from paged_attention.metadata import AttentionMetadata
 from paged_attention.model.layers import RMSNorm, RotaryEmbedding
-from paged_attention.model.linear import Linear, VocabEmbedding
 from paged_attention.model.llama import STACKED_PARAMS_MAPPING, KVCache, LlamaDecoderLayer, LlamaMLP
+from paged_attention.model.parallel_linear import ParallelLMHead, VocabParallelEmbedding
+from paged_attention.model.parallel_state import get_pp_group
 
 from mini_vllm.config import ModelConfig
 from mini_vllm.models.attention import PagedAttention
 
-__all__ = ["LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel"]
+__all__ = ["LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel", "PPMissingLayer", "get_pp_indices"]
+
+
+class PPMissingLayer(nn.Identity):
+    """A layer another pipeline stage holds: no parameters, never called (vLLM: PPMissingLayer)."""
+
+
+def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[start, end) of the layers of stage `pp_rank`: as even as possible, earlier stages one more
+    when it does not divide (vLLM: get_pp_indices, which gives the extra layers to later stages' peers)."""
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (pp_rank < extra)
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, *, qkv_bias: bool, o_bias: bool, qk_norm: bool, attn_backend: str):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        pp = get_pp_group()
+        self.start_layer, self.end_layer = get_pp_indices(config.num_hidden_layers, pp.rank_in_group, pp.world_size)
+        # The first stage embeds; the last needs the matrix too when the LM head is tied to it.
+        needs_embedding = pp.is_first_rank or (pp.is_last_rank and config.tie_word_embeddings)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size) if needs_embedding
+                             else PPMissingLayer())
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, PagedAttention(config.num_attention_heads, config.head_dim,
-                                                     config.num_key_value_heads, scale=config.head_dim ** -0.5,
-                                                     backend=attn_backend),
-                              qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm)
-            for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            LlamaDecoderLayer(config, self._attention(config, attn_backend), qkv_bias=qkv_bias, o_bias=o_bias,
+                              qk_norm=qk_norm)
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
         # One table for all layers, sized for the longest sequence the engine will run.
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta,
                                           config.rope_scaling, dtype=config.dtype)
+        self.hidden_size = config.hidden_size
+
+    @staticmethod
+    def _attention(config: ModelConfig, attn_backend: str) -> PagedAttention:
+        layer_attn = PagedAttention(config.num_attention_heads, config.head_dim, config.num_key_value_heads,
+                                    scale=config.head_dim ** -0.5, backend=attn_backend)
+        return layer_attn
+
+    @property
+    def local_layers(self) -> nn.ModuleList:
+        """This stage's layers (all of them without pipeline parallelism), one KV cache each."""
+        return self.layers[self.start_layer:self.end_layer]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)                               # [T, hidden]
+        pp = get_pp_group()
         rope = self.rotary_emb.cos_sin(positions)                                  # computed once, used by every layer
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        if pp.is_first_rank:
+            hidden_states, residual = self.embed_tokens(input_ids), None           # [T, hidden]
+        else:                                                                      # the previous stage's activations
+            hidden_states = pp.recv(self.rotary_emb.cos_sin_cache.new_empty(input_ids.shape[0], self.hidden_size),
+                                    pp.rank_in_group - 1)
+            residual = pp.recv(torch.empty_like(hidden_states), pp.rank_in_group - 1)
+        for layer, kv_cache in zip(self.local_layers, kv_caches):
             hidden_states, residual = layer(hidden_states, residual, rope, kv_cache, attn_metadata)
+        if not pp.is_last_rank:
+            if residual is None:                                                   # a stage of zero layers cannot exist
+                raise RuntimeError("a pipeline stage ran no layer")
+            pp.send(hidden_states, pp.rank_in_group + 1)
+            pp.send(residual, pp.rank_in_group + 1)
+            return hidden_states                                                   # not normalised: only the shape is used
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states                                                       # [T, hidden]
 
@@ -76,7 +128,12 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, attn_backend=attn_backend, **self.attention_options(config))
         # Tied embeddings (SmolLM2, small Qwens): the output projection IS the input embedding matrix.
-        self.lm_head = self.model.embed_tokens if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        if not get_pp_group().is_last_rank:
+            self.lm_head = PPMissingLayer()
+        elif config.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -85,10 +142,19 @@ class LlamaForCausalLM(nn.Module):
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         if input_ids.shape[0] != attn_metadata.num_tokens:
             raise ValueError(f"{input_ids.shape[0]} input tokens but attn_metadata.slot_mapping has {attn_metadata.num_tokens}")
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(f"expected one (key_cache, value_cache) per layer ({len(self.model.layers)}), got {len(kv_caches)}")
+        if len(kv_caches) != len(self.model.local_layers):
+            raise ValueError(f"expected one (key_cache, value_cache) per layer ({len(self.model.local_layers)}), "
+                             f"got {len(kv_caches)}")
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] fp32 (the sampler works in fp32 whatever the model dtype)."""
-        return self.lm_head.linear_method.apply(self.lm_head, hidden_states).float()
+        """[N, hidden] -> [N, vocab] fp32 (the sampler works in fp32 whatever the model dtype).
+        Tensor parallel: each rank's [N, vocab / tp] slice, all-gathered. Pipeline parallel: computed
+        by the last stage and broadcast to the others (see the top)."""
+        pp = get_pp_group()
+        if pp.is_last_rank:
+            local = self.lm_head.linear_method.apply(self.lm_head, hidden_states)      # [N, vocab / tp]
+            logits = self.lm_head.gather_logits(local).float()                         # [N, vocab]
+        else:
+            logits = torch.empty(hidden_states.shape[0], self.config.vocab_size, device=hidden_states.device)
+        return pp.broadcast(logits, src=pp.world_size - 1) if pp.world_size > 1 else logits

@@ -22,9 +22,10 @@ from torch import nn
 
 from kernels_cpu import layer_ops
 from paged_attention.model.custom_op import CustomOp
-from paged_attention.model.linear import Linear
+from paged_attention.model.linear import Linear, VocabEmbedding
 
 from mini_vllm.config import ModelConfig, check_model_dir
+from mini_vllm.models.llama import PPMissingLayer
 from mini_vllm.models.linear_method import UNQUANTIZED, dispatch_cpu_unquantized_gemm, select_cpu_linear_method
 from mini_vllm.models.registry import get_model_class
 
@@ -69,7 +70,19 @@ def skipped_weight(model: nn.Module, name: str) -> bool:
     if "rotary_emb.inv_freq" in name:           # some old Llama checkpoints store RoPE frequencies; we recompute them
         return True
     # A tied checkpoint may still store lm_head.weight (a copy of the embedding): the embedding wins, as in vLLM.
-    return name == "lm_head.weight" and model.config.tie_word_embeddings
+    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        return True
+    return is_pp_missing_parameter(name, model)
+
+
+def is_pp_missing_parameter(name: str, model: nn.Module) -> bool:
+    """The tensor belongs to a layer another pipeline stage holds (vLLM: is_pp_missing_parameter):
+    skipped here, loaded there. Without pipeline parallelism there are no such layers."""
+    missing = getattr(model, "_pp_missing_prefixes", None)
+    if missing is None:
+        missing = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, PPMissingLayer))
+        model._pp_missing_prefixes = missing
+    return bool(missing) and name.startswith(missing)
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -136,7 +149,7 @@ def process_weights_after_loading(model: nn.Module, cpu_gemm_backend: str = "aut
     """
     lm_head = getattr(model, "lm_head", None)
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is None]
-    if lm_head is not None and not isinstance(lm_head, Linear) and lm_head.packed_weight is None:
+    if isinstance(lm_head, VocabEmbedding) and lm_head.packed_weight is None:
         layers.append(lm_head)                          # tied: the embedding matrix, packed once more
     method = select_cpu_linear_method(cpu_gemm_backend, [m.weight for m in layers])
     if method is UNQUANTIZED:

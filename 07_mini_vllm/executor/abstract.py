@@ -1,0 +1,83 @@
+"""Executor: the one seam between the engine core and however many model ranks there are.
+
+Mirrors vLLM v1's `vllm/v1/executor/abstract.py: Executor` (`get_class`, `initialize_from_config`,
+`execute_model`, `collective_rpc`, `check_health`, `shutdown`). The EngineCore schedules once per
+step and hands the SchedulerOutput to its executor; the executor gets it to every rank and returns
+the one ModelRunnerOutput the scheduler needs. Which executor runs is
+`EngineConfig.distributed_executor_backend`:
+
+    "uni"  UniProcExecutor     one Worker in the engine's process: a step is a function call
+    "mp"   MultiprocExecutor   one Worker process per rank; torch.distributed between the ranks
+"""
+from __future__ import annotations
+
+from mini_vllm.config import ModelConfig
+from mini_vllm.engine_config import EngineConfig
+
+
+class ExecutorError(RuntimeError):
+    """The workers cannot run any more (a rank died, hung or raised): every request must fail."""
+
+
+class Executor:
+    """Subclasses implement collective_rpc (run a Worker method on every rank) and shutdown."""
+
+    # The model runner in this process, if the executor has one (UniProcExecutor); the notebook
+    # and the in-process-only features (speculative decoding, KV connectors) use it.
+    model_runner = None
+
+    @staticmethod
+    def get_class(config: EngineConfig) -> type["Executor"]:
+        backend = config.parallel_config.executor_backend
+        if backend == "uni":
+            from mini_vllm.executor.uniproc_executor import UniProcExecutor
+            return UniProcExecutor
+        from mini_vllm.executor.multiproc_executor import MultiprocExecutor
+        return MultiprocExecutor
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig):
+        self.config, self.model_config = config, model_config
+        self.parallel_config = config.parallel_config
+        self.parallel_config.verify_with_model_config(model_config)
+        # What the engine sizes the KV pool by: the largest rank's cache (parallel_config.py).
+        self.kv_cache_spec = self.parallel_config.kv_cache_spec(model_config, config.block_size)
+        self._init_executor()
+
+    def _init_executor(self) -> None:
+        raise NotImplementedError
+
+    def collective_rpc(self, method: str, args: tuple = (), unique_reply_rank: int | None = None):
+        """Call Worker.`method`(*args) on every rank; the list of their results, or only
+        `unique_reply_rank`'s result."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ what the engine core calls
+    def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks, num_cpu_blocks))
+
+    def profile_run(self) -> None:
+        self.collective_rpc("profile_run")
+
+    def capture_model(self) -> None:
+        self.collective_rpc("capture_model")
+
+    def execute_model(self, scheduler_output):
+        """Every rank runs the step; the output comes from the rank that sampled last (the last
+        pipeline stage's first TP rank; every TP rank sampled the same tokens)."""
+        return self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=self.output_rank)
+
+    @property
+    def output_rank(self) -> int:
+        pc = self.parallel_config
+        return (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
+
+    @property
+    def last_inputs(self):
+        """The last step's tensors, where the runner is in this process (for tracing)."""
+        return self.model_runner.last_inputs if self.model_runner is not None else None
+
+    def check_health(self) -> None:
+        """Raise ExecutorError if a rank is gone."""
+
+    def shutdown(self) -> None:
+        raise NotImplementedError

@@ -1,0 +1,205 @@
+"""Tensor and pipeline parallelism through the multiprocess executor, on CPU processes (gloo).
+
+Parity: the same requests, same config, give the same greedy tokens at TP=2 / PP=2 as the
+in-process single-rank engine (and SmolLM2 at TP=3 as HF transformers) — with prefix caching,
+chunked prefill and preemption all happening in the run (asserted, not hoped for). Robustness:
+impossible splits fail at start-up before any process exists; a worker killed mid-run fails every
+request with the reason within seconds; after shutdown no worker process or rendezvous port is left.
+
+Each multiprocess engine costs a few seconds to start (spawned workers import torch and load the
+checkpoint): the tests share what they can and use the tiny checkpoints.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import time
+
+import pytest
+
+from mini_vllm import LLM, SamplingParams
+from mini_vllm.executor import MultiprocExecutor, UniProcExecutor
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+SMALL = dict(max_model_len=512, cpu_kernels="off", enforce_eager=True)
+
+
+def assert_workers_gone(executor: MultiprocExecutor) -> None:
+    """No worker process, and the rendezvous port can be bound again."""
+    for pid in executor.worker_pids:
+        assert not os.path.exists(f"/proc/{pid}"), f"worker pid {pid} outlived shutdown"
+    port = int(executor.init_method.rsplit(":", 1)[1])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR: the closed store's connections may linger in TIME_WAIT (harmless); a socket
+        # still LISTENING on the port makes the bind fail all the same.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+    assert not multiprocessing.active_children()
+
+
+@pytest.fixture
+def parallel_llm(engine_registry):
+    """parallel_llm(model_dir, **EngineConfig fields) -> LLM, registered for the end-of-test KV check;
+    every one is shut down at the end of the test and checked to leave nothing behind."""
+    made = []
+
+    def make(model_dir, **kwargs):
+        llm = LLM(str(model_dir), **{**SMALL, **kwargs})
+        made.append(llm)
+        engine_registry.append(llm)
+        return llm
+    yield make
+    for llm in made:
+        llm.shutdown()
+        engine_registry.remove(llm)
+        executor = llm.llm_engine.engine_core.model_executor
+        if isinstance(executor, MultiprocExecutor):
+            assert_workers_gone(executor)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory, tiny_engine_checkpoint, tiny_engine_models):
+    """Llama with GQA (4 heads, 2 KV heads, 2 layers: the session's), and Qwen2 (q/k/v biases) with
+    ONE KV head, so TP=2 must replicate it."""
+    root = tmp_path_factory.mktemp("tiny-parallel")
+    (root / "llama").symlink_to(tiny_engine_models["llama"][0])
+    tiny_engine_checkpoint(root / "qwen2_mqa", "qwen2", seed=1, num_key_value_heads=1)
+    return root
+
+
+def shared_prefix_prompts(n: int = 6) -> list[list[int]]:
+    """Token prompts of 40..90 tokens sharing a 48-token prefix (3 full blocks: prefix-cache hits)."""
+    prefix = [(7 * i) % 4000 + 100 for i in range(48)]
+    return [prefix + [(31 * i + 17 * j) % 4000 + 200 for j in range(5 * i)] for i in range(n)]
+
+
+def trace(llm, prompts, params):
+    """(token ids per prompt, [EngineCoreStep]), stepping by hand to see what the scheduler did."""
+    engine, steps, finals = llm.llm_engine, [], {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        steps.append(engine.last_step)
+    return [finals[f"r{i}"] for i in range(len(prompts))], steps
+
+
+# Chunked prefill (a 64-token budget), a pool too small for everyone (preemption), shared prefixes.
+STRESS = dict(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256, num_gpu_blocks_override=16, block_size=16,
+              enable_prefix_caching=True)
+
+
+def test_tp2_matches_one_rank_with_prefix_caching_chunked_prefill_and_preemption(parallel_llm, tiny_models):
+    prompts = shared_prefix_prompts()
+    ref_outs, ref_steps = trace(parallel_llm(tiny_models / "llama", **STRESS), prompts, GREEDY)
+    llm = parallel_llm(tiny_models / "llama", tensor_parallel_size=2, **STRESS)
+    executor = llm.llm_engine.engine_core.model_executor
+    assert isinstance(executor, MultiprocExecutor) and len(executor.worker_pids) == 2
+    outs, steps = trace(llm, prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref_outs]
+    # The run exercised what it claims to: chunks, preemptions, prefix-cache hits.
+    assert any(s.scheduler_output.preempted_req_ids for s in steps), "no preemption happened"
+    assert any(0 < n < len(p) for s in steps for n in s.scheduler_output.num_scheduled_tokens.values()
+               for p in prompts[:1]), "no prompt was chunked"
+    assert sum(o.num_cached_tokens for o in outs) > 0, "no prefix-cache hit"
+    # Each rank holds half of the 2 KV heads, in the same number of blocks (the scheduler's block ids).
+    per_layer = executor.collective_rpc("kv_cache_shapes")
+    assert per_layer == [[(16, 16, 1, 16)] * 2] * 2
+
+
+def test_tp2_replicates_a_single_kv_head_then_survives_a_dead_worker(parallel_llm, tiny_models):
+    """Qwen2 with 4 query heads and 1 KV head at TP=2: each rank keeps a copy of the KV head and the
+    tokens are the single rank's. Then rank 1 is killed mid-run: every request fails with the reason,
+    within seconds, the engine refuses new ones, and shutdown leaves no process or port behind."""
+    prompts = shared_prefix_prompts(3)
+    ref = parallel_llm(tiny_models / "qwen2_mqa").generate(prompts, GREEDY, use_tqdm=False)
+    llm = parallel_llm(tiny_models / "qwen2_mqa", tensor_parallel_size=2, execute_model_timeout_s=30)
+    out = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    executor = llm.llm_engine.engine_core.model_executor
+    assert [s[0][2] for s in executor.collective_rpc("kv_cache_shapes")] == [1, 1]
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"d{i}", p, params)
+    engine.step()
+    os.kill(executor.worker_pids[1], signal.SIGKILL)
+    t0, finished = time.monotonic(), {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o.outputs[0]
+        assert time.monotonic() - t0 < 20, "the engine did not give up on a dead worker"
+    print(f"dead worker noticed in {time.monotonic() - t0:.2f} s")
+    assert sorted(finished) == ["d0", "d1", "d2"]
+    assert {o.finish_reason for o in finished.values()} == {"error"}
+    assert all("rank 1" in str(o.stop_reason) for o in finished.values()), finished["d0"].stop_reason
+    with pytest.raises(RuntimeError, match="cannot run requests any more"):
+        engine.add_request("late", "hello", params)
+    llm.shutdown()
+    assert_workers_gone(executor)
+
+
+def test_pp2_matches_one_rank_then_gives_up_on_a_hung_stage(parallel_llm, tiny_models):
+    prompts = shared_prefix_prompts(4)
+    ref = parallel_llm(tiny_models / "llama", **STRESS).generate(prompts, GREEDY, use_tqdm=False)
+    llm = parallel_llm(tiny_models / "llama", pipeline_parallel_size=2, execute_model_timeout_s=3, **STRESS)
+    out = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    executor = llm.llm_engine.engine_core.model_executor
+    shapes = executor.collective_rpc("kv_cache_shapes")
+    assert shapes == [[(16, 16, 2, 16)], [(16, 16, 2, 16)]]               # one layer (all its KV heads) per stage
+
+    # Stage 1 stops answering (SIGSTOP: alive, silent): the step is given up after the 3 s timeout.
+    os.kill(executor.worker_pids[1], signal.SIGSTOP)
+    t0 = time.monotonic()
+    out = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+    assert {o.outputs[0].finish_reason for o in out} == {"error"}
+    assert "within 3 s: the workers are hung" in str(out[0].outputs[0].stop_reason) and time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tensor_parallel_size=3), "does not divide the model's 4 attention heads"),
+    (dict(pipeline_parallel_size=3), "exceeds the model's 2 layers"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "use 'mp'"),
+    (dict(distributed_executor_backend="ray"), "not implemented here"),
+    (dict(tensor_parallel_size=0), "positive integer"),
+    (dict(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "not supported with distributed_executor_backend='mp'"),
+])
+def test_impossible_splits_fail_at_start_up_without_a_process(tiny_models, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tiny_models / "llama"), **{**SMALL, **kwargs})
+    assert not multiprocessing.active_children()
+
+
+def test_smollm2_tp2_is_refused_9_heads(smollm2_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide the model's 9 attention heads"):
+        LLM(str(smollm2_dir), tensor_parallel_size=2, **SMALL)
+    assert not multiprocessing.active_children()
+
+
+def test_one_rank_is_the_in_process_executor(tiny_models, make_llm):
+    llm = make_llm(tiny_models / "llama", cpu_kernels="off")
+    core = llm.llm_engine.engine_core
+    assert isinstance(core.model_executor, UniProcExecutor) and core.model_runner is core.model_executor.model_runner
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_smollm2_tp3_matches_hf(parallel_llm, smollm2_dir, smollm2_hf, smollm2_tokenizer, hf_oracle):
+    """SmolLM2 (9 heads, 3 KV heads) split over 3 ranks: 3 query heads and 1 KV head each."""
+    hf_greedy, assert_same_greedy = hf_oracle
+    prompts = [smollm2_tokenizer(p).input_ids for p in ("The capital of France is",)]
+    llm = parallel_llm(smollm2_dir, tensor_parallel_size=3, max_model_len=256, num_gpu_blocks_override=64)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    eos = llm.llm_engine.model_config.eos_token_ids
+    for prompt, out in zip(prompts, outs):
+        assert_same_greedy(out.outputs[0].token_ids, hf_greedy(smollm2_hf, prompt, 10), 10, eos, "tp=3")
+    shapes = llm.llm_engine.engine_core.model_executor.collective_rpc("kv_cache_shapes")
+    assert {s[0][2] for s in shapes} == {1} and all(len(s) == 30 for s in shapes)
