@@ -52,9 +52,13 @@ def load_tokenizer(path: str | Path):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, *, multiprocess_mode: bool | None = None, **kwargs):
+    def __init__(self, config: EngineConfig | None = None, *, multiprocess_mode: bool | None = None,
+                 asyncio_mode: bool = False, **kwargs):
         """multiprocess_mode: the engine core in its own process (core_proc.py) instead of this one;
-        None reads VLLM_ENABLE_V1_MULTIPROCESSING (default 0 here, 1 in vLLM)."""
+        None reads VLLM_ENABLE_V1_MULTIPROCESSING (default 0 here, 1 in vLLM).
+        asyncio_mode: AsyncLLM's front end — the core is reached through an AsyncMPClient, which
+        AsyncLLM drives; this object then only validates (process_request) and detokenizes (its
+        OutputProcessor), and its blocking step() is not available."""
         if config is not None and kwargs:
             raise ValueError("pass either an EngineConfig or keyword arguments, not both")
         self.config = config if config is not None else EngineConfig(**kwargs)
@@ -69,8 +73,8 @@ class LLMEngine:
         self.processor = Processor(self.model_config, self.tokenizer)
         self.default_sampling_params = self._read_generation_config(model_path)
         if multiprocess_mode is None:
-            multiprocess_mode = multiprocessing_enabled()
-        self.engine_core = make_client(self.config, self.model_config, multiprocess_mode)
+            multiprocess_mode = multiprocessing_enabled() or asyncio_mode
+        self.engine_core = make_client(self.config, self.model_config, multiprocess_mode, asyncio_mode)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_step: EngineCoreStep | None = None       # for tracing (the notebook)
 
@@ -104,6 +108,19 @@ class LLMEngine:
 
         prompt_token_ids: the ids of `prompt` when the caller tokenized it already (LLM.generate
         tokenizes a whole batch before adding any of it); they are validated again here."""
+        prompt, request = self.process_request(request_id, prompt, params, arrival_time=arrival_time,
+                                               priority=priority, prompt_token_ids=prompt_token_ids,
+                                               kv_transfer_params=kv_transfer_params)
+        self.engine_core.add_request(request)
+        self.output_processor.add_request(request_id, prompt, request.prompt_token_ids, request.sampling_params,
+                                          request.arrival_time)
+
+    def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
+                        arrival_time: float | None = None, priority: int = 0,
+                        prompt_token_ids: list[int] | None = None,
+                        kv_transfer_params: dict | None = None) -> tuple[str | None, EngineCoreRequest]:
+        """Every check of add_request, nothing queued -> (the prompt text or None, the core's
+        message). AsyncLLM validates through here too, so both front ends refuse the same input."""
         params = params if params is not None else self.get_default_sampling_params()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -121,10 +138,8 @@ class LLMEngine:
             raise ValueError("prompt_logprobs cannot be combined with kv_transfer_params: K/V loaded from another "
                              "engine comes without the logits the prompt's logprobs need")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.engine_core.add_request(self.make_core_request(request_id, prompt_token_ids, params, arrival_time,
-                                                            priority, kv_transfer_params))
-        self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None,
-                                          prompt_token_ids, params, arrival_time)
+        return prompt if isinstance(prompt, str) else None, self.make_core_request(
+            request_id, prompt_token_ids, params, arrival_time, priority, kv_transfer_params)
 
     def make_core_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           arrival_time: float, priority: int = 0,
