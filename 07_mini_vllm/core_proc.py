@@ -56,6 +56,7 @@ class EngineCoreProc:
         self.poller.register(conn.fileno(), zmq.POLLIN)
         self.stopped = False
         self.num_preemptions = 0
+        self.num_steps = 0
 
     # ------------------------------------------------------------------ the loop
     def run_busy_loop(self) -> None:
@@ -121,6 +122,7 @@ class EngineCoreProc:
 
     def _process_engine_step(self) -> None:
         step = self.core.step()               # raises only for a fault of the engine itself
+        self.num_steps += 1
         self.num_preemptions += len(step.scheduler_output.preempted_req_ids)
         if step.outputs or step.errors or step.scheduler_output.scheduled_new_reqs or \
                 step.scheduler_output.preempted_req_ids:
@@ -154,9 +156,10 @@ class EngineCoreProc:
     def _utility_reset_prefix_cache(self) -> bool:
         return self.core.kv_cache_manager.reset_prefix_cache()
 
-    def _utility_cpu_time(self) -> float:
-        """This process's CPU seconds, every thread (torch's included): the IPC benchmark's meter."""
-        return time.process_time()
+    def _utility_cpu_time(self) -> dict:
+        """This process's CPU seconds, every thread (torch's included), and its steps so far: the
+        IPC benchmark's meter (benchmarks/bench_engine_core_ipc.py)."""
+        return {"cpu_s": time.process_time(), "steps": self.num_steps}
 
     def _utility_kv_cache_stats(self) -> dict:
         kv = self.core.kv_cache_manager
