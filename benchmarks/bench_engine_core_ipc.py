@@ -5,7 +5,8 @@ core_client.py): the same LLM.generate in-process and with VLLM_ENABLE_V1_MULTIP
     python -m benchmarks.bench_engine_core_ipc --smoke    # tiny random model, seconds
 
 Per configuration (one request alone — the cheapest step, where a fixed cost shows most — and a
-batch of 32), greedy, fixed output lengths:
+batch of 16), greedy, fixed output lengths, the two engines built side by side and timed in
+alternation (in-process, split, in-process, ...; the median of --repeats passes each):
   * wall ms per step, in each mode;
   * CPU ms per step: the in-process engine's process; with the split, the front end's process
     and the core's (time.process_time, every thread, torch's included) — their sum minus the
@@ -26,8 +27,8 @@ from pathlib import Path
 from benchmarks.bench_engine import make_workload, tiny_model_dir
 from benchmarks.common import RESULTS_DIR, write_result
 
-CONFIGS = {"1 request": dict(num_requests=1, prompt_len=(64, 64), output_len=(96, 96)),
-           "32 requests": dict(num_requests=32, prompt_len=(32, 256), output_len=(64, 64))}
+CONFIGS = {"1 request": dict(num_requests=1, prompt_len=(64, 64), output_len=(48, 48)),
+           "16 requests": dict(num_requests=16, prompt_len=(32, 256), output_len=(32, 32))}
 SMOKE = {"1 request": dict(num_requests=1, prompt_len=(8, 8), output_len=(16, 16)),
          "4 requests": dict(num_requests=4, prompt_len=(8, 24), output_len=(8, 8))}
 
@@ -83,25 +84,45 @@ def _timed_pass(llm, prompts, params, multiprocess: bool) -> dict:
     return row
 
 
-def run_mode(model_dir, workload, multiprocess: bool, repeats: int = 3) -> dict:
-    """One warm-up pass, then `repeats` timed passes; returns the median of each number."""
-    from mini_vllm import LLM, SamplingParams
+def make_llm(model_dir, workload, multiprocess: bool):
+    from mini_vllm import LLM
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
-    max_len = max(len(p) + n for p, n in workload) + 8
-    llm = LLM(str(model_dir), max_model_len=max_len, max_num_seqs=64)
     try:
-        prompts = [{"prompt_token_ids": p} for p, _ in workload]
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
-        llm.generate(prompts, params, use_tqdm=False)              # warm-up (kernels, allocator)
-        reps = [_timed_pass(llm, prompts, params, multiprocess) for _ in range(repeats)]
-        row = {k: (statistics.median(r[k] for r in reps) if isinstance(v, (int, float)) and not isinstance(v, bool)
-                   else v) for k, v in reps[0].items()}
-        row["repeats"] = repeats
-        return row
+        max_len = max(len(p) + n for p, n in workload) + 8
+        return LLM(str(model_dir), max_model_len=max_len, max_num_seqs=64)
     finally:
-        llm.shutdown()
         os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+
+
+def run_interleaved(model_dir, workload, repeats: int) -> tuple[dict, dict]:
+    """Both engines built side by side, warmed up, then timed passes alternating in-process,
+    split, in-process, ... (a shared machine drifts within minutes: neighbours in time compare
+    fairly); returns the median of each number per mode."""
+    from mini_vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": p} for p, _ in workload]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
+    llms = {False: make_llm(model_dir, workload, False), True: make_llm(model_dir, workload, True)}
+    try:
+        for llm in llms.values():
+            llm.generate(prompts, params, use_tqdm=False)          # warm-up (kernels, allocator)
+        reps = {False: [], True: []}
+        for _ in range(repeats):
+            for mp, llm in llms.items():
+                reps[mp].append(_timed_pass(llm, prompts, params, mp))
+        out = []
+        for mp in (False, True):
+            rs = reps[mp]
+            row = {k: (statistics.median(r[k] for r in rs) if isinstance(v, (int, float)) and not isinstance(v, bool)
+                       else v) for k, v in rs[0].items()}
+            row["repeats"] = repeats
+            row["wall_ms_per_step_each"] = [r["wall_ms_per_step"] for r in rs]
+            out.append(row)
+        return out[0], out[1]
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -121,7 +142,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name, shape in (SMOKE if args.smoke else CONFIGS).items():
         workload = make_workload(tokenizer, shape["num_requests"], shape["prompt_len"], shape["output_len"])
         repeats = 1 if args.smoke else args.repeats
-        inproc, mp = run_mode(model_dir, workload, False, repeats), run_mode(model_dir, workload, True, repeats)
+        inproc, mp = run_interleaved(model_dir, workload, repeats)
         same = inproc.pop("output_token_ids") == mp.pop("output_token_ids")
         for row in (inproc, mp):
             row.update(config=name, same_tokens_as_in_process=same)
