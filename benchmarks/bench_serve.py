@@ -232,25 +232,46 @@ def run_vllm_client(python: Path, url: str, model_dir: Path, rate: float, num_pr
     return dict(ok=True, **{k: round(data[k], 3) if isinstance(data.get(k), float) else data.get(k) for k in keep})
 
 
-def bench_server(label: str, start, model_dir: Path, workload, rates, seed: int, slo, log_path: Path,
-                 vllm_client=None) -> tuple[list[dict], dict]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
-        proc = start(port, log)
-        try:
-            startup = wait_ready(url, proc, timeout=900)
+class ServerStartError(RuntimeError):
+    def __init__(self, label: str, message: str):
+        super().__init__(f"{label}: {message}")
+        self.label = label
+
+
+def bench_servers(starters: dict, workload, rates, seed: int, slo, log_dir: Path,
+                  vllm_client=None) -> tuple[list[dict], dict]:
+    """Start every server (side by side, idle until asked), then at each rate run the same
+    arrivals against each in turn — the order flipping from rate to rate — so that a shared
+    machine's drift falls on both alike."""
+    procs, urls, info = {}, {}, {}
+    try:
+        for label, start in starters.items():
+            port = free_port()
+            urls[label] = f"http://127.0.0.1:{port}"
+            procs[label] = start(port, open(log_dir / f"{label}.log", "w"))
+        for label in starters:
+            try:
+                info[label] = dict(startup_s=round(wait_ready(urls[label], procs[label], timeout=900), 1))
+            except (RuntimeError, TimeoutError) as e:
+                tail = (log_dir / f"{label}.log").read_text()[-1500:]
+                raise ServerStartError(label, f"{e}; its log ends: {tail}") from None
             # Warm-up: two requests (kernels, allocator), not timed.
-            asyncio.run(run_rate(url, workload[:2], 100.0, seed))
-            rows = []
-            for rate in rates:
-                results, duration = asyncio.run(run_rate(url, workload, rate, seed))
+            asyncio.run(run_rate(urls[label], workload[:2], 100.0, seed))
+        rows = []
+        for i, rate in enumerate(rates):
+            order = list(starters) if i % 2 == 0 else list(reversed(starters))
+            for label in order:
+                results, duration = asyncio.run(run_rate(urls[label], workload, rate, seed))
                 row = dict(server=label, request_rate=rate, **summarize(results, duration, *slo))
                 print(row, flush=True)
                 rows.append(row)
-            client = vllm_client(url) if vllm_client is not None else {}
-            return rows, dict(startup_s=round(startup, 1), vllm_bench_client=client)
-        finally:
+        if vllm_client is not None:
+            for label in starters:
+                info[label]["vllm_bench_client"] = vllm_client(urls[label])
+                print(label, "vLLM's client:", info[label]["vllm_bench_client"], flush=True)
+        return rows, info
+    finally:
+        for proc in procs.values():
             stop(proc)
 
 
@@ -317,26 +338,21 @@ def main(argv: list[str] | None = None) -> dict:
     mean_out = round(statistics.mean(o for _, _, o in workload))
 
     def vllm_client(url):
-        if not run_vllm:
-            return {}
         return run_vllm_client(python, url, model_dir, args.vllm_client_rate, args.num_prompts, tmp_dir,
                                f"client-{time.time_ns()}", *slo, mean_in, mean_out)
 
-    rows, servers = [], {}
-    ours, servers["mini_vllm"] = bench_server("mini_vllm", lambda port, log: start_ours(model_dir, port, log),
-                                              model_dir, workload, args.rates, args.seed, slo,
-                                              tmp_dir / "ours.log", vllm_client)
-    rows += ours
+    starters = {"mini_vllm": lambda port, log: start_ours(model_dir, port, log)}
     if run_vllm:
-        try:
-            theirs, servers["vllm"] = bench_server("vllm", lambda port, log: start_vllm(python, model_dir, port, log),
-                                                   model_dir, workload, args.rates, args.seed, slo,
-                                                   tmp_dir / "vllm.log", vllm_client)
-            rows += theirs
-        except (RuntimeError, TimeoutError) as e:
-            log_tail = (tmp_dir / "vllm.log").read_text()[-2000:]
-            reason = f"the vLLM server failed: {e}; log tail: {log_tail}"
-            run_vllm = False
+        starters["vllm"] = lambda port, log: start_vllm(python, model_dir, port, log)
+    try:
+        rows, servers = bench_servers(starters, workload, args.rates, args.seed, slo, tmp_dir,
+                                      vllm_client if run_vllm else None)
+    except ServerStartError as e:
+        if not run_vllm or e.label != "vllm":
+            raise
+        reason, run_vllm = f"the vLLM server did not start: {e}", False      # ours alone, and say why
+        rows, servers = bench_servers({"mini_vllm": starters["mini_vllm"]}, workload, args.rates, args.seed, slo,
+                                      tmp_dir)
     max_rate_meeting_slo = {}
     for server in servers:
         ok = [r["request_rate"] for r in rows if r["server"] == server and r["slo_met_fraction"] >= 0.9
