@@ -101,6 +101,7 @@ class AsyncLLM:
         self.collectors: dict[str, RequestOutputCollector] = {}
         self.dead_error: EngineDeadError | None = None
         self._tasks: list[asyncio.Task] = []
+        self._reqs_to_stop: list[str] = []              # stop strings found by the last _process
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, **kwargs) -> AsyncLLM:
