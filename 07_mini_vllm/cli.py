@@ -1,4 +1,4 @@
-"""The command line: `python -m mini_vllm {generate, chat, bench, demo}`.
+"""The command line: `python -m mini_vllm {generate, chat, bench, demo, serve}`.
 
 Mirrors vLLM's `vllm` CLI (`vllm/entrypoints/cli/`: `vllm chat`, `vllm bench throughput`) and
 its engine flags (`vllm/engine/arg_utils.py: EngineArgs.add_cli_args`, same names):
@@ -8,6 +8,7 @@ its engine flags (`vllm/engine/arg_utils.py: EngineArgs.add_cli_args`, same name
     python -m mini_vllm chat                                                # interactive, streaming
     python -m mini_vllm bench --num-requests 64 --input-len 256 --output-len 128
     python -m mini_vllm demo                                                # what `make demo` runs
+    python -m mini_vllm serve --port 8000                                   # the OpenAI-compatible server
 
 Every command takes the engine flags (--model, --max-num-seqs, --kv-cache-memory, ...) and
 prints the KV cache size the engine chose at start-up.
@@ -51,7 +52,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB of KV cache (CPU default: 2)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="this many KV blocks, whatever the memory (tests: a small pool)")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     g.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU memory for swapped-out KV")
@@ -84,7 +87,7 @@ def engine_config(args) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, preemption_mode=args.preemption_mode,
         swap_space=args.swap_space, enforce_eager=args.enforce_eager, cpu_kernels=args.cpu_kernels,
-        cpu_gemm_backend=args.cpu_gemm_backend, seed=args.seed)
+        cpu_gemm_backend=args.cpu_gemm_backend, seed=args.seed, num_gpu_blocks_override=args.num_gpu_blocks_override)
 
 
 def sampling_params(args, **overrides) -> SamplingParams:
@@ -217,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, nargs=2, default=(64, 256), metavar=("MIN", "MAX"))
     add_engine_args(p)
 
+    p = sub.add_parser("serve", help="the OpenAI-compatible server (entrypoints/api_server.py)")
+    from mini_vllm.entrypoints.cli_args import add_serve_args   # argparse only: fastapi loads in cmd_serve
+    add_serve_args(p)
+    add_engine_args(p)
+
     p = sub.add_parser("demo", help="the default model answers a batch of questions (make demo)")
     p.add_argument("--num-prompts", type=int, default=len(DEMO_QUESTIONS))
     add_sampling_args(p, max_tokens=96)
@@ -229,4 +237,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "demo" and args.max_model_len is None:
         args.max_model_len = 2048           # SmolLM2's 8192 is not needed for a demo; smaller KV floor
     logging.basicConfig(level=logging.INFO, format="[mini_vllm] %(message)s")
-    {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "demo": cmd_demo}[args.command](args)
+    {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "demo": cmd_demo,
+     "serve": cmd_serve}[args.command](args)
+
+
+def cmd_serve(args) -> None:
+    from mini_vllm.entrypoints.api_server import run_server
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise SystemExit(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    run_server(args, engine_config(args))

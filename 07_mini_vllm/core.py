@@ -35,6 +35,7 @@ from scheduler import EngineCoreOutput, FinishReason, Request, RequestStatus, Sc
 
 from mini_vllm.config import ModelConfig, weights_fingerprint
 from mini_vllm.engine_config import GiB, EngineConfig
+from mini_vllm.engine_messages import EngineCoreRequest
 from mini_vllm.engine_scheduler import make_scheduler
 from mini_vllm.executor import Executor, ExecutorError
 from mini_vllm.model_inputs import ModelInputs
@@ -172,9 +173,13 @@ class EngineCore:
         return KVCacheReport(num_blocks=num_blocks, how=how, **report)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request | EngineCoreRequest) -> None:
+        """A scheduler Request, or the front end's EngineCoreRequest (vLLM's EngineCore takes
+        that one: a core in another process is sent a message, not a scheduler object)."""
         if self.failure is not None:
             raise RuntimeError(f"the engine cannot run requests any more: {self.failure}")
+        if isinstance(request, EngineCoreRequest):
+            request = request.to_request()
         self.scheduler.add_request(request)
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[str]:

@@ -59,7 +59,7 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (benchmarks: each timed run starts cold). False, changing
         nothing, while a request holds blocks."""
-        return self.llm_engine.engine_core.kv_cache_manager.reset_prefix_cache()
+        return self.llm_engine.reset_prefix_cache()
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,

@@ -3,8 +3,10 @@
 Mirrors vLLM v1's `vllm/v1/engine/llm_engine.py: LLMEngine` (`add_request`, `step`,
 `abort_request`, `has_unfinished_requests`): the Processor validates and tokenizes, the
 EngineCore schedules and runs the model, the OutputProcessor detokenizes and builds
-RequestOutputs. vLLM runs the core in another process (ZMQ between the two); here it is a
-plain object, so a step is a function call — same division of labour, no IPC.
+RequestOutputs. By default the core is a plain object in this process (`InprocClient`), so a
+step is a function call; with VLLM_ENABLE_V1_MULTIPROCESSING=1 (vLLM's default) it runs in its
+own process (`core_proc.py`) and a step is a message over ZMQ (`SyncMPClient`) — same division
+of labour, same outputs.
 
     engine = LLMEngine(EngineConfig(max_num_seqs=8))
     engine.add_request("a", "The capital of France is", SamplingParams(max_tokens=20))
@@ -27,12 +29,14 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from scheduler import Request, RequestStatus
+from scheduler import RequestStatus
 
 from mini_vllm.beam_search import BeamSearchParams, BeamSearchSamplingParams
 from mini_vllm.config import ModelConfig, read_default_sampling_params
-from mini_vllm.core import EngineCore, EngineCoreStep
+from mini_vllm.core import EngineCoreStep
+from mini_vllm.core_client import make_client, multiprocessing_enabled
 from mini_vllm.engine_config import EngineConfig
+from mini_vllm.engine_messages import EngineCoreRequest
 from mini_vllm.output_processor import OutputProcessor
 from mini_vllm.outputs import RequestOutput
 from mini_vllm.parallel_sampling import child_request_id
@@ -49,7 +53,13 @@ def load_tokenizer(path: str | Path):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **kwargs):
+    def __init__(self, config: EngineConfig | None = None, *, multiprocess_mode: bool | None = None,
+                 asyncio_mode: bool = False, **kwargs):
+        """multiprocess_mode: the engine core in its own process (core_proc.py) instead of this one;
+        None reads VLLM_ENABLE_V1_MULTIPROCESSING (default 0 here, 1 in vLLM).
+        asyncio_mode: AsyncLLM's front end — the core is reached through an AsyncMPClient, which
+        AsyncLLM drives; this object then only validates (process_request) and detokenizes (its
+        OutputProcessor), and its blocking step() is not available."""
         if config is not None and kwargs:
             raise ValueError("pass either an EngineConfig or keyword arguments, not both")
         self.config = config if config is not None else EngineConfig(**kwargs)
@@ -63,7 +73,9 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.config.tokenizer or model_path)
         self.processor = Processor(self.model_config, self.tokenizer)
         self.default_sampling_params = self._read_generation_config(model_path)
-        self.engine_core = EngineCore(self.config, self.model_config)
+        if multiprocess_mode is None:
+            multiprocess_mode = multiprocessing_enabled() or asyncio_mode
+        self.engine_core = make_client(self.config, self.model_config, multiprocess_mode, asyncio_mode)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.last_step: EngineCoreStep | None = None       # for tracing (the notebook)
 
@@ -100,6 +112,20 @@ class LLMEngine:
         tokenizes a whole batch before adding any of it); they are validated again here.
         BeamSearchParams: a beam search (beam_search.py), whose one RequestOutput holds the best
         beams, best first."""
+        prompt, request = self.process_request(request_id, prompt, params, arrival_time=arrival_time,
+                                               priority=priority, prompt_token_ids=prompt_token_ids,
+                                               kv_transfer_params=kv_transfer_params)
+        self.engine_core.add_request(request)
+        self.output_processor.add_request(request_id, prompt, request.prompt_token_ids, request.sampling_params,
+                                          request.arrival_time)
+
+    def process_request(self, request_id: str, prompt: PromptType,
+                        params: SamplingParams | BeamSearchParams | None = None, *,
+                        arrival_time: float | None = None, priority: int = 0,
+                        prompt_token_ids: list[int] | None = None,
+                        kv_transfer_params: dict | None = None) -> tuple[str | None, EngineCoreRequest]:
+        """Every check of add_request, nothing queued -> (the prompt text or None, the core's
+        message). AsyncLLM validates through here too, so both front ends refuse the same input."""
         params = params if params is not None else self.get_default_sampling_params()
         if isinstance(params, BeamSearchParams):
             params = BeamSearchSamplingParams.from_beam_search(params)
@@ -121,18 +147,22 @@ class LLMEngine:
             raise ValueError("prompt_logprobs cannot be combined with kv_transfer_params: K/V loaded from another "
                              "engine comes without the logits the prompt's logprobs need")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        return prompt if isinstance(prompt, str) else None, self.make_core_request(
+            request_id, prompt_token_ids, params, arrival_time, priority, kv_transfer_params)
+
+    def make_core_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          arrival_time: float, priority: int = 0,
+                          kv_transfer_params: dict | None = None) -> EngineCoreRequest:
+        """The message for the engine core (validated ids, prepared params). AsyncLLM builds the
+        same one, through the same code."""
         eos_ids = self.model_config.eos_token_ids
-        request = Request(
-            request_id, prompt_token_ids, params.max_tokens, arrival_time=arrival_time, priority=priority,
-            eos_token_id=eos_ids[0] if eos_ids else None, ignore_eos=params.ignore_eos,
+        return EngineCoreRequest(
+            request_id, prompt_token_ids, params, arrival_time, priority,
+            eos_token_id=eos_ids[0] if eos_ids else None,
             # Chat models list more than one EOS (generation_config.json): all of them stop, as in HF
             # generate and vLLM — unless ignore_eos.
             stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_ids[1:])),
-            sampling_params=params, kv_transfer_params=kv_transfer_params,
-            skip_reading_prefix_cache=params.prompt_logprobs is not None)
-        self.engine_core.add_request(request)
-        self.output_processor.add_request(request_id, prompt if isinstance(prompt, str) else None,
-                                          prompt_token_ids, params, arrival_time)
+            kv_transfer_params=kv_transfer_params)
 
     def _check_parallel_sampling(self, request_id: str, n: int, kv_transfer_params) -> None:
         """n > 1: its children's ids must be free, and it runs on this engine alone."""
@@ -179,7 +209,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule, run the model, sample, detokenize. Returns the outputs of
         this step (per each request's output kind)."""
-        step = self.engine_core.step()
+        step = self.engine_core.get_output()
         self.last_step = step
         outputs, reqs_to_stop = self.output_processor.process_outputs(step)
         if reqs_to_stop:                                     # stop strings: the scheduler frees them now
@@ -189,8 +219,13 @@ class LLMEngine:
                 output.kv_transfer_params = self.engine_core.take_kv_transfer_params(output.request_id)
         return outputs
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False, changing nothing, while a request holds blocks."""
+        return self.engine_core.call_utility("reset_prefix_cache")
+
     def shutdown(self) -> None:
-        """Release what outlives a step: the KV connector's servers and threads, the executor's workers."""
+        """Release what outlives a step: the KV connector's servers and threads, the executor's
+        workers; the core's process when it has one."""
         self.engine_core.shutdown()
 
     def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,

@@ -1,0 +1,261 @@
+"""AsyncLLM: the engine for a server — `generate()` is an async iterator of RequestOutputs.
+
+Mirrors vLLM v1's `vllm/v1/engine/async_llm.py: AsyncLLM` (`generate`, `abort`,
+`output_handler`) and `vllm/v1/engine/output_processor.py: RequestOutputCollector`:
+
+    llm = AsyncLLM.from_engine_config(EngineConfig(max_num_seqs=64))
+    async for out in llm.generate("The capital of France is", SamplingParams(max_tokens=16,
+                                  output_kind=RequestOutputKind.DELTA), request_id="r1"):
+        print(out.outputs[0].text, end="")
+
+The engine core runs in its own process (AsyncMPClient); in this process one task — the output
+handler — reads every output message, detokenizes it (OutputProcessor) and hands each request
+its RequestOutput through that request's collector. Why a collector of one slot and not a
+queue: a client that stops reading would make a queue grow without bound, and waiting for it
+would stall every other request. The collector never blocks the handler: a DELTA output that
+arrives before the previous one was read is merged into it (texts and tokens appended); other
+kinds keep only the latest, which already contains everything.
+
+Bad input raises in `generate()` before anything is queued (the same checks as LLMEngine,
+through `LLMEngine.process_request`). Leaving the iterator early (the HTTP client went away, the
+task was cancelled) aborts the request, which frees its KV blocks. A dead core process fails
+every waiting generate() with EngineDeadError, and every later call at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from collections.abc import AsyncIterator
+
+from mini_vllm.core_client import AsyncMPClient, EngineDeadError, step_from_outputs
+from mini_vllm.engine_config import EngineConfig
+from mini_vllm.engine_messages import EngineCoreOutputs, EngineCoreRequest
+from mini_vllm.llm_engine import LLMEngine
+from mini_vllm.metrics import IterationStats, LoggingStatLogger, PrometheusStatLogger
+from mini_vllm.outputs import RequestOutput
+from mini_vllm.processor import PromptType
+from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestOutputCollector:
+    """One request's mailbox: at most one unread RequestOutput (or the error that ended it)."""
+
+    def __init__(self, output_kind: RequestOutputKind) -> None:
+        self.aggregate = output_kind == RequestOutputKind.DELTA
+        self.output: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, output: RequestOutput | BaseException) -> None:
+        if self.output is None or isinstance(output, BaseException):
+            self.output = output
+        elif isinstance(self.output, RequestOutput):
+            self.output = merge_delta(self.output, output) if self.aggregate else output
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        while self.output is None:
+            await self.ready.wait()
+        output, self.output = self.output, None
+        self.ready.clear()
+        if isinstance(output, BaseException):
+            raise output
+        return output
+
+
+def merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """Two unread DELTA outputs of one request -> one (per completion index: text and tokens appended)."""
+    merged = copy.copy(new)
+    completions = {c.index: copy.copy(c) for c in old.outputs}
+    for c in new.outputs:
+        prev = completions.get(c.index)
+        if prev is None:
+            completions[c.index] = c
+            continue
+        prev.text += c.text
+        prev.token_ids = list(prev.token_ids) + list(c.token_ids)
+        if c.logprobs is not None:
+            prev.logprobs = list(prev.logprobs or []) + list(c.logprobs)
+        prev.cumulative_logprob, prev.finish_reason, prev.stop_reason = (c.cumulative_logprob, c.finish_reason,
+                                                                         c.stop_reason)
+    merged.outputs = [completions[i] for i in sorted(completions)]
+    return merged
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, *, served_model_name: str | None = None,
+                 log_stats_interval: float | None = 10.0) -> None:
+        """log_stats_interval: seconds between vLLM's one-line stats logs (None: no log)."""
+        # The front end: tokenizer, Processor, OutputProcessor; the core in its own process.
+        self.engine = LLMEngine(config, asyncio_mode=True)
+        self.engine_core: AsyncMPClient = self.engine.engine_core
+        self.output_processor = self.engine.output_processor
+        self.tokenizer = self.engine.tokenizer
+        self.model_config = self.engine.model_config
+        self.served_model_name = served_model_name or self.model_config.model.name
+        self.prometheus = PrometheusStatLogger(self.served_model_name)
+        self.log_stats = LoggingStatLogger()
+        self.log_stats_interval = log_stats_interval
+        self.collectors: dict[str, RequestOutputCollector] = {}
+        self.dead_error: EngineDeadError | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._reqs_to_stop: list[str] = []              # stop strings found by the last _process
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, **kwargs) -> AsyncLLM:
+        return cls(config, **kwargs)
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None or self.engine_core.is_dead
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.engine.get_default_sampling_params()
+
+    # ------------------------------------------------------------------ requests
+    def process_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams, *,
+                        prompt_token_ids: list[int] | None = None,
+                        priority: int = 0) -> tuple[str | None, EngineCoreRequest]:
+        """Validate and tokenize, queue nothing: raises ValueError/TypeError on bad input. A server
+        calls it for every prompt of a request before it starts answering (vLLM's serving layer
+        likewise hands generate() a processed EngineCoreRequest)."""
+        if request_id in self.collectors:
+            raise ValueError(f"request id {request_id!r} is already running")
+        return self.engine.process_request(request_id, prompt, sampling_params, priority=priority,
+                                           prompt_token_ids=prompt_token_ids)
+
+    async def generate(self, prompt: PromptType | EngineCoreRequest, sampling_params: SamplingParams | None,
+                       request_id: str, *, prompt_token_ids: list[int] | None = None, priority: int = 0,
+                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+        """prompt: text, token ids, a dict — or an EngineCoreRequest from process_request (then
+        sampling_params is ignored, and prompt_text is the text it came from)."""
+        self._start_background_tasks()
+        if self.errored:
+            raise self._dead()
+        if isinstance(prompt, EngineCoreRequest):
+            request = prompt
+            if request.request_id != request_id or request_id in self.collectors:
+                raise ValueError(f"request id {request_id!r}: already running, or not the EngineCoreRequest's")
+        else:
+            prompt_text, request = self.process_request(request_id, prompt, sampling_params,
+                                                        prompt_token_ids=prompt_token_ids, priority=priority)
+        params = request.sampling_params
+        collector = RequestOutputCollector(params.output_kind)
+        self.collectors[request_id] = collector
+        self.output_processor.add_request(request_id, prompt_text, request.prompt_token_ids, params,
+                                          request.arrival_time)
+        finished = False
+        try:
+            await self.engine_core.add_request_async(request)
+            while not finished:
+                output = await collector.get()
+                finished = output.finished
+                yield output
+        finally:
+            # Normal end: nothing to do. Early end (client gone, cancelled, engine dead): abort,
+            # so the core frees the request's blocks now rather than when it would have finished.
+            self.collectors.pop(request_id, None)
+            if not finished:
+                await asyncio.shield(self.abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        ids = self.output_processor.child_ids(request_id)
+        self.output_processor.abort_requests(ids)
+        self.collectors.pop(request_id, None)
+        if not self.errored:
+            try:
+                await self.engine_core.abort_requests_async(ids)
+            except (EngineDeadError, TimeoutError):
+                pass                          # the core is gone: its blocks went with it
+
+    async def check_invariants(self) -> None:
+        """The core's invariants, including: with nothing running, every KV block free (tests)."""
+        await self.engine_core.call_utility_async("check_invariants")
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine_core.call_utility_async("reset_prefix_cache")
+
+    def _dead(self) -> EngineDeadError:
+        return self.dead_error or self.engine_core._dead_error()
+
+    # ------------------------------------------------------------------ the output handler
+    def _start_background_tasks(self) -> None:
+        """Started on first use, inside the server's event loop (vLLM: _run_output_handler)."""
+        if self._tasks:
+            return
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._output_handler(), name="AsyncLLM.output_handler"))
+        if self.log_stats_interval:
+            self._tasks.append(loop.create_task(self._log_stats_loop(), name="AsyncLLM.log_stats"))
+
+    async def start(self) -> None:
+        self._start_background_tasks()
+
+    async def _output_handler(self) -> None:
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                self._process(outputs)
+                reqs_to_stop = self._reqs_to_stop
+                if reqs_to_stop:
+                    await self.engine_core.finish_requests_async(reqs_to_stop)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:               # noqa: BLE001 - the engine is unusable: fail everyone, loudly
+            error = e if isinstance(e, EngineDeadError) else EngineDeadError(f"{type(e).__name__}: {e}")
+            logger.error("engine core failed: %s", error)
+            self.dead_error = error
+            for collector in list(self.collectors.values()):
+                collector.put(error)
+            self.engine_core.fail_pending_utilities(error)
+
+    def _process(self, outputs: EngineCoreOutputs) -> None:
+        states = self.output_processor.request_states
+        parents = self.output_processor.parents
+        before = {}
+        for core_output in outputs.outputs:
+            state = states.get(core_output.request_id)
+            if state is not None:
+                parent = parents.get(core_output.request_id)
+                is_child = parent is not None and parent.request_id != core_output.request_id
+                before[core_output.request_id] = (state, state.metrics.last_token_time, is_child,
+                                                  len(core_output.new_token_ids))
+        request_outputs, self._reqs_to_stop = self.output_processor.process_outputs(step_from_outputs(outputs))
+        for output in request_outputs:
+            collector = self.collectors.get(output.request_id)
+            if collector is not None:
+                collector.put(output)
+        iteration = IterationStats()
+        for request_id, (state, last_token_time, is_child, num_new) in before.items():
+            m = state.metrics
+            if request_id in outputs.errors:
+                continue
+            iteration.num_generation_tokens += num_new
+            if last_token_time is None and m.first_token_time is not None:
+                iteration.time_to_first_tokens.append(m.first_token_time - m.arrival_time)
+                if not is_child:
+                    iteration.num_prompt_tokens += len(state.prompt_token_ids)
+            elif last_token_time is not None and m.last_token_time != last_token_time:
+                iteration.inter_token_latencies.append(m.last_token_time - last_token_time)
+            if m.finished_time is not None and request_id not in states and not is_child:
+                iteration.e2e_latencies.append(m.finished_time - m.arrival_time)
+        for output in request_outputs:        # one per request (n > 1: when its last child finished)
+            reasons = [c.finish_reason for c in output.outputs if c.finish_reason is not None]
+            if output.finished and reasons:
+                iteration.finished_reasons.append(reasons[-1])
+        self.prometheus.record(outputs.scheduler_stats, iteration)
+        self.log_stats.record(outputs.scheduler_stats, iteration)
+
+    async def _log_stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.log_stats_interval)
+            self.log_stats.log()
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._tasks.clear()
+        self.engine.shutdown()

@@ -1,0 +1,20 @@
+"""The server's command-line flags, vLLM's names (vLLM: `vllm/entrypoints/openai/cli_args.py`).
+Apart from api_server.py so that `python -m mini_vllm --help` does not import the server."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's server flags (vllm/entrypoints/openai/cli_args.py); the engine's come from cli.add_engine_args."""
+    p.add_argument("model_tag", nargs="?", default=None, help="the model directory (same as --model)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (vLLM's default is all interfaces; "
+                                                      "here loopback unless asked)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the name(s) clients use in 'model' (default: the model directory's name)")
+    g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
+    g.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats lines")
+    g.add_argument("--uvicorn-log-level", default="warning")

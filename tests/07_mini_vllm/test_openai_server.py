@@ -1,0 +1,433 @@
+"""The OpenAI-compatible server, through the official `openai` client (and raw HTTP where the
+client hides what is tested), on loopback.
+
+One server per module (a tiny random Llama with SmolLM2's tokenizer, an API key), run by
+uvicorn in a thread of this process on a socket bound to a free port — so a test can also ask
+the engine core itself (over its utility channel) whether every KV block is free. Random
+weights make every generated token a coin toss: equal texts mean equal computations.
+
+CI scale: the issue's 64 concurrent streaming clients run here as 64, each asking few tokens
+(the 2-core CI runs the module in well under a minute).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx2 as httpx   # the HTTP client the openai package ships with
+import pytest
+
+openai = pytest.importorskip("openai")
+
+API_KEY = "test-key"
+NAME = "tiny"
+
+
+class ServerThread:
+    """uvicorn serving build_app(AsyncLLM) in a thread, on a socket bound before it starts (no port race)."""
+
+    def __init__(self, model_dir, api_key: str | None = API_KEY, **engine_kwargs):
+        import uvicorn
+
+        from mini_vllm.async_llm import AsyncLLM
+        from mini_vllm.engine_config import EngineConfig
+        from mini_vllm.entrypoints.api_server import build_app
+
+        config = EngineConfig(model=str(model_dir), **{"max_model_len": 256, "num_gpu_blocks_override": 128,
+                                                       **engine_kwargs})
+        self.engine = AsyncLLM(config, served_model_name=NAME, log_stats_interval=None)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        app = build_app(self.engine, [NAME], api_key)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+
+    def _run(self):
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self.server.serve(sockets=[self.sock]))
+
+    def call(self, coro, timeout: float = 30):
+        """Run a coroutine in the server's event loop (the engine's utility calls live there)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def wait_idle(self, timeout: float = 15) -> None:
+        """Every request gone from the front end, then the core's check: every KV block free."""
+        deadline = time.monotonic() + timeout
+        while self.engine.output_processor.has_unfinished_requests() or self.engine.collectors:
+            assert time.monotonic() < deadline, f"requests left: {list(self.engine.collectors)}"
+            time.sleep(0.05)
+        self.call(self.engine.check_invariants())
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(20)
+        self.engine.shutdown()
+        self.sock.close()
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_engine_models):
+    return tiny_engine_models["llama"][0]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    s = ServerThread(tiny_llama)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(autouse=True)
+def every_block_free_after_test(request):
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").wait_idle()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama, make_llm):
+    """The offline LLM on the same checkpoint (the oracle for greedy/seeded outputs)."""
+    return make_llm(tiny_llama, max_model_len=256)
+
+
+def sse_events(lines) -> list:
+    """SSE lines -> JSON events, checking the framing: 'data: ' lines, '[DONE]' last and once."""
+    events, done = [], 0
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        payload = line[len("data: "):]
+        assert not done, "an event after [DONE]"
+        if payload == "[DONE]":
+            done += 1
+            continue
+        events.append(json.loads(payload))
+    assert done == 1, "the stream did not end with [DONE]"
+    return events
+
+
+# ============================================================================ happy paths
+def test_models_health_version(server, client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert "version" in httpx.get(server.url + "/version").json()
+
+
+def test_completions_greedy_equal_offline_llm(client, offline):
+    """Several prompts in one request, greedy: each choice's text and token count are
+    LLM.generate's (same checkpoint, in-process engine)."""
+    from mini_vllm import SamplingParams
+
+    prompts = ["Hello there", "The capital of France is", "def fibonacci(n):"]
+    ref = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    r = client.completions.create(model=NAME, prompt=prompts, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [o.outputs[0].text for o in ref]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 36
+    assert r.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in ref)
+    # A token prompt is the same request as its text.
+    ids = ref[1].prompt_token_ids
+    r2 = client.completions.create(model=NAME, prompt=ids, max_tokens=12, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    assert r2.choices[0].text == ref[1].outputs[0].text
+
+
+def test_streamed_equals_non_streamed_for_a_seed(client):
+    kwargs = dict(model=NAME, prompt="Once upon a time", max_tokens=24, temperature=0.9, top_p=0.95, seed=1234,
+                  extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01})
+    whole = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len([c for c in chunks if c.choices]) > 2, "streamed in one piece, not token by token"
+
+
+def test_chat_sync_async_streaming(client, server, offline):
+    """Chat: the model's chat template (LLM.chat gives the same text), sync, async and streamed."""
+    from mini_vllm import SamplingParams
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is paging?"}]
+    ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    r = client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=10, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == ref.outputs[0].text and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+    async def async_chat():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+        try:
+            whole = await aclient.chat.completions.create(model=NAME, messages=messages, max_tokens=10,
+                                                          temperature=0, extra_body={"ignore_eos": True})
+            stream = await aclient.chat.completions.create(model=NAME, messages=messages, max_tokens=10,
+                                                           temperature=0, stream=True,
+                                                           stream_options={"include_usage": True},
+                                                           extra_body={"ignore_eos": True})
+            chunks = [c async for c in stream]
+        finally:
+            await aclient.close()
+        return whole, chunks
+
+    whole, chunks = asyncio.run(async_chat())
+    assert whole.choices[0].message.content == ref.outputs[0].text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_n_logprobs_and_stop(client, offline):
+    from mini_vllm import SamplingParams
+
+    r = client.completions.create(model=NAME, prompt="Hello", n=3, max_tokens=8, temperature=1.0, seed=7,
+                                  logprobs=2, extra_body={"ignore_eos": True})
+    ref = offline.generate("Hello", SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=7, logprobs=2,
+                                                   ignore_eos=True), use_tqdm=False)[0]
+    assert [c.text for c in r.choices] == [c.text for c in ref.outputs]
+    for c in r.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+        assert "".join(lp.tokens) == c.text
+        assert all(2 <= len(top) <= 3 for top in lp.top_logprobs)
+    rc = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                        temperature=0, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = rc.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 3 for t in content)
+    assert "".join(t.token for t in content) == rc.choices[0].message.content
+    # A stop string taken from the greedy text: the output ends right before it, finish_reason "stop".
+    full = client.completions.create(model=NAME, prompt="Hello", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    cut = client.completions.create(model=NAME, prompt="Hello", max_tokens=20, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full[:full.index(stop)]
+
+
+def test_64_concurrent_streaming_clients(server):
+    """64 streams at once (chat and completions): no errors, every stream well formed and
+    complete, its text equal to the same request made alone and not streamed."""
+    n_clients = 64
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+        async def one(i):
+            kw = dict(model=NAME, max_tokens=6, temperature=0.8, seed=i, extra_body={"ignore_eos": True})
+            if i % 2:
+                stream = await aclient.completions.create(prompt=f"Request {i}:", stream=True,
+                                                          stream_options={"include_usage": True}, **kw)
+                chunks = [c async for c in stream]
+                text = "".join(c.choices[0].text for c in chunks if c.choices)
+                alone = (await aclient.completions.create(prompt=f"Request {i}:", **kw)).choices[0].text
+            else:
+                messages = [{"role": "user", "content": f"Request {i}"}]
+                stream = await aclient.chat.completions.create(messages=messages, stream=True,
+                                                               stream_options={"include_usage": True}, **kw)
+                chunks = [c async for c in stream]
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                alone = (await aclient.chat.completions.create(messages=messages, **kw)).choices[0].message.content
+            assert chunks[-1].usage.completion_tokens == 6
+            return text == alone
+
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n_clients))), 120)
+        finally:
+            await aclient.close()
+
+    assert all(asyncio.run(run()))
+
+
+# ============================================================================ leaving early
+def test_disconnect_mid_stream_and_mid_request_frees_blocks(server):
+    """A client that hangs up aborts its request: fewer tokens generated than asked, every block free."""
+    body = {"model": NAME, "prompt": "Hello", "max_tokens": 250, "ignore_eos": True}
+    generated = _metrics(server)["vllm:generation_tokens_total"]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, headers=headers) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")          # the stream has started; now hang up
+    server.wait_idle()
+    assert _metrics(server)["vllm:generation_tokens_total"] - generated < 250
+    generated = _metrics(server)["vllm:generation_tokens_total"]
+    # A non-streaming request whose client gives up (timeout) is aborted as well.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, headers=headers, timeout=0.2)
+    server.wait_idle()
+    assert _metrics(server)["vllm:generation_tokens_total"] - generated < 250
+
+
+def test_reader_that_never_reads_does_not_stall_others(server):
+    """A stream nobody reads: other requests finish meanwhile; when it is finally read, its
+    merged deltas are the whole, correct text."""
+    kw = {"model": NAME, "prompt": "Slow reader", "max_tokens": 60, "ignore_eos": True, "temperature": 0}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    expected = httpx.post(server.url + "/v1/completions", json=kw, headers=headers, timeout=60).json()
+    with httpx.Client(timeout=60) as slow:
+        with slow.stream("POST", server.url + "/v1/completions", json={**kw, "stream": True}, headers=headers) as r:
+            t0 = time.monotonic()
+            for i in range(4):
+                other = httpx.post(server.url + "/v1/completions", headers=headers, timeout=30,
+                                   json={"model": NAME, "prompt": f"other {i}", "max_tokens": 4})
+                assert other.status_code == 200
+            assert time.monotonic() - t0 < 30
+            events = sse_events(r.iter_lines())
+    assert "".join(e["choices"][0]["text"] for e in events) == expected["choices"][0]["text"]
+
+
+# ============================================================================ bad input
+def _long_prompt():
+    return "hello " * 300
+
+
+BAD = [
+    # (what, body or raw bytes, expected status)
+    ("malformed JSON", b'{"model": "tiny", "prompt": "x", ', 400),
+    ("not an object", b'[1, 2, 3]', 400),
+    ("unknown model", {"model": "gpt-5", "prompt": "x"}, 404),
+    ("max_tokens of the wrong type", {"model": NAME, "prompt": "x", "max_tokens": "ten"}, 400),
+    ("temperature of the wrong type", {"model": NAME, "prompt": "x", "temperature": "hot"}, 400),
+    ("prompt of the wrong type", {"model": NAME, "prompt": {"a": 1}}, 400),
+    ("max_tokens beyond the context", {"model": NAME, "prompt": "x", "max_tokens": 10_000}, 400),
+    ("prompt longer than max_model_len", {"model": NAME, "prompt": _long_prompt()}, 400),
+    ("out-of-vocabulary token ids", {"model": NAME, "prompt": [1, 2, 10_000_000]}, 400),
+    ("negative token id", {"model": NAME, "prompt": [5, -1]}, 400),
+    ("empty prompt", {"model": NAME, "prompt": ""}, 400),
+    ("n > 1 with greedy", {"model": NAME, "prompt": "x", "n": 2, "temperature": 0}, 400),
+    ("top_p out of range", {"model": NAME, "prompt": "x", "top_p": 1.5}, 400),
+    ("logprobs too many", {"model": NAME, "prompt": "x", "logprobs": 1000}, 400),
+    ("max_tokens zero", {"model": NAME, "prompt": "x", "max_tokens": 0}, 400),
+    ("echo (unsupported)", {"model": NAME, "prompt": "x", "echo": True}, 400),
+]
+BAD_CHAT = [
+    ("messages missing", {"model": NAME}, 400),
+    ("a message without content type", {"model": NAME, "messages": [{"role": "user", "content": 5}]}, 400),
+    ("unknown model", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
+    ("top_logprobs without logprobs", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                                       "top_logprobs": 2}, 400),
+    ("max_completion_tokens beyond the context", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                                                  "max_completion_tokens": 100_000}, 400),
+]
+
+
+def test_bad_input_gets_its_status_and_never_disturbs_a_neighbour(server):
+    """Every bad request -> vLLM's status with OpenAI's error body, while a long stream runs
+    beside them; that stream's text is the text it has alone."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    kw = {"model": NAME, "prompt": "Neighbour", "max_tokens": 40, "ignore_eos": True, "temperature": 0.5,
+          "seed": 99}
+    expected = httpx.post(server.url + "/v1/completions", json=kw, headers=headers, timeout=60).json()
+    with httpx.Client(timeout=60) as h, h.stream("POST", server.url + "/v1/completions",
+                                                 json={**kw, "stream": True}, headers=headers) as neighbour:
+        for path, cases in (("/v1/completions", BAD), ("/v1/chat/completions", BAD_CHAT)):
+            for what, body, status in cases:
+                if isinstance(body, bytes):
+                    r = h.post(server.url + path, content=body, headers={**headers, "Content-Type": "application/json"})
+                else:
+                    r = h.post(server.url + path, json=body, headers=headers)
+                assert r.status_code == status, f"{what}: {r.status_code} {r.text}"
+                err = r.json()["error"]
+                assert err["code"] == status and err["message"] and err["type"], what
+        # streaming requests are validated before the stream starts: a plain error, not an SSE body
+        r = h.post(server.url + "/v1/completions", json={**BAD[6][1], "stream": True}, headers=headers)
+        assert r.status_code == 400
+        # the API key: missing or wrong -> 401 on /v1; /health stays open
+        assert h.post(server.url + "/v1/completions", json=kw).status_code == 401
+        r = h.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401
+        assert h.get(server.url + "/health").status_code == 200
+        events = sse_events(neighbour.iter_lines())
+    assert "".join(e["choices"][0]["text"] for e in events) == expected["choices"][0]["text"]
+    with pytest.raises(openai.NotFoundError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0).completions.create(
+            model="gpt-5", prompt="x")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+# ============================================================================ metrics
+def _metrics(server) -> dict:
+    """/metrics parsed by prometheus_client's own parser -> {sample name[{finished_reason=...}]: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    values = {}
+    for family in text_string_to_metric_families(httpx.get(server.url + "/metrics").text):
+        for sample in family.samples:
+            if "le" in sample.labels:
+                continue                       # histogram buckets: the counts and sums are enough here
+            reason = sample.labels.get("finished_reason")
+            values[sample.name + (f"{{finished_reason={reason}}}" if reason else "")] = sample.value
+    return values
+
+
+def test_metrics_count_what_was_sent(server, client):
+    before = _metrics(server)
+    assert before["vllm:num_requests_running"] == 0 and before["vllm:kv_cache_usage_perc"] == 0
+    prompts = [[11, 12, 13, 14, 15], [21, 22, 23], [31, 32, 33, 34, 35, 36, 37]]
+    max_tokens = [5, 9, 3]
+    for p, m in zip(prompts, max_tokens):
+        client.completions.create(model=NAME, prompt=p, max_tokens=m, temperature=0, extra_body={"ignore_eos": True})
+    list(client.completions.create(model=NAME, prompt=prompts[0], max_tokens=2, temperature=0,
+                                   stream=True, extra_body={"ignore_eos": True}))
+    server.wait_idle()
+    after = _metrics(server)
+
+    def diff(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert diff("vllm:prompt_tokens_total") == sum(map(len, prompts)) + len(prompts[0])
+    assert diff("vllm:generation_tokens_total") == sum(max_tokens) + 2
+    assert diff("vllm:e2e_request_latency_seconds_count") == 4
+    assert diff("vllm:time_to_first_token_seconds_count") == 4
+    assert diff("vllm:inter_token_latency_seconds_count") == sum(m - 1 for m in max_tokens) + 1
+    assert diff("vllm:request_success_total{finished_reason=length}") == 4
+    # The prefix cache: the fourth prompt repeats the first (5 tokens: no full 16-token block to hit).
+    assert diff("vllm:prefix_cache_queries_total") == sum(map(len, prompts)) + len(prompts[0])
+    assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
+    assert after["vllm:kv_cache_usage_perc"] == 0
+
+
+# ============================================================================ a dead engine core
+def test_dead_core_gives_503_and_failing_health(tiny_llama):
+    """The core process killed under a running stream: the stream ends with an error event,
+    new requests get 503 (not a hang, not a 500), /health fails."""
+    s = ServerThread(tiny_llama, api_key=None)
+    try:
+        body = {"model": NAME, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=30) as h, h.stream("POST", s.url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            os.kill(s.engine.engine_core.pid, signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["error"]["code"] == 503
+        t0 = time.monotonic()
+        r = httpx.post(s.url + "/v1/completions", json={**body, "stream": False}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+        assert httpx.get(s.url + "/health").status_code == 503
+        assert time.monotonic() - t0 < 5
+    finally:
+        s.stop()
