@@ -17,7 +17,7 @@ from mini_vllm.entrypoints.protocol import (ChatCompletionLogProbs, ChatCompleti
                                             ChatCompletionStreamResponse, ChatLogProb, ChatLogProbsContent,
                                             ChatResponseMessage, DeltaMessage, UsageInfo, random_uuid)
 from mini_vllm.entrypoints.serving_completion import OpenAIServingCompletion
-from mini_vllm.entrypoints.serving_engine import OpenAIError, OpenAIServing, engine_error, sse
+from mini_vllm.entrypoints.serving_engine import OpenAIError, OpenAIServing, engine_error, sse, sse_error
 from mini_vllm.outputs import CompletionOutput, RequestOutput
 
 
@@ -107,13 +107,8 @@ class OpenAIServingChat(OpenAIServing):
             if include_usage:
                 yield chunk([], UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion_tokens,
                                           total_tokens=prompt_len + completion_tokens))
-        except OpenAIError as e:
-            yield sse({"error": {"message": e.message, "type": "BadRequestError", "param": e.param,
-                                 "code": int(e.status)}})
         except Exception as e:                     # noqa: BLE001 - the stream has started: report in-band
-            err = engine_error(e)
-            yield sse({"error": {"message": err.message, "type": "ServiceUnavailableError", "param": None,
-                                 "code": int(err.status)}})
+            yield sse_error(e)
         yield sse("[DONE]")
 
     @staticmethod

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 
 from mini_vllm.entrypoints.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
                                             CompletionResponseChoice, UsageInfo, random_uuid)
-from mini_vllm.entrypoints.serving_engine import OpenAIError, OpenAIServing, engine_error, merge_async_iterators, sse
+from mini_vllm.entrypoints.serving_engine import (OpenAIError, OpenAIServing, engine_error, merge_async_iterators, sse,
+                                                  sse_error)
 from mini_vllm.outputs import CompletionOutput, RequestOutput
 
 
@@ -110,13 +111,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                   total_tokens=sum(lengths) + completion_tokens)
                 yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
                                              usage=usage).model_dump(exclude_none=True))
-        except OpenAIError as e:
-            yield sse({"error": {"message": e.message, "type": "BadRequestError", "param": e.param,
-                                 "code": int(e.status)}})
         except Exception as e:                     # noqa: BLE001 - the stream has started: report in-band
-            err = engine_error(e)
-            yield sse({"error": {"message": err.message, "type": "ServiceUnavailableError", "param": None,
-                                 "code": int(err.status)}})
+            yield sse_error(e)
         yield sse("[DONE]")
 
     # ------------------------------------------------------------------ helpers

@@ -192,3 +192,16 @@ async def with_cancellation(coro, raw_request: Request):
     if handler.cancelled():
         return None
     return handler.result()
+
+
+def sse_error(e: BaseException) -> str:
+    """An error after a stream has started (its 200 and headers are sent): reported in-band as
+    one SSE event, OpenAI's error body — 400 for the request's own fault, the engine's status
+    (503 when the core died) otherwise."""
+    if isinstance(e, OpenAIError):
+        return sse({"error": {"message": e.message, "type": "BadRequestError", "param": e.param,
+                              "code": int(e.status)}})
+    err = engine_error(e)
+    return sse({"error": {"message": err.message, "type": "ServiceUnavailableError", "param": None,
+                          "code": int(err.status)}})
+
