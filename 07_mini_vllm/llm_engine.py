@@ -140,9 +140,13 @@ class LLMEngine:
         params = self.processor.prepare_params(params)
         kv_transfer_params = self.engine_core.validate_kv_transfer_params(kv_transfer_params)
         if params.n > 1:
-            self._check_parallel_sampling(request_id, params.n, kv_transfer_params)
+            self._check_fan_out(request_id, "n > 1", "children's", params.n, kv_transfer_params,
+                                "a forked child would need its own drafter state (an EAGLE head's hidden "
+                                "states of the prompt)")
         if isinstance(params, BeamSearchSamplingParams):
-            self._check_beam_search(request_id, params.beam_search.beam_width, kv_transfer_params)
+            self._check_fan_out(request_id, "beam search", "beams'", params.beam_search.beam_width,
+                                kv_transfer_params, "each beam would need its own drafter state, and drafts "
+                                "are verified against one sampled token, not K")
         if kv_transfer_params is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs cannot be combined with kv_transfer_params: K/V loaded from another "
                              "engine comes without the logits the prompt's logprobs need")
@@ -164,31 +168,19 @@ class LLMEngine:
             stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_ids[1:])),
             kv_transfer_params=kv_transfer_params)
 
-    def _check_parallel_sampling(self, request_id: str, n: int, kv_transfer_params) -> None:
-        """n > 1: its children's ids must be free, and it runs on this engine alone."""
+    def _check_fan_out(self, request_id: str, what: str, ids_name: str, count: int, kv_transfer_params,
+                       why_not_speculative: str) -> None:
+        """n > 1 and beam search run one request as `count` requests ("{i}_{id}"): on this engine
+        alone, without drafts, and with those ids free (not running, not a beam search's slots)."""
         if kv_transfer_params is not None:
-            raise ValueError("n > 1 cannot be combined with kv_transfer_params (remote K/V is per request)")
+            raise ValueError(f"{what} cannot be combined with kv_transfer_params (remote K/V is per request)")
         if self.config.speculative_config is not None:
-            raise ValueError("n > 1 is not supported with speculative decoding here: a forked child would need "
-                             "its own drafter state (an EAGLE head's hidden states of the prompt)")
-        children = [child_request_id(request_id, i) for i in range(1, n)]
-        taken = [c for c in children if c in self.output_processor.request_states]
-        if taken:
-            raise ValueError(f"request id {request_id!r}: its children's ids {taken[:3]} are in use")
-
-    def _check_beam_search(self, request_id: str, beam_width: int, kv_transfer_params) -> None:
-        """A beam search runs on this engine alone, without drafts (its slots fork every step),
-        and its slots' ids must be free."""
-        if kv_transfer_params is not None:
-            raise ValueError("beam search cannot be combined with kv_transfer_params (remote K/V is per request)")
-        if self.config.speculative_config is not None:
-            raise ValueError("beam search is not supported with speculative decoding here: each beam would need "
-                             "its own drafter state, and drafts are verified against one sampled token, not K")
-        slots = [child_request_id(request_id, i) for i in range(1, beam_width)]
+            raise ValueError(f"{what} is not supported with speculative decoding here: {why_not_speculative}")
+        ids = [child_request_id(request_id, i) for i in range(1, count)]
         states, reserved = self.output_processor.request_states, self.output_processor.beam_slots
-        taken = [s for s in slots if s in states or s in reserved]
+        taken = [i for i in ids if i in states or i in reserved]
         if taken:
-            raise ValueError(f"request id {request_id!r}: its beams' ids {taken[:3]} are in use")
+            raise ValueError(f"request id {request_id!r}: its {ids_name} ids {taken[:3]} are in use")
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Stop requests now (with n > 1: every child); their KV blocks are freed at once."""
