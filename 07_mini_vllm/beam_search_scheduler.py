@@ -100,6 +100,8 @@ class BeamSearchScheduler(ForkingScheduler):
 
     # ---- 1. candidates in, 2. selection --------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output) -> list[EngineCoreOutput]:
+        if not self._searches:                 # no search running: nothing to look at per request
+            return super().update_from_output(scheduler_output, model_runner_output)
         outputs = [self._finish_search(search, status, message) for search, status, message in self._doomed
                    if search.request_id in self._searches]
         self._doomed = []
