@@ -187,7 +187,7 @@ class ModelRunner:
         # candidates; a full sort only happens for rows that need it, see topk_topp_sampler.py).
         params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * num_reqs
         self.sampler(logits, SamplingMetadata.from_params(params, device=self.device))
-        del key_caches, value_caches, hidden, logits
+        del kv_caches, hidden, logits
 
     def capture_model(self) -> None:
         """CUDA graphs for decode batches (GPU, triton/cuda backends, unless enforce_eager)."""
