@@ -67,7 +67,7 @@ def test_profile_run_peak_step_runs_on_any_device(tiny_engine_models, make_llm):
 
 
 @pytest.mark.gpu
-def test_gpu_profiled_size(tiny_engine_models):
+def test_gpu_profiled_size(offline_engine_models):
     """On a GPU the KV budget is what gpu_memory_utilization leaves after weights + activations:
     it must not exceed that budget, and a lower utilization must give fewer blocks. (Engines are
     made and dropped here, not registered: each holds a fraction of the GPU.)"""
@@ -75,14 +75,14 @@ def test_gpu_profiled_size(tiny_engine_models):
 
     from mini_vllm import LLM
 
-    model_dir, _ = tiny_engine_models["llama"]
+    model_dir, _ = offline_engine_models["llama"]
     sizes = []
     for util in (0.3, 0.5):
         llm = LLM(str(model_dir), device="cuda", gpu_memory_utilization=util, max_num_seqs=8, max_model_len=512)
         report = llm.llm_engine.kv_cache_report
         total = torch.cuda.mem_get_info()[1]
         assert "of" in report.how and report.kv_cache_bytes <= util * total
-        assert llm.generate("hello", SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
+        assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
         llm.llm_engine.engine_core.check_invariants()
         sizes.append(report.num_blocks)
         del llm
