@@ -47,6 +47,12 @@ from paged_attention.triton_common import LOG2E, dot_precision, interpreting, on
 
 MAX_HEAD_DIM = 256
 TILE_N = 32                 # keys per inner-loop step (tl.dot needs >= 16 on the GPU)
+# Pure 16-bit decode: bigger KV tiles and a 4-deep software pipeline. Decode attention only streams
+# K/V, so what counts is bytes in flight: on an H200 (2026-11-28, chapter 01's decode kernel, the same
+# loop shape, benchmarks/results/triton_decode_sweep_h200.json) 64-key tiles with num_stages=4 read
+# 0.91x / 1.01x of SDPA's bandwidth at batch 256 x 1k / 128 x 8k, where 16-key tiles with Triton's
+# default launch read 0.55x / 0.60x.
+DECODE_TILE_N, DECODE_NUM_STAGES, DECODE_NUM_WARPS = 64, 4, 4
 DEFAULT_NUM_SEGMENTS = 16   # split-KV segments for the 3-D kernel (vLLM's default)
 SPLIT_KV_MAX_PROGRAMS = 128  # below this many 2-D programs a decode batch underfills an H100 (132 SMs)
 
@@ -305,6 +311,8 @@ def choose_tiles(group: int, max_query_len: int | None, head_dim: int, dtype: to
     d_pad = max(16, triton.next_power_of_2(head_dim))
     if dtype == torch.float32:
         row_cap, tile_n = 16, (16 if d_pad >= 256 else TILE_N)
+    elif max_query_len == 1 and d_pad <= 128:
+        row_cap, tile_n = 64, DECODE_TILE_N           # pure decode: stream K/V in bigger tiles
     else:
         row_cap, tile_n = (64 if d_pad <= 128 else 32), TILE_N
     positions = 16 if max_query_len is None else min(max_query_len, 16)
@@ -333,6 +341,7 @@ class Launch(NamedTuple):
     grid: tuple[int, ...]
     args: tuple                     # runtime arguments, in the kernel's parameter order
     constexprs: dict
+    options: dict = {}              # launch options: num_warps, num_stages (Triton's defaults when empty)
 
 
 def plan_launches(
@@ -370,20 +379,22 @@ def plan_launches(
         UPCAST=upcast(query.dtype), PRECISION=dot_precision(query.dtype),
     )
     qk_scale = scale * LOG2E                              # the kernels use exp2
+    options = (dict(num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES)
+               if max_query_len == 1 and query.dtype != torch.float32 else {})
     metadata = (block_tables, seq_lens, query_start_loc, num_seqs, qk_scale)
     strides = (*key_cache.stride(), *value_cache.stride(), *block_tables.stride())
     ### BEGIN SOLUTION
     if num_kv_splits == 1:
         return [Launch(kernel_unified_attention_2d, (num_q_tiles, num_kv_heads),
                        (out, query, key_cache, value_cache, *metadata, *query.stride(), *out.stride(), *strides),
-                       common)]
+                       common, options)]
     segm_out = torch.empty(num_tokens, num_heads, num_kv_splits, d_pad, dtype=torch.float32, device=query.device)
     segm_max = torch.empty(num_tokens, num_heads, num_kv_splits, dtype=torch.float32, device=query.device)
     segm_expsum = torch.empty_like(segm_max)
     return [
         Launch(kernel_unified_attention_3d, (num_q_tiles, num_kv_heads, num_kv_splits),
                (segm_out, segm_max, segm_expsum, query, key_cache, value_cache, *metadata, *query.stride(), *strides),
-               dict(NUM_HEADS=num_heads, NUM_SEGMENTS=num_kv_splits, **common)),
+               dict(NUM_HEADS=num_heads, NUM_SEGMENTS=num_kv_splits, **common), options),
         Launch(reduce_segments, (num_tokens, num_heads),
                (out, segm_out, segm_max, segm_expsum, *out.stride()),
                dict(NUM_HEADS=num_heads, NUM_SEGMENTS=num_kv_splits, HEAD_DIM=head_dim, HEAD_DIM_PADDED=d_pad,
@@ -421,5 +432,5 @@ def unified_attention(
     for launch in plan_launches(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
                                 max_query_len=max_query_len, max_seq_len=max_seq_len,
                                 num_kv_splits=num_kv_splits, block_m=block_m, tile_n=tile_n):
-        launch.kernel[launch.grid](*launch.args, **launch.constexprs)
+        launch.kernel[launch.grid](*launch.args, **launch.constexprs, **launch.options)
     return out

@@ -40,7 +40,8 @@ def compile_launch(launch):
             attrs[(i,)] = CUDABackend.parse_attr(attr)
     for name in launch.constexprs:
         signature[name] = "constexpr"
-    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32))
+    kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                            options=dict(launch.options))
     with tempfile.TemporaryDirectory() as d:
         ptx = pathlib.Path(d) / "k.ptx"
         ptx.write_text(kernel.asm["ptx"])
@@ -49,7 +50,8 @@ def compile_launch(launch):
     regs = int(re.search(r"Used (\d+) registers", info).group(1))
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", info))
     return dict(kernel=fn.__name__, regs=regs, spills=spills, shared=kernel.metadata.shared,
-                BLOCK_M=launch.constexprs.get("BLOCK_M"), HEAD_DIM=launch.constexprs["HEAD_DIM"])
+                BLOCK_M=launch.constexprs.get("BLOCK_M"), HEAD_DIM=launch.constexprs["HEAD_DIM"],
+                TILE_N=launch.constexprs.get("TILE_N"), num_stages=kernel.metadata.num_stages)
 
 
 CASES = {   # name: (num_heads, num_kv_heads, head_dim, dtype, max_query_len, num_kv_splits)
@@ -59,6 +61,7 @@ CASES = {   # name: (num_heads, num_kv_heads, head_dim, dtype, max_query_len, nu
     "smollm2-mixed-fp32-ieee": (9, 3, 64, torch.float32, None, 1),
     "llama8b-prefill-bf16": (32, 8, 128, torch.bfloat16, None, 1),
     "llama8b-decode-split-kv-bf16": (32, 8, 128, torch.bfloat16, 1, 8),
+    "qwen3-0.6b-decode-bf16": (16, 8, 128, torch.bfloat16, 1, 1),
     "d256-prefill-bf16": (8, 1, 256, torch.bfloat16, None, 1),
     "d256-decode-split-kv-fp32": (8, 1, 256, torch.float32, 1, 4),
 }
@@ -85,7 +88,7 @@ def compiled():
 
 def test_every_launch_compiles_for_hopper_without_spills(compiled):
     kernels = {(r["case"], r["kernel"]) for r in compiled}
-    assert len(compiled) == 11 and len(kernels) == 11        # 5 two-D cases + 3 x (3-D + reduce)
+    assert len(compiled) == 12 and len(kernels) == 12        # 6 two-D cases + 3 x (3-D + reduce)
     for r in compiled:
         assert r["spills"] == 0, r
         assert 0 < r["regs"] <= 255, r
@@ -94,5 +97,11 @@ def test_every_launch_compiles_for_hopper_without_spills(compiled):
 
 def test_tile_shapes_are_the_ones_the_wrapper_picks(compiled):
     blocks = {r["case"]: r["BLOCK_M"] for r in compiled if r["kernel"] == "kernel_unified_attention_2d"}
-    assert blocks == {"smollm2-decode-fp16": 16, "smollm2-prefill-bf16": 64,
+    assert blocks == {"smollm2-decode-fp16": 16, "smollm2-prefill-bf16": 64, "qwen3-0.6b-decode-bf16": 16,
                       "smollm2-mixed-fp32-ieee": 16, "llama8b-prefill-bf16": 64, "d256-prefill-bf16": 32}
+    # 16-bit pure decode streams K/V in 64-key tiles through a 4-stage pipeline; the rest keep 32 keys.
+    decode = {(r["case"], r["kernel"]): (r["TILE_N"], r["num_stages"]) for r in compiled
+              if r["kernel"] != "reduce_segments"}
+    assert decode[("qwen3-0.6b-decode-bf16", "kernel_unified_attention_2d")] == (64, 4)
+    assert decode[("llama8b-decode-split-kv-bf16", "kernel_unified_attention_3d")] == (64, 4)
+    assert decode[("smollm2-prefill-bf16", "kernel_unified_attention_2d")][0] == 32

@@ -287,11 +287,13 @@ def test_triton_tile_shapes(block_m, tile_n):
 def test_triton_launch_heuristics():
     from chunked_prefill import triton_ops as T
     half, fp32 = torch.bfloat16, torch.float32
-    assert T.choose_tiles(3, 1, 64, half) == (16, 5, 32)         # decode: tl.dot's 16-row minimum
+    assert T.choose_tiles(3, 1, 64, half) == (16, 5, 64)         # decode: tl.dot's 16-row minimum, 64-key tiles
     assert T.choose_tiles(3, None, 64, half) == (64, 21, 32)     # unknown max_query_len: prefill tiles
     assert T.choose_tiles(8, 4, 128, half) == (32, 4, 32)
     assert T.choose_tiles(4, 512, 256, half) == (32, 8, 32)      # head_dim 256: 32 rows
-    assert T.choose_tiles(32, 1, 64, half) == (32, 1, 32)        # a tile holds at least one whole group
+    assert T.choose_tiles(32, 1, 64, half) == (32, 1, 64)        # a tile holds at least one whole group
+    assert T.choose_tiles(4, 1, 256, half) == (16, 4, 32)        # head_dim 256 decode keeps 32-key tiles
+    assert T.choose_tiles(3, 1, 64, fp32) == (16, 5, 32)         # fp32 decode too
     assert T.choose_tiles(3, None, 64, fp32) == (16, 5, 32)      # ieee fp32: operands in registers
     assert T.choose_tiles(1, None, 256, fp32) == (16, 16, 16)
     assert T.choose_num_kv_splits(4, 3, max_query_len=1, max_seq_len=4096) == 16
