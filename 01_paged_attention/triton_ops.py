@@ -35,6 +35,7 @@ so the checks validate exactly what the kernel reads.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,12 @@ DEFAULT_TILE = 16       # v1's KV tokens per step before launch configs existed 
 PREFILL_BLOCKS = {torch.float16: (64, 16), torch.bfloat16: (64, 16), torch.float32: (32, 16)}   # (BLOCK_M, BLOCK_N)
 SPLIT_TARGET_PROGRAMS = 256  # split-KV aims for about this many programs (2 per SM on an H100, 132 SMs)
 MIN_TOKENS_PER_SPLIT = 256   # below this a split costs more in the reduce than it saves
+
+
+def _next_pow2(n: int) -> int:
+    """triton.next_power_of_2 without its call overhead (it is a constexpr_function, ~3 us a call
+    from Python: the decode wrapper called it 4-8 times per launch, on the host's critical path)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 # ----------------------------------------------------------------------------- cache write
@@ -101,7 +108,7 @@ def reshape_and_cache(
         key, value, key_cache, value_cache, slot_mapping,
         *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
         key_cache.shape[1],
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HD=triton.next_power_of_2(num_kv_heads * head_dim),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HD=_next_pow2(num_kv_heads * head_dim),
     )
 
 
@@ -360,7 +367,7 @@ def v2_tile_layout(tile: int, block_size: int) -> tuple[int, int, int]:
     * tile = a power of two dividing block_size: one slice of one block a step (block size 256).
     The tile must have >= 16 rows (tl.dot's minimum)."""
     if tile >= block_size and tile % block_size == 0 and (tile // block_size) & (tile // block_size - 1) == 0:
-        rows, blocks = triton.next_power_of_2(block_size), tile // block_size
+        rows, blocks = _next_pow2(block_size), tile // block_size
     elif tile < block_size and block_size % tile == 0 and tile & (tile - 1) == 0:
         rows, blocks = tile, 1
     else:
@@ -378,7 +385,7 @@ def v2_tile_for(block_size: int, target_tokens: int) -> int:
         tile = min(target_tokens, block_size & -block_size)
         return tile if tile >= 16 else block_size
     blocks = 1 << ((target_tokens // block_size).bit_length() - 1)       # floor to a power of two
-    while blocks * triton.next_power_of_2(block_size) < 16:
+    while blocks * _next_pow2(block_size) < 16:
         blocks *= 2
     return blocks * block_size
 
@@ -392,6 +399,7 @@ DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 2       # double-buffered: 2 x 32 KiB of shared memory per program
 
 
+@functools.lru_cache(maxsize=4096)     # called per decode step with few distinct arguments
 def choose_decode_config(num_seqs: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
                          dtype: torch.dtype, block_size: int = 16) -> DecodeConfig:
     """The launch for one decode call (vLLM: the tile/warps picks in triton_unified_attention).
@@ -417,7 +425,7 @@ def choose_decode_config(num_seqs: int, num_kv_heads: int, max_seq_len: int, hea
     stages = DECODE_NUM_STAGES
     tile = v2_tile_for(block_size, target)
     rows, blocks, _ = v2_tile_layout(tile, block_size)
-    padded = triton.next_power_of_2(block_size)
+    padded = _next_pow2(block_size)
     if block_size >= 8 and 4 * block_size >= 3 * padded and rows * blocks <= 2 * max(target, 16):
         return DecodeConfig("v2", tile, DECODE_NUM_WARPS, stages, splits)
     # v1's per-row 64-bit addresses cost more registers: half the tile (no spills, even unaligned)
@@ -474,8 +482,8 @@ def paged_decode_attention(
     tokens_per_split = max(tile, -(-max(max_seq_len, 1) // (num_kv_splits * tile)) * tile)
     group = num_heads // num_kv_heads
     up = upcast(query.dtype)
-    constexprs = dict(QUERIES_PER_KV=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-                      HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+    constexprs = dict(QUERIES_PER_KV=group, BLOCK_G=max(16, _next_pow2(group)),
+                      HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)),
                       BLOCK_SIZE=block_size,
                       UPCAST=up, PRECISION=dot_precision(query.dtype),
                       num_warps=num_warps, num_stages=num_stages)
@@ -503,8 +511,8 @@ def paged_decode_attention(
                  num_heads, block_tables.shape[1], tokens_per_split, *tail, **constexprs)
     _split_kv_reduce_kernel[(num_seqs, num_heads)](
         out, acc, m, l, out.stride(0), out.stride(1), num_heads,
-        NUM_KV_SPLITS=num_kv_splits, BLOCK_S=triton.next_power_of_2(num_kv_splits),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), UPCAST=up)
+        NUM_KV_SPLITS=num_kv_splits, BLOCK_S=_next_pow2(num_kv_splits),
+        HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim), UPCAST=up)
     return out
 
 
@@ -588,7 +596,7 @@ def prefill_attention(
         out, query, key, value, query_start_loc, scale * LOG2E,
         *query.stride(), *key.stride(), *value.stride(), out.stride(0), out.stride(1),
         QUERIES_PER_KV=num_heads // key.shape[1], HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, _next_pow2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
         UPCAST=upcast(query.dtype), PRECISION=dot_precision(query.dtype))
     return out
 
