@@ -26,6 +26,9 @@ SUPPORTED_HEAD_SIZES = (64, 128, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 PARTITION_SIZE = 512        # tokens per v2 partition (vLLM's _PARTITION_SIZE)
 V1_MAX_SEQ_LEN = 8192       # v1 keeps all logits of a request in shared memory
+V3_GROUP_MAX = 4            # query heads one v3 thread block serves (bigger GQA groups: chunks)
+NUM_SMS = 132               # H100 / H200 (SXM)
+V3_BLOCKS_PER_SM = 2        # v3 thread blocks resident per SM (__launch_bounds__ min blocks, GQA)
 
 
 def check_cuda_config(head_dim: int, block_size: int) -> None:
@@ -43,6 +46,28 @@ def use_v1(max_seq_len: int, num_seqs: int, num_heads: int) -> bool:
     512-token partitions processed by separate thread blocks, plus a reduce kernel."""
     max_num_partitions = -(-max_seq_len // PARTITION_SIZE)
     return max_seq_len <= V1_MAX_SEQ_LEN and (max_num_partitions == 1 or num_seqs * num_heads > 512)
+
+
+def v3_thread_blocks_per_seq(num_heads: int, num_kv_heads: int) -> int:
+    """v3 runs one thread block per (KV head, chunk of <= V3_GROUP_MAX query heads) per sequence."""
+    group = num_heads // num_kv_heads
+    return num_kv_heads * -(-group // V3_GROUP_MAX)
+
+
+def use_v3_split(max_seq_len: int, num_seqs: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Split-KV for v3 (flash-decoding): cut each context into PARTITION_SIZE-token partitions,
+    each its own thread block, merged by a reduce kernel — but only when it pays.
+
+    Without a split v3 launches one thread block per (sequence, KV head group); with few
+    sequences (batch 1-32) and Llama-like 8 KV heads that is 8-256 blocks, too few to fill
+    NUM_SMS SMs x V3_BLOCKS_PER_SM resident blocks, so most of the GPU's bandwidth sits idle
+    while a long context streams through a handful of SMs. A split multiplies the blocks by the
+    number of partitions at the cost of fp32 partial outputs and a second (small) kernel, so
+    split only when (a) there is more than one partition and (b) the unsplit grid would not
+    fill the GPU once."""
+    if -(-max_seq_len // PARTITION_SIZE) <= 1:
+        return False
+    return num_seqs * v3_thread_blocks_per_seq(num_heads, num_kv_heads) < NUM_SMS * V3_BLOCKS_PER_SM
 
 
 def _load(name: str):
@@ -90,7 +115,7 @@ def paged_decode_attention(
     check_values: bool = True,
     *,
     max_seq_len: int | None = None, # host-side max of seq_lens; read from seq_lens if None
-    version: str | None = None,     # "v1" | "v2" | None (vLLM's rule, `use_v1`)
+    version: str | None = None,     # "v1" | "v2" | "v3" | None (vLLM's rule between v1/v2, `use_v1`)
 ) -> torch.Tensor:                  # [num_seqs, num_heads, head_dim]
     seq_lens = contiguous_index(seq_lens)
     if block_tables.dim() == 2 and block_tables.stride(1) != 1:
@@ -102,8 +127,8 @@ def paged_decode_attention(
     query = _unit_last_stride(query)
     num_seqs, num_heads, head_dim = query.shape
     check_cuda_config(head_dim, key_cache.shape[1])
-    if version not in (None, "v1", "v2"):
-        raise ValueError(f"version must be 'v1', 'v2' or None, got {version!r}")
+    if version not in (None, "v1", "v2", "v3"):
+        raise ValueError(f"version must be 'v1', 'v2', 'v3' or None, got {version!r}")
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)   # the binding wants it contiguous
     if num_seqs == 0:
         return out
@@ -116,12 +141,18 @@ def paged_decode_attention(
     if version == "v1":
         ext.paged_attention_v1(out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, _stream())
         return out
+    if version == "v3":   # flash-decoding rung (kernels_cuda/paged_attention_v3.cuh), split-KV by `use_v3_split`
+        if not use_v3_split(max_seq_len, num_seqs, num_heads, key_cache.shape[2]):
+            ext.paged_attention_v3(out, None, None, None, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                   max_seq_len, _stream())
+            return out
     max_num_partitions = -(-max_seq_len // PARTITION_SIZE)
     exp_sums = torch.empty(num_seqs, num_heads, max_num_partitions, dtype=torch.float32, device=query.device)
     max_logits = torch.empty_like(exp_sums)
     tmp_out = torch.empty(num_seqs, num_heads, max_num_partitions, head_dim, dtype=torch.float32, device=query.device)
-    ext.paged_attention_v2(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables, seq_lens,
-                           scale, max_seq_len, _stream())
+    split_kernel = ext.paged_attention_v3 if version == "v3" else ext.paged_attention_v2
+    split_kernel(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables, seq_lens,
+                 scale, max_seq_len, _stream())
     return out
 
 

@@ -92,7 +92,7 @@ def paged_decode_attention(
     check_values: bool = True,
     max_seq_len: int | None = None,     # AttentionMetadata.max_seq_len (saves a device read)
     num_kv_splits: int | None = None,   # triton: split-KV factor (None = heuristic)
-    version: str | None = None,         # cuda: "v1" | "v2" (None = vLLM's rule)
+    version: str | None = None,         # cuda: "v1" | "v2" | "v3" (None = vLLM's v1/v2 rule)
 ) -> torch.Tensor:                      # [num_seqs, num_heads, head_dim]
     variant = {}
     if num_kv_splits is not None:

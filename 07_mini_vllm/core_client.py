@@ -25,9 +25,6 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 
-import zmq
-import zmq.asyncio
-
 from global_prefix_cache.node import ChildProcess
 from scheduler import RequestStatus
 
@@ -108,6 +105,9 @@ class MPClient:
         if config.kv_transfer_config is not None:
             raise ValueError(f"kv_transfer_config is not supported with {ENV_MULTIPROCESSING}=1: the KV connector "
                              "lives in the core process, which this front end cannot configure per request")
+        import zmq            # here, not at the top: the in-process engine runs where pyzmq is absent
+        import zmq.asyncio
+
         self._ipc_dir = tempfile.mkdtemp(prefix="mini_vllm_core_")
         input_address, output_address = f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output"
         self.ctx = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
@@ -209,6 +209,8 @@ class SyncMPClient(MPClient):
     def _send(self, kind: EngineCoreRequestType, payload) -> None:
         if self.is_dead:
             raise self._dead_error()
+        import zmq
+
         try:
             self.input_socket.send_multipart(self._encode_request(kind, payload))
         except zmq.Again:            # SNDTIMEO: nobody reads the input socket

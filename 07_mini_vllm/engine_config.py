@@ -24,7 +24,7 @@ import torch
 from scheduler import POLICIES, SchedulerConfig
 
 from mini_vllm.models.linear_method import CPU_GEMMS
-from mini_vllm.models.loader import CPU_LAYER_OPS
+from mini_vllm.models.loader import CPU_LAYER_OPS, CUDA_LAYER_OPS
 from mini_vllm.parallel_config import ParallelConfig
 from mini_vllm.sampler import LOGPROBS_MODES
 from mini_vllm.speculative_config import SpeculativeConfig
@@ -127,6 +127,11 @@ class EngineConfig:
     """CPU norms, SiLU-and-mul and RoPE: auto (fused C++ kernels where they build, kernels_cpu/layer_ops.py)
     | cpu (insist) | torch (each layer's PyTorch forward)."""
 
+    cuda_layer_ops: str = "auto"
+    """GPU norms, SiLU-and-mul and RoPE: auto (fused Triton kernels, paged_attention/model/triton_layer_ops.py,
+    when the model is on a GPU with the triton or cuda attention backend) | triton (insist: the model
+    must be on a GPU) | torch (each layer's PyTorch forward: the readable oracle, for debugging)."""
+
     cpu_keep_freed_memory: bool = True
     """CPU: configure malloc to keep what it frees for reuse (kernels_cpu/malloc.py; vLLM preloads
     tcmalloc for the same reason) instead of unmapping big buffers and page-faulting them back in every
@@ -186,6 +191,8 @@ class EngineConfig:
             raise ValueError(f"cpu_gemm_backend must be one of {CPU_GEMMS}, got {self.cpu_gemm_backend!r}")
         if self.cpu_layer_ops not in CPU_LAYER_OPS:
             raise ValueError(f"cpu_layer_ops must be one of {CPU_LAYER_OPS}, got {self.cpu_layer_ops!r}")
+        if self.cuda_layer_ops not in CUDA_LAYER_OPS:
+            raise ValueError(f"cuda_layer_ops must be one of {CUDA_LAYER_OPS}, got {self.cuda_layer_ops!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _positive_int("block_size", self.block_size)

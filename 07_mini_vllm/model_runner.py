@@ -110,7 +110,8 @@ class ModelRunner:
         self.max_num_blocks_per_req = cdiv(self.max_model_len, self.block_size)
 
         self.model = get_model(model_config, device=self.device, attn_backend=self.attn_backend,
-                               cpu_gemm_backend=config.cpu_gemm_backend, cpu_layer_ops=config.cpu_layer_ops)
+                               cpu_gemm_backend=config.cpu_gemm_backend, cpu_layer_ops=config.cpu_layer_ops,
+                               cuda_layer_ops=config.cuda_layer_ops)
         # The stream of unseeded random rows, seeded by the engine's seed: runs are reproducible.
         self.sampler = Sampler(generator=torch.Generator(device=self.device).manual_seed(config.seed),
                                logprobs_mode=config.logprobs_mode)
@@ -119,7 +120,8 @@ class ModelRunner:
             self.spec_decode = SpecDecodeWorker(
                 config.speculative_config, model_config, self.model, device=self.device, block_size=self.block_size,
                 attn_backend=self.attn_backend, cpu_gemm_backend=config.cpu_gemm_backend,
-                cpu_layer_ops=config.cpu_layer_ops, generator=self.sampler.generator, tokenizer_path=config.tokenizer)
+                cpu_layer_ops=config.cpu_layer_ops, cuda_layer_ops=config.cuda_layer_ops,
+                generator=self.sampler.generator, tokenizer_path=config.tokenizer)
 
         if self.device.type == "cpu" and config.cpu_kernels != "off" and config.cpu_keep_freed_memory:
             # After loading: the checkpoint's unpacked copies, freed by packing, go back to the OS first.
@@ -187,7 +189,7 @@ class ModelRunner:
         # candidates; a full sort only happens for rows that need it, see topk_topp_sampler.py).
         params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * num_reqs
         self.sampler(logits, SamplingMetadata.from_params(params, device=self.device))
-        del key_caches, value_caches, hidden, logits
+        del kv_caches, hidden, logits
 
     def capture_model(self) -> None:
         """CUDA graphs for decode batches (GPU, triton/cuda backends, unless enforce_eager)."""

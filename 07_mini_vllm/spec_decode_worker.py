@@ -133,7 +133,8 @@ class _HiddenBuffer:
 class SpecDecodeWorker:
     def __init__(self, config: SpeculativeConfig, model_config: ModelConfig, target_model, *, device: torch.device,
                  block_size: int, attn_backend: str, cpu_gemm_backend: str, generator: torch.Generator | None,
-                 tokenizer_path: str | Path | None = None, cpu_layer_ops: str = "torch"):
+                 tokenizer_path: str | Path | None = None, cpu_layer_ops: str = "torch",
+                 cuda_layer_ops: str = "torch"):
         self.config = config
         self.k = config.num_speculative_tokens
         self.method = config.method
@@ -155,7 +156,7 @@ class SpecDecodeWorker:
         self._draft_kv_spec: KVCacheSpec | None = None
         self._eagle_head: EagleHead | None = None
         self._draft_tokenizers = None
-        self._load_drafter(model_config, attn_backend, cpu_gemm_backend, cpu_layer_ops, tokenizer_path)
+        self._load_drafter(model_config, attn_backend, cpu_gemm_backend, cpu_layer_ops, cuda_layer_ops, tokenizer_path)
         self.proposer = None
         if self.method == "ngram":
             self.proposer = NgramProposer(self.k, config.prompt_lookup_min, config.prompt_lookup_max,
@@ -169,7 +170,7 @@ class SpecDecodeWorker:
 
     # ================================================================== construction
     def _load_drafter(self, mc: ModelConfig, attn_backend: str, cpu_gemm_backend: str, cpu_layer_ops: str,
-                      tokenizer_path) -> None:
+                      cuda_layer_ops: str, tokenizer_path) -> None:
         """Load what the drafter needs and check it fits the target (clear errors, before any request)."""
         cfg = self.config
         if self.method == "draft_model":
@@ -181,7 +182,8 @@ class SpecDecodeWorker:
                                  f"{error}") from error
             self._check_draft_tokenizer(draft_config, tokenizer_path or mc.model)
             self._draft_model = get_model(draft_config, device=self.device, attn_backend=attn_backend,
-                                          cpu_gemm_backend=cpu_gemm_backend, cpu_layer_ops=cpu_layer_ops)
+                                          cpu_gemm_backend=cpu_gemm_backend, cpu_layer_ops=cpu_layer_ops,
+                                          cuda_layer_ops=cuda_layer_ops)
             self._draft_kv_spec = KVCacheSpec(draft_config.num_hidden_layers, self.block_size,
                                               draft_config.num_key_value_heads, draft_config.head_dim, draft_config.dtype)
         elif self.method == "layer_skip":

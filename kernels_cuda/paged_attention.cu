@@ -5,13 +5,15 @@
 // supported (dtype, head size, block size) kernel, which is what the nvcc test checks for
 // register spills. paged_attention_binding.cpp is the torch side.
 //
-// Mirrors vLLM's csrc/attention/paged_attention_v1.cu and paged_attention_v2.cu.
+// Mirrors vLLM's csrc/attention/paged_attention_v1.cu and paged_attention_v2.cu; v3
+// (paged_attention_v3.cuh) is this project's flash-decoding rung.
 #include <type_traits>
 
 #include <cuda_runtime.h>
 
 #include "launch.cuh"
 #include "paged_attention.cuh"
+#include "paged_attention_v3.cuh"
 
 namespace vfs {
 
@@ -110,6 +112,41 @@ int launch_v2(void* out, float* exp_sums, float* max_logits, float* tmp_out, con
   return static_cast<int>(cudaGetLastError());
 }
 
+// v3: query heads per thread block. A GQA group of up to V3_GROUP_MAX heads is one thread block
+// (the whole group shares each K/V load); a bigger group is cut into equal chunks of at most
+// V3_GROUP_MAX heads, each chunk a thread block reading the same K/V (neighbours in the grid, so
+// the second read mostly hits L2). MHA (group 1) gets its own instance with 1/4 of the registers.
+constexpr int V3_GROUP_MAX = 4;
+
+inline int v3_head_chunks(int group, int group_max) { return divide_round_up(group, group_max); }
+
+template <typename T, int HEAD, int BLOCK, int GROUP_MAX>
+int launch_v3(void* out, float* exp_sums, float* max_logits, float* tmp_out, const DecodeArgs& a) {
+  const int group = a.num_heads / a.num_kv_heads;
+  const int head_chunks = v3_head_chunks(group, GROUP_MAX);
+  const int heads_per_block = divide_round_up(group, head_chunks);
+  const bool split = tmp_out != nullptr;
+  const int max_num_partitions = split ? divide_round_up(a.max_seq_len, PARTITION_SIZE) : 1;
+  const int64_t* s = a.strides;
+  const auto kernel = paged_attention_v3_kernel<T, HEAD, BLOCK, GROUP_MAX, NUM_THREADS, PARTITION_SIZE>;
+  VFS_LAUNCH(kernel, dim3(a.num_kv_heads * head_chunks, a.num_seqs, max_num_partitions), NUM_THREADS, 0, a.stream)(
+      static_cast<T*>(out), exp_sums, max_logits, tmp_out, static_cast<const T*>(a.q),
+      static_cast<const T*>(a.k_cache), static_cast<const T*>(a.v_cache), a.num_heads, a.num_kv_heads,
+      heads_per_block, a.scale, a.block_tables, a.seq_lens, a.max_num_blocks_per_seq, s[0], s[1], s[2], s[3], s[4],
+      s[5], s[6], s[7], s[8]);
+  if (cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
+  if (!split) return 0;
+  // The partitions' outputs follow v2's contract (normalised by their own sum; max in natural-log
+  // units), so v2's reduce kernel merges them.
+  auto reduce = paged_attention_v2_reduce_kernel<T, HEAD, NUM_THREADS, PARTITION_SIZE>;
+  const size_t smem = static_cast<size_t>(max_num_partitions) * sizeof(float);
+  if (int rc = reserve_shared_memory(reduce, smem)) return rc;
+  VFS_LAUNCH(reduce, dim3(a.num_heads, a.num_seqs), NUM_THREADS, smem, a.stream)(
+      static_cast<T*>(out), exp_sums, max_logits, tmp_out, a.seq_lens, max_num_partitions,
+      a.max_num_blocks_per_seq, BLOCK);
+  return static_cast<int>(cudaGetLastError());
+}
+
 }  // namespace vfs
 
 int vfs_paged_attention_v1(int dtype, int head_size, int block_size, void* out, const void* q, const void* k_cache,
@@ -135,6 +172,30 @@ int vfs_paged_attention_v2(int dtype, int head_size, int block_size, void* out, 
         out, exp_sums, max_logits, tmp_out, a);
   });
 }
+
+// v3 (paged_attention_v3.cuh). exp_sums / max_logits / tmp_out sized as for v2 select the split
+// path (PARTITION_SIZE-token partitions + v2's reduce); all three nullptr: one partition per
+// sequence, written straight to out.
+int vfs_paged_attention_v3(int dtype, int head_size, int block_size, void* out, float* exp_sums, float* max_logits,
+                           float* tmp_out, const void* q, const void* k_cache, const void* v_cache,
+                           const int* block_tables, const int* seq_lens, int num_seqs, int num_heads,
+                           int num_kv_heads, int max_num_blocks_per_seq, int max_seq_len, float scale,
+                           const int64_t* strides, int64_t stream) {
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return vfs::kUnsupportedConfig;
+  if ((tmp_out == nullptr) != (exp_sums == nullptr) || (tmp_out == nullptr) != (max_logits == nullptr))
+    return vfs::kUnsupportedConfig;
+  const vfs::DecodeArgs a{q, k_cache, v_cache, block_tables, seq_lens, num_seqs, num_heads, num_kv_heads,
+                          max_num_blocks_per_seq, max_seq_len, scale, strides, reinterpret_cast<cudaStream_t>(stream)};
+  const bool mha = num_heads == num_kv_heads;
+  return vfs::dispatch(dtype, head_size, block_size, [&](auto tag, auto head, auto block) {
+    using T = typename decltype(tag)::type;
+    constexpr int HEAD = decltype(head)::value, BLOCK = decltype(block)::value;
+    return mha ? vfs::launch_v3<T, HEAD, BLOCK, 1>(out, exp_sums, max_logits, tmp_out, a)
+               : vfs::launch_v3<T, HEAD, BLOCK, vfs::V3_GROUP_MAX>(out, exp_sums, max_logits, tmp_out, a);
+  });
+}
+
+int vfs_paged_attention_v3_group_max() { return vfs::V3_GROUP_MAX; }
 
 int vfs_paged_attention_partition_size() { return vfs::PARTITION_SIZE; }
 

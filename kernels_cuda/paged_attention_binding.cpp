@@ -13,6 +13,11 @@ int vfs_paged_attention_v2(int dtype, int head_size, int block_size, void* out, 
                            const int* block_tables, const int* seq_lens, int num_seqs, int num_heads,
                            int num_kv_heads, int max_num_blocks_per_seq, int max_seq_len, float scale,
                            const int64_t* strides, int64_t stream);
+int vfs_paged_attention_v3(int dtype, int head_size, int block_size, void* out, float* exp_sums, float* max_logits,
+                           float* tmp_out, const void* q, const void* k_cache, const void* v_cache,
+                           const int* block_tables, const int* seq_lens, int num_seqs, int num_heads,
+                           int num_kv_heads, int max_num_blocks_per_seq, int max_seq_len, float scale,
+                           const int64_t* strides, int64_t stream);
 int vfs_paged_attention_partition_size();
 const char* vfs_paged_attention_error_string(int code);
 
@@ -80,11 +85,9 @@ void paged_attention_v1(torch::Tensor out, torch::Tensor query, torch::Tensor ke
            "paged_attention_v1");
 }
 
-void paged_attention_v2(torch::Tensor out, torch::Tensor exp_sums, torch::Tensor max_logits, torch::Tensor tmp_out,
-                        torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                        torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t max_seq_len,
-                        int64_t stream) {
-  const auto strides = check_decode(out, query, key_cache, value_cache, block_tables, seq_lens, max_seq_len);
+// The partition scratch v2 and split v3 write (v2's reduce reads it).
+void check_partition_scratch(const torch::Tensor& exp_sums, const torch::Tensor& max_logits,
+                             const torch::Tensor& tmp_out, const torch::Tensor& query, int64_t max_seq_len) {
   const int64_t partition_size = vfs_paged_attention_partition_size();
   const int64_t max_num_partitions = (max_seq_len + partition_size - 1) / partition_size;
   const std::vector<int64_t> part_shape = {query.size(0), query.size(1), max_num_partitions};
@@ -96,6 +99,14 @@ void paged_attention_v2(torch::Tensor out, torch::Tensor exp_sums, torch::Tensor
   TORCH_CHECK(tmp_out.is_cuda() && tmp_out.scalar_type() == torch::kFloat32 && tmp_out.is_contiguous() &&
                   tmp_out.sizes() == tmp_shape,
               "tmp_out must be contiguous fp32 [num_seqs, num_heads, max_num_partitions, head_size]");
+}
+
+void paged_attention_v2(torch::Tensor out, torch::Tensor exp_sums, torch::Tensor max_logits, torch::Tensor tmp_out,
+                        torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                        torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t max_seq_len,
+                        int64_t stream) {
+  const auto strides = check_decode(out, query, key_cache, value_cache, block_tables, seq_lens, max_seq_len);
+  check_partition_scratch(exp_sums, max_logits, tmp_out, query, max_seq_len);
   check_rc(vfs_paged_attention_v2(dtype_code(query), query.size(2), key_cache.size(1), out.data_ptr(),
                                   exp_sums.data_ptr<float>(), max_logits.data_ptr<float>(), tmp_out.data_ptr<float>(),
                                   query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
@@ -105,11 +116,35 @@ void paged_attention_v2(torch::Tensor out, torch::Tensor exp_sums, torch::Tensor
            "paged_attention_v2");
 }
 
+// v3 (flash-decoding, one thread block per KV head group): exp_sums, max_logits and tmp_out all
+// given (shaped as for v2) = split-KV over 512-token partitions + v2's reduce; all None = no split.
+void paged_attention_v3(torch::Tensor out, std::optional<torch::Tensor> exp_sums,
+                        std::optional<torch::Tensor> max_logits, std::optional<torch::Tensor> tmp_out,
+                        torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                        torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t max_seq_len,
+                        int64_t stream) {
+  const auto strides = check_decode(out, query, key_cache, value_cache, block_tables, seq_lens, max_seq_len);
+  const bool split = tmp_out.has_value();
+  TORCH_CHECK(exp_sums.has_value() == split && max_logits.has_value() == split,
+              "paged_attention_v3: pass exp_sums, max_logits and tmp_out together (split) or none of them");
+  if (split) check_partition_scratch(*exp_sums, *max_logits, *tmp_out, query, max_seq_len);
+  check_rc(vfs_paged_attention_v3(dtype_code(query), query.size(2), key_cache.size(1), out.data_ptr(),
+                                  split ? exp_sums->data_ptr<float>() : nullptr,
+                                  split ? max_logits->data_ptr<float>() : nullptr,
+                                  split ? tmp_out->data_ptr<float>() : nullptr, query.data_ptr(),
+                                  key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr<int>(),
+                                  seq_lens.data_ptr<int>(), query.size(0), query.size(1), key_cache.size(2),
+                                  block_tables.size(1), max_seq_len, static_cast<float>(scale), strides.data(), stream),
+           "paged_attention_v3");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_v1", &paged_attention_v1, "Paged decode attention, one thread block per (head, seq)");
   m.def("paged_attention_v2", &paged_attention_v2,
         "Paged decode attention over 512-token partitions + a reduce kernel (long contexts)");
+  m.def("paged_attention_v3", &paged_attention_v3,
+        "Paged decode attention, flash-decoding style: one thread block per (KV head group, seq[, partition])");
   m.def("partition_size", &vfs_paged_attention_partition_size);
 }

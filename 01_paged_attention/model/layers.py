@@ -6,9 +6,12 @@ Mirrors vLLM's `vllm/model_executor/layers/`:
   * `activation.py: SiluAndMul`              -> SiluAndMul
 
 RMSNorm and SiluAndMul are CustomOps (custom_op.py): `forward_native` is the readable PyTorch (HF's
-math op for op), `forward_cpu` one fused C++ pass of kernels_cpu/layer_ops.py. The C++ is imported
-only when chapter 07 binds that forward (`EngineConfig.cpu_kernels="auto"`): with "off", and in
-chapter 04's EAGLE head and toy target, nothing of kernels_cpu is touched.
+math op for op), `forward_cpu` one fused C++ pass of kernels_cpu/layer_ops.py, `forward_cuda` one
+fused Triton kernel of triton_layer_ops.py. The C++ is imported only when chapter 07 binds that
+forward (`EngineConfig.cpu_kernels="auto"`): with "off", and in chapter 04's EAGLE head and toy
+target, nothing of kernels_cpu is touched. Likewise the Triton module is imported only by forward_cuda.
+RoPE's fused kernel sits in `SelfAttention.forward_cuda` (llama.py): RotaryEmbedding is a table
+the model looks up once per step, the rotation happens in each attention block.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ class RMSNorm(CustomOp):
     belongs to the model's forward and nobody else holds it) — except under autograd (chapter 04
     trains its EAGLE head through this layer), where backward still needs the old value.
     forward_cpu: the same in one C++ pass (kernels_cpu.layer_ops.rms_norm).
+    forward_cuda: the same in one Triton kernel (triton_layer_ops.rms_norm), residual in place too.
     """
 
     def __init__(self, hidden_size: int, eps: float):
@@ -60,6 +64,18 @@ class RMSNorm(CustomOp):
             return self.forward_native(x, residual)
         from kernels_cpu import layer_ops                                   # only once chapter 07 bound this forward
         out = layer_ops.rms_norm(x, self.weight, self.eps, residual)        # residual updated in place
+        return out if residual is None else (out, residual)
+
+    def forward_cuda(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        # Under autograd (chapter 04 trains through this layer) the native path keeps the graph; a residual
+        # of another dtype or layout (never in the engine) also goes native.
+        if (torch.is_grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad))) or \
+                x.dim() not in (2, 3) or x.stride(-1) != 1 or \
+                (residual is not None and (x.dim() != 2 or residual.dtype != x.dtype or residual.shape != x.shape
+                                           or residual.stride(-1) != 1)):
+            return self.forward_native(x, residual)
+        from paged_attention.model import triton_layer_ops                  # only once chapter 07 bound this forward
+        out = triton_layer_ops.rms_norm(x, self.weight, self.eps, residual)  # residual updated in place
         return out if residual is None else (out, residual)
 
 
@@ -137,7 +153,8 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 class SiluAndMul(CustomOp):
     """[T, 2I] = [gate | up] -> silu(gate) * up, [T, I] (the SwiGLU of Llama's MLP).
-    forward_cpu: one C++ pass (kernels_cpu.layer_ops.silu_and_mul)."""
+    forward_cpu: one C++ pass (kernels_cpu.layer_ops.silu_and_mul); forward_cuda: one Triton kernel
+    (triton_layer_ops.silu_and_mul)."""
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
@@ -146,3 +163,9 @@ class SiluAndMul(CustomOp):
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         from kernels_cpu import layer_ops                                   # only once chapter 07 bound this forward
         return layer_ops.silu_and_mul(x)
+
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.stride(-1) != 1 or (torch.is_grad_enabled() and x.requires_grad):
+            return self.forward_native(x)
+        from paged_attention.model import triton_layer_ops                  # only once chapter 07 bound this forward
+        return triton_layer_ops.silu_and_mul(x)

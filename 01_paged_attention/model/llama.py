@@ -53,7 +53,8 @@ class SelfAttention(CustomOp):
     qkv_bias: Qwen2 (and Llama/Qwen3 with attention_bias) add a bias to q/k/v; o_bias likewise on o_proj.
     qk_norm:  Qwen3 RMS-normalises each head of q and k before RoPE (stabilises attention logits).
     A CustomOp: on a CPU its forward_cpu splits q/k/v out of the qkv projection and rotates q and k in
-    one C++ pass.
+    one C++ pass; on a GPU its forward_cuda rotates q and k and copies v in one Triton kernel
+    (triton_layer_ops.rotary_embedding; Qwen3's q/k norms run first, as their own Triton kernels).
 
     Tensor parallel (parallel_linear.py; one rank unless chapter 07's worker set up a TP group): the
     projections are split by heads, so num_heads / num_kv_heads here are THIS rank's heads
@@ -104,6 +105,27 @@ class SelfAttention(CustomOp):
         cos, sin = rope                                                              # [T, 1, D] each
         q, k, v = layer_ops.rope_split_qkv(self.qkv_proj(hidden_states), cos.view(T, -1), sin.view(T, -1),
                                            self.num_heads, self.num_kv_heads, self.head_dim)
+        out = self.attn(q, k, v, kv_cache, attn_metadata)                            # [T, H, D]
+        return self.o_proj(out.view(T, self.q_size))                                 # [T, hidden]
+
+    def forward_cuda(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                     kv_cache: KVCache | None, attn_metadata) -> torch.Tensor:
+        """forward_native, with both rotations and v's copy in one Triton kernel
+        (triton_layer_ops.rotary_embedding, exactly apply_rotary_emb's rounding); the q/k norms
+        (Qwen3) are RMSNorms, bound to their own forward_cuda by the loader."""
+        if torch.is_grad_enabled() and hidden_states.requires_grad:                  # training: keep autograd's graph
+            return self.forward_native(hidden_states, rope, kv_cache, attn_metadata)
+        from paged_attention.model import triton_layer_ops                           # only once chapter 07 bound this forward
+        T = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)                                           # [T, (H + 2 KVH) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)                                 # [T, H, D] views of qkv
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope                                                              # [T, 1, D] each
+        q, k, v = triton_layer_ops.rotary_embedding(q, k, cos, sin, v)               # new contiguous tensors
         out = self.attn(q, k, v, kv_cache, attn_metadata)                            # [T, H, D]
         return self.o_proj(out.view(T, self.q_size))                                 # [T, hidden]
 

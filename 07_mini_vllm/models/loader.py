@@ -191,12 +191,44 @@ def use_cpu_layer_ops(model: nn.Module, mode: str = "auto") -> int:
     return len(ops)
 
 
+CUDA_LAYER_OPS = ("auto", "triton", "torch")    # EngineConfig.cuda_layer_ops
+FUSED_ATTENTION_BACKENDS = ("triton", "cuda")    # the GPU backends that also get the fused layer ops
+
+
+def use_cuda_layer_ops(model: nn.Module, mode: str = "auto", attn_backend: str = "triton") -> int:
+    """Bind every CustomOp of the model (norms, the MLP activation, the attention blocks' RoPE + v
+    copy) to its fused Triton forward (`forward_cuda`: paged_attention/model/triton_layer_ops.py);
+    returns how many now run forward_cuda.
+
+    vLLM binds `CustomOp.forward_cuda` on a CUDA platform when a layer is built. "auto": when the
+    model is on a CUDA device and attention runs on a GPU backend (triton, cuda; the "torch" and
+    "reference" backends are debugging paths and keep the PyTorch forwards too); "triton" insists
+    (the model must be on a CUDA device); "torch" leaves every forward as it is (the readable
+    oracle unless use_cpu_layer_ops bound the CPU kernels)."""
+    if mode not in CUDA_LAYER_OPS:
+        raise ValueError(f"cuda_layer_ops must be one of {CUDA_LAYER_OPS}, got {mode!r}")
+    if mode == "torch":
+        return 0
+    on_cuda = all(p.device.type == "cuda" for p in model.parameters())
+    if not on_cuda:
+        if mode == "triton":
+            raise ValueError("cuda_layer_ops='triton' cannot be used: the model is not on a CUDA device")
+        return 0
+    if mode == "auto" and attn_backend not in FUSED_ATTENTION_BACKENDS:
+        return 0
+    ops = [m for m in model.modules() if isinstance(m, CustomOp)]
+    for op in ops:
+        op.dispatch_forward("cuda")
+    return len(ops)
+
+
 def get_model(model_config: ModelConfig, device: str | torch.device = "cpu", attn_backend: str = "torch",
-              cpu_gemm_backend: str = "torch", cpu_layer_ops: str = "torch") -> nn.Module:
+              cpu_gemm_backend: str = "torch", cpu_layer_ops: str = "torch", cuda_layer_ops: str = "torch") -> nn.Module:
     """Construct the architecture's class directly on `device` in `model_config.dtype`, load its
     weights, then choose the fast ops, once: on a CPU, each linear's matmul
-    (`process_weights_after_loading`) and the small ops' forwards (`use_cpu_layer_ops`).
-    cpu_gemm_backend="torch", cpu_layer_ops="torch": plain PyTorch throughout."""
+    (`process_weights_after_loading`) and the small ops' forwards (`use_cpu_layer_ops`); on a GPU
+    the small ops' fused Triton forwards (`use_cuda_layer_ops`).
+    cpu_gemm_backend="torch", cpu_layer_ops="torch", cuda_layer_ops="torch": plain PyTorch throughout."""
     cls = get_model_class(model_config.architecture)
     with torch.device(device), _default_dtype(model_config.dtype):
         model = cls(model_config, attn_backend=attn_backend)
@@ -204,6 +236,7 @@ def get_model(model_config: ModelConfig, device: str | torch.device = "cpu", att
     if torch.device(device).type == "cpu":
         process_weights_after_loading(model, cpu_gemm_backend)
     use_cpu_layer_ops(model, cpu_layer_ops)
+    use_cuda_layer_ops(model, cuda_layer_ops, attn_backend)
     return model.eval()
 
 

@@ -48,21 +48,24 @@ def ptr(t: torch.Tensor) -> ctypes.c_void_p:
 def launch_decode(emu, version, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
                   dtype_code=None, head_size=None):
     """What paged_attention_binding.cpp does for cuda_ops.paged_decode_attention: the launcher
-    (vfs_paged_attention_v1 / _v2) on raw pointers. Returns (launcher's return code, out)."""
+    (vfs_paged_attention_v1 / _v2 / _v3) on raw pointers. Returns (launcher's return code, out).
+    "v3-split" is v3 with the partition scratch (split-KV + v2's reduce), "v3" without it."""
     num_seqs, num_heads, head_dim = query.shape
     strides = (ctypes.c_int64 * 9)(block_tables.stride(0), query.stride(0), query.stride(1),
                                    *key_cache.stride()[:3], *value_cache.stride()[:3])
     out = torch.empty_like(query)
     args = [CODES[query.dtype] if dtype_code is None else dtype_code, head_size or head_dim, key_cache.shape[1],
             ptr(out)]
-    if version == "v2":
+    if version in ("v2", "v3-split"):
         parts = -(-max_seq_len // emu.vfs_paged_attention_partition_size())
         scratch = [torch.full((num_seqs, num_heads, parts), float("nan")) for _ in range(2)]
         scratch.append(torch.full((num_seqs, num_heads, parts, head_dim), float("nan")))
         args += [ptr(t) for t in scratch]
+    elif version == "v3":
+        args += [None, None, None]
     args += [ptr(query), ptr(key_cache), ptr(value_cache), ptr(block_tables), ptr(seq_lens), num_seqs, num_heads,
              key_cache.shape[2], block_tables.shape[1], max_seq_len, scale, strides, 0]
-    rc = getattr(emu, f"vfs_paged_attention_{version}")(*args)
+    rc = getattr(emu, f"vfs_paged_attention_{version.removesuffix('-split')}")(*args)
     return rc, out
 
 
@@ -97,35 +100,72 @@ def test_v1_and_v2(emu, dtype, block_size):
         check(emu, version, dtype, [37, 0, 600], 4, 2, 64, block_size)
 
 
+# v3 (kernels_cuda/paged_attention_v3.cuh) has its own tests, so that the course task of each
+# kernel is graded by its own tests (course/tasks.toml: cuda_task2 = v1/v2, cuda_task5 = v3).
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", cuda_ops.SUPPORTED_BLOCK_SIZES)
+def test_v3(emu, dtype, block_size):
+    for version in ("v3", "v3-split"):
+        check(emu, version, dtype, [37, 0, 600], 4, 2, 64, block_size)
+
+
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_head_sizes(emu, head_dim):
     check(emu, "v1", torch.float16, [70, 3], 2, 1, head_dim, 16)
     check(emu, "v2", torch.bfloat16, [600], 2, 2, head_dim, 32)
 
 
-def test_values_all_ones_give_exactly_ones(emu):
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_v3_head_sizes(emu, head_dim):
+    check(emu, "v3", torch.float16, [70, 3], 8, 2, head_dim, 16)
+    check(emu, "v3-split", torch.bfloat16, [600], 2, 2, head_dim, 32)
+    check(emu, "v3-split", torch.float32, [530, 16], 4, 1, head_dim, 8)
+
+
+# v3 serves a GQA group of up to V3_GROUP_MAX (4) query heads per thread block, MHA with its own
+# instance, bigger groups in equal chunks: MHA, 3, 4, 5 (chunks 3 + 2) and 8 (4 + 4) heads per KV head.
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (6, 2), (8, 2), (5, 1), (8, 1)])
+@pytest.mark.parametrize("version", ["v3", "v3-split"])
+def test_v3_gqa_groups_and_block_boundaries(emu, version, num_heads, num_kv_heads):
+    # seq_len 0, 1, a block boundary +- 1, and 1100 tokens: 3 partitions of 512, each spread over
+    # the 4 warps with several blocks per warp; shuffled blocks, NaN in every unused slot.
+    seq_lens = [0, 1, 15, 16, 17, 1100]
+    dtype = torch.bfloat16 if num_kv_heads == 2 else torch.float32
+    check(emu, version, dtype, seq_lens, num_heads, num_kv_heads, 64, 16, seed=num_heads)
+
+
+def test_v3_one_long_row_fp16(emu):
+    """One sequence over 2 partitions with a partial last block, group 4, head 128, block 8."""
+    check(emu, "v3", torch.float16, [1023], 4, 1, 128, 8, seed=5)
+    check(emu, "v3-split", torch.float16, [1023], 4, 1, 128, 8, seed=5)
+
+def test_values_all_ones_give_exactly_ones(emu, versions=("v1", "v2")):
     kv = make_paged_kv([5, 1030], 1, 64, 16, torch.bfloat16)
     kv.value_cache[~torch.isnan(kv.value_cache)] = 1.0
     q = random_query(2, 4, 64, torch.bfloat16) * 4
-    for version in ("v1", "v2"):
+    for version in versions:
         out = emulate_decode(emu, version, q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 1.0, 1030)
         assert torch.equal(out, torch.ones_like(out))
 
 
-def test_rows_the_kernel_cannot_serve_come_out_nan(emu):
-    """seq_len beyond its block table (v1 and v2), or beyond the max_seq_len the launch was
-    sized for (v1's logits buffer, v2's partition grid): NaN, never a silently wrong row."""
+def test_rows_the_kernel_cannot_serve_come_out_nan(emu, versions=("v1", "v2")):
+    """seq_len beyond its block table (v1, v2, v3), or beyond the max_seq_len the launch was
+    sized for (v1's logits buffer, v2's and split v3's partition grid): NaN, never a silently
+    wrong row. v3 without split has no buffer sized by max_seq_len: the row is simply right."""
     kv = make_paged_kv([8, 600], 1, 64, 8, pad_id=-1)
     q = random_query(2, 2, 64)
     table_width = kv.block_tables.shape[1]
-    for version in ("v1", "v2"):
+    for version in versions:
         seq_lens = torch.tensor([table_width * 8 + 1, 600], dtype=torch.int32)   # row 0 overruns its table
         out = emulate_decode(emu, version, q, kv.key_cache, kv.value_cache, kv.block_tables, seq_lens, 0.1, 1000)
         assert torch.isnan(out[0]).all()
         assert_close(out[1], ref.dense_attention(q[1:2], kv.keys[1], kv.values[1], 0.1, causal=False)[0])
         out = emulate_decode(emu, version, q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.1,
                              max_seq_len=500)    # stale hint: 600 > 500
-        assert torch.isnan(out[1]).all()
+        if version == "v3":
+            assert_close(out[1], ref.dense_attention(q[1:2], kv.keys[1], kv.values[1], 0.1, causal=False)[0])
+        else:
+            assert torch.isnan(out[1]).all()
         assert not torch.isnan(out[0]).any()
 
 
@@ -149,12 +189,12 @@ def test_reshape_and_cache(cache_emu, dtype):
 
 # ----------------------------------------------------------------------------- what only the launchers do
 
-def test_launcher_refuses_what_it_did_not_compile(emu):
+def test_launcher_refuses_what_it_did_not_compile(emu, versions=("v1", "v2")):
     """The launcher's dispatch: a head size, block size or dtype without a template instance
     is its kUnsupportedConfig, for v1 and v2, with its message — nothing is launched."""
     kv = make_paged_kv([20], 1, 64, 16)
     q = random_query(1, 1, 64)
-    for version in ("v1", "v2"):
+    for version in versions:
         args = (version, q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.1, 20)
         assert launch_decode(emu, *args)[0] == 0
         assert launch_decode(emu, *args, head_size=96)[0] == K_UNSUPPORTED_CONFIG
@@ -194,6 +234,7 @@ class EmulatedExtensions:
 
     def __init__(self, emu, cache_emu):
         self.emu, self.cache_emu = emu, cache_emu
+        self.calls = []
 
     @staticmethod
     def _binding_checks(out, query, key_cache, value_cache, block_tables, seq_lens):
@@ -212,6 +253,15 @@ class EmulatedExtensions:
                            seq_lens, scale, max_seq_len, stream):
         self._binding_checks(out, query, key_cache, value_cache, block_tables, seq_lens)
         out.copy_(emulate_decode(self.emu, "v2", query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                 max_seq_len))
+
+    def paged_attention_v3(self, out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables,
+                           seq_lens, scale, max_seq_len, stream):
+        self._binding_checks(out, query, key_cache, value_cache, block_tables, seq_lens)
+        assert (exp_sums is None) == (max_logits is None) == (tmp_out is None), "binding: all scratch or none"
+        version = "v3" if tmp_out is None else "v3-split"
+        self.calls.append(version)
+        out.copy_(emulate_decode(self.emu, version, query, key_cache, value_cache, block_tables, seq_lens, scale,
                                  max_seq_len))
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping, stream):
@@ -266,3 +316,34 @@ def test_wrapper_cache_write_accepts_any_view_of_slot_mapping(emulated_cuda_ops)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
     with pytest.raises(IndexError, match=r"slots in \[-1, 32\]"):       # the view is what is checked
         emulated_cuda_ops.reshape_and_cache(key, value, kc, vc, torch.tensor([[1, 0], [32, 0], [2, 0], [3, 0], [-1, 0]])[:, 0])
+
+
+# ----------------------------------------------------------------------------- v3 through the same checks
+
+def test_v3_values_all_ones_give_exactly_ones(emu):
+    test_values_all_ones_give_exactly_ones(emu, versions=("v3", "v3-split"))
+
+
+def test_v3_rows_the_kernel_cannot_serve_come_out_nan(emu):
+    test_rows_the_kernel_cannot_serve_come_out_nan(emu, versions=("v3", "v3-split"))
+
+
+def test_v3_launcher_refuses_what_it_did_not_compile(emu):
+    test_launcher_refuses_what_it_did_not_compile(emu, versions=("v3", "v3-split"))
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_v3_wrapper_accepts_any_view_of_the_index_tensors(emulated_cuda_ops, split, monkeypatch):
+    """cuda_ops.paged_decode_attention(version="v3") with both paths of `use_v3_split` forced."""
+    monkeypatch.setattr(emulated_cuda_ops, "use_v3_split", lambda *args: split)
+    test_wrapper_accepts_any_view_of_the_index_tensors(emulated_cuda_ops, "v3")
+    assert emulated_cuda_ops._load("paged_attention").calls[-1] == ("v3-split" if split else "v3")
+
+
+def test_use_v3_split_splits_only_long_contexts_on_an_unfilled_gpu():
+    split = cuda_ops.use_v3_split
+    assert split(32768, 1, 32, 8)                  # 8 thread blocks for 132 SMs: split
+    assert not split(512, 1, 32, 8)                # one partition: nothing to split
+    assert not split(2048, 128, 32, 8)             # 1024 thread blocks fill the GPU already
+    assert split(8192, 16, 32, 8)                  # 128 thread blocks: split
+    assert cuda_ops.v3_thread_blocks_per_seq(64, 8) == 16     # group 8 = 2 chunks of 4

@@ -136,6 +136,9 @@ def test_every_chooser_launch_compiles(compiled):
         for d in (64, 128):
             assert any(f"_{dt}_d{d}_" in label and "_split" in label for label in chooser)
             assert any(f"_{dt}_d{d}_" in label and "_nosplit" in label for label in chooser)
+    aligned = [r for label, r in chooser.items() if label.endswith("_aligned") and "_d128_" in label
+               and "fp32" not in label]
+    assert aligned and all(r["shared"] > 32 * 1024 for r in aligned), aligned    # > one K + V tile: pipelined
     print("\n".join(f"{label}: {r['regs']} registers, {r['shared']} B shared, {r['spills']} B spilled"
                     for label, r in sorted(chooser.items())))
 
@@ -143,3 +146,80 @@ def test_every_chooser_launch_compiles(compiled):
 def test_no_register_spills(compiled):
     spilled = [r for r in compiled if r["spills"]]
     assert not spilled, spilled
+
+
+# The fused layer ops (paged_attention/model/triton_layer_ops.py) at the engine's sizes: Qwen3-0.6B
+# (hidden 1024, intermediate 3072, 16 / 8 heads of 128) and SmolLM2 (hidden 576, 9 / 3 heads of 64),
+# compiled as the wrappers launch them (their num_warps, no FMA contraction).
+LAYER_OPS_SCRIPT = r"""
+import json, os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from paged_attention.model import triton_layer_ops as L
+from ptxas_report import ptxas_report
+
+TARGET = GPUTarget("cuda", 90, 32)
+DT = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}
+
+def compile_one(label, fn, const, ptrs, warps, floats=("eps",)):
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "*fp32") if n.endswith("_ptr") else
+           "fp32" if n in floats else "i32" for n in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, sig, const), target=TARGET,
+                            options=dict(num_warps=warps, **L._launch_options()))
+    report = ptxas_report(kernel, label)
+    ptx = kernel.asm["ptx"]
+    report["rsqrt_approx"] = "rsqrt.approx" in ptx
+    report["div_rn"] = "div.rn.f32" in ptx
+    report["fma"] = "fma.rn.f32" in ptx
+    return report
+
+results = []
+for dt in ("bf16", "fp16", "fp32"):
+    p = DT[dt]
+    for n in (1024, 576, 3072):
+        block = triton.next_power_of_2(n)
+        for has_res in (False, True):
+            results.append(compile_one(f"rms_norm_{dt}_n{n}_res{int(has_res)}", L._rms_norm_kernel,
+                                       dict(N=n, BLOCK_N=block, HAS_RESIDUAL=has_res, UPCAST=False, GPU_MATH=True),
+                                       dict(x_ptr=p, residual_ptr=p, weight_ptr=p, out_ptr=p), L._warps(block)))
+    results.append(compile_one(f"silu_and_mul_{dt}_i3072", L._silu_and_mul_kernel,
+                               dict(BLOCK=L.SILU_BLOCK, UPCAST=False, GPU_MATH=True),
+                               dict(x_ptr=p, out_ptr=p), L._warps(L.SILU_BLOCK)))
+    for h, kvh, d in ((16, 8, 128), (9, 3, 64)):
+        bq, bk, bh = (triton.next_power_of_2(x) for x in (h, kvh, d // 2))
+        results.append(compile_one(f"rotary_{dt}_h{h}_kv{kvh}_d{d}", L._rotary_embedding_kernel,
+                                  dict(NUM_HEADS=h, NUM_KV_HEADS=kvh, HALF=d // 2, BLOCK_HQ=bq, BLOCK_HK=bk,
+                                       BLOCK_HALF=bh, HAS_V=True, UPCAST=False),
+                                  {n: p for n in L._rotary_embedding_kernel.arg_names if n.endswith("_ptr")},
+                                  L._warps(bq * bh * 2)))
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled_layer_ops():
+    proc = subprocess.run([sys.executable, "-c", LAYER_OPS_SCRIPT, str(TESTS_DIR)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_layer_ops_compile_for_sm90_without_spills(compiled_layer_ops):
+    assert len(compiled_layer_ops) == 3 * (3 * 2 + 1 + 2)
+    assert all(r["cubin"] > 0 for r in compiled_layer_ops)
+    spilled = [r for r in compiled_layer_ops if r["spills"]]
+    assert not spilled, spilled
+
+
+def test_layer_ops_use_torchs_math_and_no_fma(compiled_layer_ops):
+    """What makes them match torch's CUDA kernels: rsqrt is __nv_rsqrtf (rsqrt.approx, as torch.rsqrt),
+    SiLU divides with IEEE rounding (div.rn, as torch's `/`), and nothing is contracted into an FMA."""
+    by_kind = {}
+    for r in compiled_layer_ops:
+        by_kind.setdefault(r["label"].split("_")[0], []).append(r)
+    assert all(r["rsqrt_approx"] for r in by_kind["rms"])
+    assert all(r["div_rn"] for r in by_kind["silu"])
+    assert not any(r["fma"] for r in compiled_layer_ops)

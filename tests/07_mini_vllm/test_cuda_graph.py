@@ -84,9 +84,9 @@ def test_padded_bucket_gives_the_real_rows_the_unpadded_result(tiny_engine_model
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
-def test_cuda_graphs_match_eager(tiny_engine_models, make_llm, backend):
-    model_dir, _ = tiny_engine_models["llama"]
-    prompts = ["a", "bb bb", "ccc ccc ccc", "dddd " * 9, "e"]
+def test_cuda_graphs_match_eager(offline_engine_models, make_llm, backend):
+    model_dir, _ = offline_engine_models["llama"]
+    prompts = [[7], [8, 8], [9, 9, 9, 9, 9], [10] * 19, [11]]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     graphs = make_llm(model_dir, device="cuda", attention_backend=backend, max_num_seqs=8, kv_cache_memory=64 << 20)
     eager = make_llm(model_dir, device="cuda", attention_backend=backend, max_num_seqs=8, kv_cache_memory=64 << 20,
@@ -100,3 +100,26 @@ def test_cuda_graphs_match_eager(tiny_engine_models, make_llm, backend):
     out_graphs = [o.outputs[0].token_ids for o in graphs.generate(prompts, params)]
     assert [o.outputs[0].token_ids for o in eager.generate(prompts, params)] == out_graphs
     assert replays and max(replays) == 5                              # 5 decodes -> the bucket of 8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
+def test_smollm2_shaped_engine_matches_hf_on_cuda(smollm2_shaped_dir, make_llm, hf_oracle, backend):
+    """SmolLM2-135M's exact shape (30 layers, 9 query / 3 KV heads, head_dim 64, tied 49152 vocab)
+    with random weights, fp32 on CUDA: the whole engine — profiled KV size, CUDA graphs for the
+    triton / cuda backends, the fused layer ops — gives HF generate's greedy tokens on the same
+    weights. Runs without network, where the real weights cannot be installed."""
+    from transformers import AutoModelForCausalLM
+
+    hf_greedy, assert_same_greedy = hf_oracle
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_shaped_dir, dtype=torch.float32).to("cuda").eval()
+    prompts = [[1, 504, 3387, 282, 4649, 314], list(range(100, 140)), [9] * 17]
+    llm = make_llm(smollm2_shaped_dir, device="cuda", dtype="float32", attention_backend=backend, max_num_seqs=4,
+                   kv_cache_memory=256 << 20)
+    runner = llm.llm_engine.engine_core.model_runner
+    assert (runner.cuda_graph_runner is not None) == (backend != "torch")
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert_same_greedy(list(out.outputs[0].token_ids), hf_greedy(hf, prompt, 16), 16, [2], f"{backend}")
+    del hf
+    torch.cuda.empty_cache()

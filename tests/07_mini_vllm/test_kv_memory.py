@@ -54,8 +54,20 @@ def test_swap_space_sizes_the_cpu_tier(tiny_engine_models, make_llm):
     assert kv.cpu_block_pool.num_blocks == int(0.001 * GiB) // 4096 == 262
 
 
+def test_profile_run_peak_step_runs_on_any_device(tiny_engine_models, make_llm):
+    """profile_run (the GPU's KV sizing pass: the largest step into a throwaway cache) only runs on
+    CUDA in the engine; run it here directly so a CPU machine catches it breaking. It once raised
+    UnboundLocalError after a refactor renamed its cache variables, and every GPU engine failed."""
+    model_dir, _ = tiny_engine_models["llama"]
+    llm = make_llm(model_dir, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    runner = llm.llm_engine.engine_core.model_runner
+    runner.profile_run()
+    out = llm.generate(["a b c"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3            # the engine's own cache was untouched
+
+
 @pytest.mark.gpu
-def test_gpu_profiled_size(tiny_engine_models):
+def test_gpu_profiled_size(offline_engine_models):
     """On a GPU the KV budget is what gpu_memory_utilization leaves after weights + activations:
     it must not exceed that budget, and a lower utilization must give fewer blocks. (Engines are
     made and dropped here, not registered: each holds a fraction of the GPU.)"""
@@ -63,14 +75,14 @@ def test_gpu_profiled_size(tiny_engine_models):
 
     from mini_vllm import LLM
 
-    model_dir, _ = tiny_engine_models["llama"]
+    model_dir, _ = offline_engine_models["llama"]
     sizes = []
     for util in (0.3, 0.5):
         llm = LLM(str(model_dir), device="cuda", gpu_memory_utilization=util, max_num_seqs=8, max_model_len=512)
         report = llm.llm_engine.kv_cache_report
         total = torch.cuda.mem_get_info()[1]
         assert "of" in report.how and report.kv_cache_bytes <= util * total
-        assert llm.generate("hello", SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
+        assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
         llm.llm_engine.engine_core.check_invariants()
         sizes.append(report.num_blocks)
         del llm

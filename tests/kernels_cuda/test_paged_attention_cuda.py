@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def check(dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, versions=("v1", "v2", None), seed=0):
+def check(dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, versions=("v1", "v2", "v3", None), seed=0):
     kv = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, "cuda", seed=seed,
                        pad_id=-5, extra_table_width=2)
     q = random_query(len(seq_lens), num_heads, head_dim, dtype, "cuda", seed=seed + 1)
@@ -34,7 +34,7 @@ def check(dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, versio
 def test_decode_every_compiled_config(dtype, head_dim, block_size):
     # 1 token, a padding row, partial blocks, exactly one partition, just over, several partitions
     seq_lens = [1, 0, 37, PARTITION_SIZE, PARTITION_SIZE + 1, 3000]
-    for num_heads, num_kv_heads in [(8, 8), (32, 8), (9, 3), (16, 1)]:
+    for num_heads, num_kv_heads in [(8, 8), (32, 8), (9, 3), (16, 1), (10, 2)]:
         check(dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size)
 
 
@@ -42,6 +42,26 @@ def test_decode_every_compiled_config(dtype, head_dim, block_size):
 def test_decode_long_contexts(dtype):
     # v1 with > 48 KB of logits in shared memory (opt-in), and v2 with 64 partitions
     check(dtype, [20000, 32768, 7], 8, 2, 128, 16)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_v3_split_and_unsplit_agree_with_the_reference(split, monkeypatch):
+    """v3 on Llama-3-8B decode shapes, both paths forced: batch 1 x 32k (the split case) and
+    batch 128 x 2k (the unsplit case), bf16, against the reference and SDPA on contiguous K/V."""
+    from paged_attention import cuda_ops
+    monkeypatch.setattr(cuda_ops, "use_v3_split", lambda *args: split)
+    for seq_lens in ([32768], [2048] * 128):
+        kv = make_paged_kv(seq_lens, 8, 128, 16, torch.bfloat16, "cuda", pad_id=-5, extra_table_width=1)
+        q = random_query(len(seq_lens), 32, 128, torch.bfloat16, "cuda", seed=1)
+        want = ref.dense_decode_attention(q, kv.keys, kv.values, 128 ** -0.5)
+        got = ops.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 128 ** -0.5,
+                                         backend="cuda", version="v3")
+        assert_close(got, want, torch.bfloat16)
+        n = len(seq_lens)
+        k = torch.stack(kv.keys).repeat_interleave(4, dim=2).transpose(1, 2)      # [n, 32, len, 128]
+        v = torch.stack(kv.values).repeat_interleave(4, dim=2).transpose(1, 2)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q.view(n, 32, 1, 128), k, v, scale=128 ** -0.5)
+        assert_close(got, sdpa.view(n, 32, 128), torch.bfloat16)
 
 
 def test_decode_big_batch():
@@ -54,7 +74,7 @@ def test_values_all_ones_give_exactly_ones(dtype):
     kv = make_paged_kv([1, 700, 33], 2, 128, 16, dtype, "cuda")
     kv.value_cache[~torch.isnan(kv.value_cache)] = 1.0
     q = random_query(3, 8, 128, dtype, "cuda") * 4
-    for version in ("v1", "v2"):
+    for version in ("v1", "v2", "v3"):
         out = ops.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 1.0,
                                          backend="cuda", version=version)
         if dtype == torch.float32:
@@ -72,7 +92,7 @@ def test_strided_query_and_shared_kv_tensor():
     q = qkv[:, :8]
     assert not q.is_contiguous()
     want = ref.dense_decode_attention(q, kv.keys, kv.values, 0.125)
-    for version in ("v1", "v2"):
+    for version in ("v1", "v2", "v3"):
         got = ops.paged_decode_attention(q, both[:, 0], both[:, 1], kv.block_tables, kv.seq_lens, 0.125,
                                          backend="cuda", version=version)
         assert_close(got, want, torch.float16)
@@ -139,7 +159,7 @@ def test_any_view_of_the_index_tensors():
     from paged_attention.synthetic import index_views
     kv = make_paged_kv([37, 0, 600], 2, 64, 16, torch.float16, "cuda", pad_id=-5, extra_table_width=1)
     q = random_query(3, 4, 64, torch.float16, "cuda")
-    for version in ("v1", "v2"):
+    for version in ("v1", "v2", "v3"):
         run = lambda bt, sl: ops.paged_decode_attention(q, kv.key_cache, kv.value_cache, bt, sl, 0.125,  # noqa: E731
                                                         backend="cuda", version=version)
         base = run(kv.block_tables, kv.seq_lens)
