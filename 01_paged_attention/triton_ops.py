@@ -8,7 +8,13 @@
   Each token's physical row is looked up individually (block_tables[t // B], t % B), so a
   tile is independent of the block size: block sizes 1..256 and non-powers of two all work
   with a tensor-core friendly tile. (vLLM: `kernel_unified_attention_2d`,
-  vllm/attention/ops/triton_unified_attention.py.)
+  vllm/attention/ops/triton_unified_attention.py.) That is rung v1 (`_paged_decode_kernel`,
+  the course kernel). Rung v2 (`_paged_decode_kernel_v2`) walks several whole KV blocks per
+  step and loads ONE block id per block (broadcast to its rows), so a step is a bigger load
+  with fewer table lookups on its critical path; a block size that is not a power of two is
+  padded to one (masked rows). `DecodeConfig` / `choose_decode_config` pick the rung, the tile,
+  num_warps and num_stages (the launch's pipelining depth); `benchmarks/bench_paged_attention.py
+  --sweep` measures them on a GPU.
 * split-KV ("flash-decoding"): with few requests and long contexts, (request, KV head)
   programs are too few to fill the GPU, so each request's KV is also cut into
   NUM_KV_SPLITS ranges processed in parallel; each writes an unnormalised partial result
@@ -29,6 +35,9 @@ so the checks validate exactly what the kernel reads.
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -36,15 +45,21 @@ import triton.language as tl
 from paged_attention.checks import check_cache_write_args, check_decode_args, check_prefill_args, contiguous_index
 from paged_attention.triton_common import LOG2E, dot_precision, interpreting, online_softmax_update, round_to, upcast
 
-__all__ = ["choose_num_kv_splits", "interpreting", "paged_decode_attention", "paged_prefill_attention",
+__all__ = ["DecodeConfig", "choose_decode_config", "choose_num_kv_splits", "interpreting", "paged_decode_attention", "paged_prefill_attention",
            "prefill_attention", "reshape_and_cache"]
 
 # Launch shapes, chosen so that every kernel compiles for sm_90 without register spills
 # (tests/01_paged_attention/test_triton_compile.py checks with ptxas). Not tuned on a GPU.
-DEFAULT_TILE = 16       # KV tokens per decode inner-loop step (4 warps; no spills on sm_90: test_triton_compile.py)
+DEFAULT_TILE = 16       # v1's KV tokens per step before launch configs existed (V1_TILE16; choose_decode_config picks now)
 PREFILL_BLOCKS = {torch.float16: (64, 16), torch.bfloat16: (64, 16), torch.float32: (32, 16)}   # (BLOCK_M, BLOCK_N)
 SPLIT_TARGET_PROGRAMS = 256  # split-KV aims for about this many programs (2 per SM on an H100, 132 SMs)
 MIN_TOKENS_PER_SPLIT = 256   # below this a split costs more in the reduce than it saves
+
+
+def _next_pow2(n: int) -> int:
+    """triton.next_power_of_2 without its call overhead (it is a constexpr_function, ~3 us a call
+    from Python: the decode wrapper called it 4-8 times per launch, on the host's critical path)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 # ----------------------------------------------------------------------------- cache write
@@ -93,7 +108,7 @@ def reshape_and_cache(
         key, value, key_cache, value_cache, slot_mapping,
         *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
         key_cache.shape[1],
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HD=triton.next_power_of_2(num_kv_heads * head_dim),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HD=_next_pow2(num_kv_heads * head_dim),
     )
 
 
@@ -210,6 +225,101 @@ def _split_kv_reduce_kernel(
              round_to(out, out_ptr.dtype.element_ty, UPCAST), mask=d_mask)
 
 
+@triton.jit
+def _paged_decode_kernel_v2(
+    out_ptr, m_ptr, l_ptr,   # as in _paged_decode_kernel
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,   # seq_lens: contiguous
+    qk_scale,
+    stride_q_seq, stride_q_head, stride_q_d,
+    stride_k_blk, stride_k_tok, stride_k_head, stride_k_d,
+    stride_v_blk, stride_v_tok, stride_v_head, stride_v_d,
+    stride_bt_seq, stride_bt_blk,
+    stride_o_seq, stride_o_head, stride_o_split,
+    num_heads, max_num_blocks, tokens_per_split,   # tokens_per_split: a multiple of TILE_TOKENS
+    num_kv_splits,                  # a runtime value (v1: a constexpr), so changing it never recompiles
+    QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,       # rows of the tile per block id: next_pow2(BLOCK_SIZE), or TILE_TOKENS when a tile is a slice of one block
+    BLOCKS_PER_TILE: tl.constexpr,  # block ids loaded per iteration (a power of two)
+    TILE_TOKENS: tl.constexpr,      # KV tokens per iteration: BLOCKS_PER_TILE * min(BLOCK_SIZE, BLOCK_ROWS)
+    SPLIT_KV: tl.constexpr,         # num_kv_splits > 1: write fp32 partials for _split_kv_reduce_kernel
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """v2: one block-table load per KV BLOCK, not per token. A tile is BLOCKS_PER_TILE whole
+    blocks (or one slice of a block bigger than the tile) laid out as BLOCK_ROWS rows each;
+    rows past BLOCK_SIZE (a block size that is not a power of two) are masked padding.
+    Everything else (GQA, split-KV, numerics, too-long rows) is v1's."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    g_mask = offs_g < QUERIES_PER_KV
+    heads = kv_head * QUERIES_PER_KV + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :] * stride_q_d,
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)            # [BLOCK_G, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    too_long = seq_len > max_num_blocks * BLOCK_SIZE
+    start = split * tokens_per_split
+    end = tl.where(split == num_kv_splits - 1, seq_len, tl.minimum(seq_len, start + tokens_per_split))
+    end = tl.where(too_long, start, end)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_k_head     # scalar 64-bit bases: the
+    v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_v_head     # head offset is added once
+
+    # Row i of a tile: block j = i // BLOCK_ROWS of the tile, row r = i % BLOCK_ROWS inside it.
+    TILE_ROWS: tl.constexpr = BLOCKS_PER_TILE * BLOCK_ROWS
+    offs_i = tl.arange(0, TILE_ROWS)
+    tile_blk = offs_i // BLOCK_ROWS
+    tile_row = offs_i % BLOCK_ROWS
+    row_valid = tile_row < BLOCK_SIZE                     # padding rows of a non-power-of-two block
+    offs_j = tl.arange(0, BLOCKS_PER_TILE)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for tile_start in range(start, end, TILE_TOKENS):
+        first_blk = tile_start // BLOCK_SIZE
+        in_blk = tile_start % BLOCK_SIZE                  # 0 unless a tile is a slice of one block
+        # One load per block id, then each row picks its block's id (a broadcast, no memory).
+        j_mask = (first_blk + offs_j) * BLOCK_SIZE < end
+        blk_ids = tl.load(bt_row + (first_blk + offs_j) * stride_bt_blk, mask=j_mask, other=0)   # [BLOCKS_PER_TILE]
+        blk = tl.reshape(tl.broadcast_to(blk_ids[:, None], [BLOCKS_PER_TILE, BLOCK_ROWS]), [TILE_ROWS])
+        blk = blk.to(tl.int64)
+        row = in_blk + tile_row
+        offs_t = (first_blk + tile_blk) * BLOCK_SIZE + row  # logical token positions
+        t_mask = row_valid & (offs_t < end)
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + blk[:, None] * stride_k_blk + row[:, None] * stride_k_tok + offs_d[None, :] * stride_k_d,
+                    mask=kv_mask, other=0.0)                                   # [TILE_ROWS, BLOCK_D]
+        v = tl.load(v_base + blk[:, None] * stride_v_blk + row[:, None] * stride_v_tok + offs_d[None, :] * stride_v_d,
+                    mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale       # [BLOCK_G, TILE_ROWS]
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        acc, m_i, l_i = online_softmax_update(acc, m_i, l_i, s, v, UPCAST, PRECISION)
+
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if not SPLIT_KV:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out = tl.where(too_long, float("nan"), out)
+        tl.store(out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :],
+                 round_to(out, out_ptr.dtype.element_ty, UPCAST), mask=o_mask)
+    else:
+        tl.store(out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + split * stride_o_split + offs_d[None, :],
+                 tl.where(too_long, float("nan"), acc), mask=o_mask)
+        ml_offs = (seq * num_heads + heads) * num_kv_splits + split
+        tl.store(m_ptr + ml_offs, tl.where(too_long, 0.0, m_i), mask=g_mask)
+        tl.store(l_ptr + ml_offs, tl.where(too_long, 1.0, l_i), mask=g_mask)
+
+
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, tile: int = DEFAULT_TILE) -> int:
     """Split-KV only when (request, KV head) programs alone cannot fill the GPU and the
     contexts are long enough that each split still has real work (flash-decoding's rule)."""
@@ -219,6 +329,107 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, til
     by_occupancy = -(-SPLIT_TARGET_PROGRAMS // max(programs, 1))
     by_length = max(1, max_seq_len // MIN_TOKENS_PER_SPLIT)
     return max(1, min(by_occupancy, by_length, 64))
+
+
+# ----------------------------------------------------------------------------- decode launch configs
+
+DECODE_VERSIONS = ("v1", "v2")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How one decode call is launched. Every field is a keyword of `paged_decode_attention`.
+
+    version       "v1": `_paged_decode_kernel`, one block-table load per TOKEN (the course kernel);
+                  "v2": `_paged_decode_kernel_v2`, one block-table load per BLOCK, several blocks a tile.
+    tile          KV tokens per loop iteration (v1: a power of two >= 16; v2: see `v2_tile_layout`).
+    num_warps     warps per program (Triton's launch option).
+    num_stages    software-pipelining depth of the KV loop (Triton's launch option: loads of the
+                  next num_stages - 1 tiles are in flight while this one is computed).
+    num_kv_splits split-KV factor; None: `choose_num_kv_splits` at call time.
+    """
+    version: str = "v2"
+    tile: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    num_kv_splits: int | None = None
+
+
+# The launch before this rung existed, kept for the record (benchmark column "triton:v1-tile16").
+V1_TILE16 = DecodeConfig(version="v1", tile=16, num_warps=4, num_stages=3)   # Triton's default warps/stages
+
+
+def v2_tile_layout(tile: int, block_size: int) -> tuple[int, int, int]:
+    """(BLOCK_ROWS, BLOCKS_PER_TILE, TILE_TOKENS) of v2 for `tile` KV tokens a step, or ValueError.
+
+    * tile = block_size * 2^k: 2^k whole blocks a step; each block fills next_pow2(block_size)
+      rows (a block of 12 tokens: 16 rows, 4 masked), so any block size works;
+    * tile = a power of two dividing block_size: one slice of one block a step (block size 256).
+    The tile must have >= 16 rows (tl.dot's minimum)."""
+    if tile >= block_size and tile % block_size == 0 and (tile // block_size) & (tile // block_size - 1) == 0:
+        rows, blocks = _next_pow2(block_size), tile // block_size
+    elif tile < block_size and block_size % tile == 0 and tile & (tile - 1) == 0:
+        rows, blocks = tile, 1
+    else:
+        raise ValueError(f"decode v2 needs tile = block_size * 2^k or a power of two dividing block_size; "
+                         f"got tile={tile}, block_size={block_size} (use version='v1' for any power-of-two tile)")
+    if rows * blocks < 16:
+        raise ValueError(f"decode v2 needs >= 16 rows a tile (tl.dot); tile={tile} with block_size={block_size} "
+                         f"has {rows * blocks}")
+    return rows, blocks, tile
+
+
+def v2_tile_for(block_size: int, target_tokens: int) -> int:
+    """The v2 tile nearest below `target_tokens` that `v2_tile_layout` accepts for this block size."""
+    if block_size >= target_tokens:        # slices of one block (largest power of two dividing block_size)
+        tile = min(target_tokens, block_size & -block_size)
+        return tile if tile >= 16 else block_size
+    blocks = 1 << ((target_tokens // block_size).bit_length() - 1)       # floor to a power of two
+    while blocks * _next_pow2(block_size) < 16:
+        blocks *= 2
+    return blocks * block_size
+
+
+# Per-iteration KV tile (tokens) by element size: a 64-token tile of K + V at head_dim 128 in
+# 16-bit is 32 KiB per program per step (v1's 16 tokens: 8 KiB, too little in flight to hide
+# HBM latency, with the block-table lookup on the critical path of every step). fp32 keeps
+# 32 tokens (same bytes). Set by reasoning, NOT measured: `--sweep` measures the grid.
+DECODE_TILE_TOKENS = {2: 64, 4: 32}
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 2       # double-buffered: 2 x 32 KiB of shared memory per program
+
+
+@functools.lru_cache(maxsize=4096)     # called per decode step with few distinct arguments
+def choose_decode_config(num_seqs: int, num_kv_heads: int, max_seq_len: int, head_dim: int,
+                         dtype: torch.dtype, block_size: int = 16) -> DecodeConfig:
+    """The launch for one decode call (vLLM: the tile/warps picks in triton_unified_attention).
+
+    Rule (defaults from reasoning; `python -m benchmarks.bench_paged_attention --sweep` on a GPU
+    measures the grid and these constants are to be reset from it):
+      * v2 with `v2_tile_for`'s tile (whole blocks, or slices of a big power-of-two block)
+        when the block size is >= 8 and padding it to a power of two wastes <= 1/4 of the rows
+        (12 -> 16 yes, 5 -> 8 no) and the tile has at most twice the target's rows (200 -> 256
+        no); otherwise v1, whose tile ignores block bounds (block size 1: v2 would load one
+        block id per row anyway, with more registers);
+      * tile: DECODE_TILE_TOKENS[element size] tokens (head_dim > 128: half, for registers),
+        rounded by `v2_tile_for` to what the block size allows. It does not depend on the
+        context length, so an engine compiles few variants (a short context wastes masked
+        rows, and a split count change is the only per-call recompile: NUM_KV_SPLITS);
+      * num_warps DECODE_NUM_WARPS, num_stages DECODE_NUM_STAGES;
+      * num_kv_splits: `choose_num_kv_splits` (None: decided at call time from the same inputs).
+    """
+    target = DECODE_TILE_TOKENS.get(dtype.itemsize, 64)
+    if head_dim > 128:
+        target //= 2
+    splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, target)
+    stages = DECODE_NUM_STAGES
+    tile = v2_tile_for(block_size, target)
+    rows, blocks, _ = v2_tile_layout(tile, block_size)
+    padded = _next_pow2(block_size)
+    if block_size >= 8 and 4 * block_size >= 3 * padded and rows * blocks <= 2 * max(target, 16):
+        return DecodeConfig("v2", tile, DECODE_NUM_WARPS, stages, splits)
+    # v1's per-row 64-bit addresses cost more registers: half the tile (no spills, even unaligned)
+    return DecodeConfig("v1", max(16, target // 2), DECODE_NUM_WARPS, stages, splits)
 
 
 def paged_decode_attention(
@@ -232,7 +443,11 @@ def paged_decode_attention(
     *,
     max_seq_len: int | None = None,    # host-side max of seq_lens (from AttentionMetadata); read from seq_lens if None
     num_kv_splits: int | None = None,  # None: choose_num_kv_splits; 1: one program per (request, KV head)
-    tile: int = DEFAULT_TILE,
+    tile: int | None = None,           # the launch (DecodeConfig's fields); None: choose_decode_config's
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    version: str | None = None,        # "v1" | "v2"
+    config: DecodeConfig | None = None,  # a whole config (the keywords above override its fields)
 ) -> torch.Tensor:               # [num_seqs, num_heads, head_dim]
     seq_lens = contiguous_index(seq_lens)
     check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values, max_seq_len)
@@ -241,10 +456,24 @@ def paged_decode_attention(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
         return out
-    if tile < 16 or tile & (tile - 1):
-        raise ValueError(f"tile must be a power of two >= 16 (tl.dot), got {tile}")
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
+    if config is None:
+        config = choose_decode_config(num_seqs, num_kv_heads, max_seq_len, head_dim, query.dtype, block_size)
+    version = config.version if version is None else version
+    tile = config.tile if tile is None else tile
+    num_warps = config.num_warps if num_warps is None else num_warps
+    num_stages = config.num_stages if num_stages is None else num_stages
+    if num_kv_splits is None:
+        num_kv_splits = config.num_kv_splits
+    if version not in DECODE_VERSIONS:
+        raise ValueError(f"version must be one of {DECODE_VERSIONS}, got {version!r}")
+    if version == "v1" and (tile < 16 or tile & (tile - 1)):
+        raise ValueError(f"tile must be a power of two >= 16 (tl.dot), got {tile}")
+    if version == "v2":
+        block_rows, blocks_per_tile, tile = v2_tile_layout(tile, block_size)
+    if num_warps not in (1, 2, 4, 8, 16) or num_stages < 1:
+        raise ValueError(f"num_warps must be a power of two <= 16 and num_stages >= 1, got {num_warps}, {num_stages}")
     if num_kv_splits is None:
         num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_seq_len, tile)
     if num_kv_splits < 1:
@@ -253,26 +482,37 @@ def paged_decode_attention(
     tokens_per_split = max(tile, -(-max(max_seq_len, 1) // (num_kv_splits * tile)) * tile)
     group = num_heads // num_kv_heads
     up = upcast(query.dtype)
-    constexprs = dict(QUERIES_PER_KV=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
-                      HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-                      BLOCK_SIZE=block_size, TILE=tile, NUM_KV_SPLITS=num_kv_splits,
-                      UPCAST=up, PRECISION=dot_precision(query.dtype))
+    constexprs = dict(QUERIES_PER_KV=group, BLOCK_G=max(16, _next_pow2(group)),
+                      HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)),
+                      BLOCK_SIZE=block_size,
+                      UPCAST=up, PRECISION=dot_precision(query.dtype),
+                      num_warps=num_warps, num_stages=num_stages)
+    if version == "v1":
+        kernel, tail = _paged_decode_kernel, ()
+        constexprs.update(TILE=tile, NUM_KV_SPLITS=num_kv_splits)
+    else:
+        kernel, tail = _paged_decode_kernel_v2, (num_kv_splits,)
+        constexprs.update(BLOCK_ROWS=block_rows, BLOCKS_PER_TILE=blocks_per_tile, TILE_TOKENS=tile,
+                          SPLIT_KV=num_kv_splits > 1)
     common = (query, key_cache, value_cache, block_tables, seq_lens, scale * LOG2E,
               *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride())
     grid = (num_seqs, num_kv_heads, num_kv_splits)
     if num_kv_splits == 1:
-        _paged_decode_kernel[grid](out, out, out, *common, out.stride(0), out.stride(1), 0,
-                                   num_heads, block_tables.shape[1], tokens_per_split, **constexprs)
+        kernel[grid](out, out, out, *common, out.stride(0), out.stride(1), 0,
+                     num_heads, block_tables.shape[1], tokens_per_split, *tail, **constexprs)
         return out
-    acc = torch.empty(num_seqs, num_heads, num_kv_splits, head_dim, dtype=torch.float32, device=query.device)
-    m = torch.empty(num_seqs, num_heads, num_kv_splits, dtype=torch.float32, device=query.device)
-    l = torch.empty_like(m)
-    _paged_decode_kernel[grid](acc, m, l, *common, acc.stride(0), acc.stride(1), acc.stride(2),
-                               num_heads, block_tables.shape[1], tokens_per_split, **constexprs)
+    # One fp32 workspace for the partials (one allocation, not three): acc, then m, then l.
+    n = num_seqs * num_heads * num_kv_splits
+    work = torch.empty(n * (head_dim + 2), dtype=torch.float32, device=query.device)
+    acc = work[:n * head_dim].view(num_seqs, num_heads, num_kv_splits, head_dim)
+    m = work[n * head_dim:n * (head_dim + 1)].view(num_seqs, num_heads, num_kv_splits)
+    l = work[n * (head_dim + 1):].view(num_seqs, num_heads, num_kv_splits)
+    kernel[grid](acc, m, l, *common, acc.stride(0), acc.stride(1), acc.stride(2),
+                 num_heads, block_tables.shape[1], tokens_per_split, *tail, **constexprs)
     _split_kv_reduce_kernel[(num_seqs, num_heads)](
         out, acc, m, l, out.stride(0), out.stride(1), num_heads,
-        NUM_KV_SPLITS=num_kv_splits, BLOCK_S=triton.next_power_of_2(num_kv_splits),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), UPCAST=up)
+        NUM_KV_SPLITS=num_kv_splits, BLOCK_S=_next_pow2(num_kv_splits),
+        HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim), UPCAST=up)
     return out
 
 
@@ -356,7 +596,7 @@ def prefill_attention(
         out, query, key, value, query_start_loc, scale * LOG2E,
         *query.stride(), *key.stride(), *value.stride(), out.stride(0), out.stride(1),
         QUERIES_PER_KV=num_heads // key.shape[1], HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, _next_pow2(head_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
         UPCAST=upcast(query.dtype), PRECISION=dot_precision(query.dtype))
     return out
 

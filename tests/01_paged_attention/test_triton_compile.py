@@ -39,9 +39,20 @@ def signature(fn, const, ptr_types, default_ptr):
             sig[name] = "i32"
     return sig
 
-def compile_one(label, fn, const, ptr_types, default_ptr):
-    kernel = triton.compile(ASTSource(fn, signature(fn, const, ptr_types, default_ptr), const), target=TARGET)
-    return ptxas_report(kernel, label)
+def aligned(fn, const):
+    # What the JIT assumes for aligned tensors (every torch allocation) and strides that are
+    # multiples of 16 (Llama shapes): tt.divisibility=16 on pointers and strides. With it, loads
+    # are vectorised and the KV loop is software-pipelined (cp.async), as on a real launch.
+    return {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+            if n not in const and (n.endswith("_ptr") or (n.startswith("stride_") and n != "stride_bt_seq"))}
+
+def compile_one(label, fn, const, ptr_types, default_ptr, options=None, hints=False):
+    sig = signature(fn, const, ptr_types, default_ptr)
+    kernel = triton.compile(ASTSource(fn, sig, const, attrs=aligned(fn, const) if hints else None), target=TARGET,
+                            options=options or {})
+    report = ptxas_report(kernel, label)
+    report["shared"] = kernel.metadata.shared
+    return report
 
 results = []
 for dt in ("fp16", "bf16", "fp32"):
@@ -66,6 +77,36 @@ for dt in ("fp16", "bf16", "fp32"):
                                {"query_start_loc_ptr": "*i32"}, p))
     results.append(compile_one(f"reshape_and_cache_{dt}", T._reshape_and_cache_kernel,
                                dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HD=1024), {"slot_mapping_ptr": "*i64"}, p))
+# Every launch choose_decode_config can return for 16-bit head_dim 64/128 (and fp32 128), at
+# block sizes whose tile layouts differ (1: one row a block; 12: padded to 16 rows; 16; 256: a
+# slice of one block), split and unsplit; without alignment hints (worst case) and, at block
+# 16, with them (what the JIT compiles for the benchmark's and an engine's tensors).
+seen = set()
+for dt, torch_dt in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32)):
+    for head_dim in ((64, 128) if dt != "fp32" else (128,)):
+        for block_size in ((1, 12, 16, 256) if dt != "fp32" else (16,)):
+            for num_seqs, max_seq_len in ((256, 4096), (1, 32768)):
+                cfg = T.choose_decode_config(num_seqs, 8, max_seq_len, head_dim, torch_dt, block_size)
+                split = cfg.num_kv_splits > 1
+                const = dict(QUERIES_PER_KV=4, BLOCK_G=16, HEAD_DIM=head_dim, BLOCK_D=head_dim,
+                             BLOCK_SIZE=block_size, UPCAST=False, PRECISION=PRECISION[dt])
+                if cfg.version == "v1":
+                    fn = T._paged_decode_kernel
+                    const.update(TILE=cfg.tile, NUM_KV_SPLITS=cfg.num_kv_splits)
+                else:
+                    fn = T._paged_decode_kernel_v2
+                    rows, blocks, tile = T.v2_tile_layout(cfg.tile, block_size)
+                    const.update(BLOCK_ROWS=rows, BLOCKS_PER_TILE=blocks, TILE_TOKENS=tile, SPLIT_KV=split)
+                ptrs = dict(block_tables_ptr="*i32", seq_lens_ptr="*i32", m_ptr="*fp32", l_ptr="*fp32",
+                            **({"out_ptr": "*fp32"} if split else {}))
+                for hints in ((False, True) if block_size == 16 else (False,)):
+                    label = (f"chooser_{dt}_d{head_dim}_b{block_size}_{cfg.version}_t{cfg.tile}_w{cfg.num_warps}"
+                             f"_s{cfg.num_stages}_{'split' if split else 'nosplit'}{'_aligned' if hints else ''}")
+                    if label in seen:
+                        continue
+                    seen.add(label)
+                    results.append(compile_one(label, fn, dict(const), ptrs, DT[dt],
+                                               dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), hints))
 print(json.dumps(results))
 """
 
@@ -80,9 +121,26 @@ def compiled():
 
 def test_every_kernel_compiles_for_sm90(compiled):
     labels = {r["label"].split("_")[0] for r in compiled}
-    assert labels == {"decode", "reduce", "prefill", "reshape"}
-    assert len(compiled) == 3 * 5
+    assert labels == {"decode", "reduce", "prefill", "reshape", "chooser"}
+    assert len([r for r in compiled if not r["label"].startswith("chooser")]) == 3 * 5
     assert all(r["cubin"] > 0 for r in compiled)
+
+
+def test_every_chooser_launch_compiles(compiled):
+    """choose_decode_config's picks (v1 at block size 1, v2 otherwise), split and unsplit, both
+    head dims; the aligned builds are software-pipelined (their shared memory holds the
+    in-flight K/V tiles: more than one 64-token K + V tile at head_dim 128, 32 KiB)."""
+    chooser = {r["label"]: r for r in compiled if r["label"].startswith("chooser")}
+    assert len(chooser) >= 2 * 2 * 4 * 2
+    for dt in ("fp16", "bf16"):
+        for d in (64, 128):
+            assert any(f"_{dt}_d{d}_" in label and "_split" in label for label in chooser)
+            assert any(f"_{dt}_d{d}_" in label and "_nosplit" in label for label in chooser)
+    aligned = [r for label, r in chooser.items() if label.endswith("_aligned") and "_d128_" in label
+               and "fp32" not in label]
+    assert aligned and all(r["shared"] > 32 * 1024 for r in aligned), aligned    # > one K + V tile: pipelined
+    print("\n".join(f"{label}: {r['regs']} registers, {r['shared']} B shared, {r['spills']} B spilled"
+                    for label, r in sorted(chooser.items())))
 
 
 def test_no_register_spills(compiled):

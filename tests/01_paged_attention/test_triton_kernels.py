@@ -1,5 +1,7 @@
 """Triton kernels == the reference: under the interpreter on CPU (small shapes), natively on a
 GPU (`gpu` mark, bigger shapes). Same helpers, same assertions, only the device differs."""
+import itertools
+
 import pytest
 import torch
 
@@ -11,16 +13,32 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def check_decode(device, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, num_kv_splits_list, seed=0):
+# The decode rungs: the default (choose_decode_config, through the ops dispatch) and each
+# kernel with explicit launches. v2's tile must be block_size * 2^k (or a power of two dividing
+# a bigger block), so its tiles are derived from the block size.
+def decode_launches(block_size):
+    from paged_attention.triton_ops import v2_tile_for
+    v2_tiles = sorted({v2_tile_for(block_size, 16), v2_tile_for(block_size, 64)})
+    return ([{}, dict(version="v1", tile=16), dict(version="v1", tile=64, num_warps=8, num_stages=3)]
+            + [dict(version="v2", tile=t, num_warps=2, num_stages=1) for t in v2_tiles])
+
+
+def check_decode(device, dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, num_kv_splits_list, seed=0,
+                 launches=None):
+    from paged_attention import triton_ops
     kv = make_paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, device, seed=seed,
                        pad_id=-7, extra_table_width=1)               # NaN junk, shuffled, junk padding
     q = random_query(len(seq_lens), num_heads, head_dim, dtype, device, seed=seed + 1)
     scale = head_dim ** -0.5
     want = ref.dense_decode_attention(q, kv.keys, kv.values, scale)
-    for num_kv_splits in num_kv_splits_list:
-        got = ops.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, scale,
-                                         backend="triton", num_kv_splits=num_kv_splits)
-        assert_close(got, want, dtype, msg=f"num_kv_splits={num_kv_splits}")
+    for launch in (decode_launches(block_size) if launches is None else launches):
+        for num_kv_splits in num_kv_splits_list:
+            args = (q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, scale)
+            if launch:
+                got = triton_ops.paged_decode_attention(*args, num_kv_splits=num_kv_splits, **launch)
+            else:
+                got = ops.paged_decode_attention(*args, backend="triton", num_kv_splits=num_kv_splits)
+            assert_close(got, want, dtype, msg=f"{launch or 'default'} num_kv_splits={num_kv_splits}")
 
 
 def check_prefill(device, dtype, lens, num_heads, num_kv_heads, head_dim, block_size, seed=0,
@@ -55,10 +73,77 @@ def check_prefill(device, dtype, lens, num_heads, num_kv_heads, head_dim, block_
 # ----------------------------------------------------------------------------- CPU (interpreter)
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [1, 5, 16, 256])
+@pytest.mark.parametrize("block_size", [1, 5, 12, 16, 256])
 def test_decode_block_sizes(dtype, block_size):
-    # GQA 6/2, ragged lengths, partial last blocks, a seq_len-0 padding row; split-KV and not.
+    # GQA 6/2, ragged lengths, partial last blocks, a seq_len-0 padding row; split-KV and not;
+    # every rung (v1 tiles 16/64, v2 tiles of whole blocks or block slices, the default).
     check_decode("cpu", dtype, [37, 1, 0, 70], 6, 2, 32, block_size, [1, 3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [12, 16])
+def test_decode_rungs_llama_head_dims_and_block_boundaries(dtype, head_dim, block_size):
+    """Head dims 64/128 (GQA 4), lengths on and around block and tile boundaries (tiles of
+    2 and 4 blocks: 32/64 tokens at block 16, 24/48 at block 12), a 0 and a 1."""
+    lens = [0, 1, block_size - 1, block_size, block_size + 1, 4 * block_size, 4 * block_size + 1]
+    check_decode("cpu", dtype, lens, 8, 2, head_dim, block_size, [1, 2],
+                 launches=[{}, dict(version="v1", tile=32), dict(version="v2", tile=2 * block_size),
+                           dict(version="v2", tile=4 * block_size)])
+
+
+def test_decode_rungs_refuse_tiles_they_cannot_run():
+    from paged_attention import triton_ops
+    kv = make_paged_kv([20], 1, 16, 16)
+    q = random_query(1, 2, 16)
+    args = (q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.25)
+    with pytest.raises(ValueError, match="decode v2 needs tile = block_size"):
+        triton_ops.paged_decode_attention(*args, version="v2", tile=40)      # not 16 * 2^k
+    with pytest.raises(ValueError, match="decode v2 needs tile = block_size"):
+        triton_ops.paged_decode_attention(*args, version="v2", tile=48)
+    with pytest.raises(ValueError, match="tile must be a power of two >= 16"):
+        triton_ops.paged_decode_attention(*args, version="v1", tile=48)
+    with pytest.raises(ValueError, match="version must be one of"):
+        triton_ops.paged_decode_attention(*args, version="v3")
+    with pytest.raises(ValueError, match="num_warps must be"):
+        triton_ops.paged_decode_attention(*args, num_warps=3)
+    kv5 = make_paged_kv([20], 1, 16, 5)
+    with pytest.raises(ValueError, match=">= 16 rows"):          # 1 block of 5 tokens = 8 rows: too few for tl.dot
+        triton_ops.paged_decode_attention(q, kv5.key_cache, kv5.value_cache, kv5.block_tables, kv5.seq_lens, 0.25,
+                                          version="v2", tile=5)
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_decode_rungs_read_views(version):
+    """Both rungs read every input through its strides: index views hiding huge block ids in
+    the storage, a strided query (a fused qkv slice), K and V interleaved in one tensor."""
+    from paged_attention import triton_ops
+    from paged_attention.synthetic import index_views, strided_rows
+    kv = make_paged_kv([5, 9, 13, 0], 2, 16, 4, pad_id=0, extra_table_width=1)
+    q = random_query(4, 4, 16)
+    want = ref.dense_decode_attention(q, kv.keys, kv.values, 0.25)
+    launch = dict(version=version, tile=16, num_kv_splits=2)
+    both = torch.stack([kv.key_cache, kv.value_cache], dim=1)
+    for name, bt in index_views(kv.block_tables, 10**6).items():
+        out = triton_ops.paged_decode_attention(strided_rows(q), both[:, 0], both[:, 1], bt, kv.seq_lens, 0.25,
+                                                **launch)
+        assert_close(out, want, msg=name)
+
+
+def test_choose_decode_config():
+    """The chooser's rule (see its docstring): v2 with a tile of whole blocks, v1 where v2's
+    tile would be too tall or too padded; split-KV by choose_num_kv_splits; every pick runs (the tests
+    above) and compiles without spills (test_triton_compile.py)."""
+    from paged_attention.triton_ops import DecodeConfig, choose_decode_config
+    bf16 = torch.bfloat16
+    assert choose_decode_config(128, 8, 8192, 128, bf16, 16) == DecodeConfig("v2", 64, 4, 2, 1)
+    assert choose_decode_config(1, 8, 32768, 128, bf16, 16) == DecodeConfig("v2", 64, 4, 2, 32)
+    assert choose_decode_config(1, 8, 32768, 128, torch.float32, 16).tile == 32
+    assert choose_decode_config(4, 8, 100, 64, bf16, 12).tile == 48           # 4 blocks of 12 (16 rows each)
+    assert choose_decode_config(4, 8, 100, 64, bf16, 256).tile == 64          # a quarter of a 256-token block
+    assert choose_decode_config(4, 8, 100, 64, bf16, 200).version == "v1"     # one 200-token block = 256 rows
+    assert choose_decode_config(4, 8, 100, 64, bf16, 5) == DecodeConfig("v1", 32, 4, 2, 1)   # 5 -> 8 rows: 3/8 padding
+    assert choose_decode_config(4, 8, 100, 64, bf16, 1).version == "v1"
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 1), (8, 2)])
@@ -91,10 +176,12 @@ def test_decode_row_longer_than_its_block_table_gives_nan_not_a_wrong_answer():
     kv = make_paged_kv([8, 8], 1, 16, 4)
     q = random_query(2, 2, 16)
     seq_lens = torch.tensor([8, 9], dtype=torch.int32)      # row 1 claims 9 tokens in 2 blocks of 4
-    for num_kv_splits in (1, 2):
-        out = ops.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, seq_lens, 0.25,
-                                         backend="triton", check_values=False, num_kv_splits=num_kv_splits)
-        assert torch.isnan(out[1]).all()
+    from paged_attention import triton_ops
+    launches = (dict(version="v1", tile=16), dict(version="v2", tile=16), dict(version="v2", tile=32), {})
+    for launch, num_kv_splits in itertools.product(launches, (1, 2)):
+        out = triton_ops.paged_decode_attention(q, kv.key_cache, kv.value_cache, kv.block_tables, seq_lens, 0.25,
+                                                check_values=False, num_kv_splits=num_kv_splits, **launch)
+        assert torch.isnan(out[1]).all(), launch
         assert_close(out[0], ref.dense_attention(q[:1], kv.keys[0], kv.values[0], 0.25, causal=False)[0])
 
 
@@ -131,6 +218,8 @@ def test_choose_num_kv_splits():
 
 # ----------------------------------------------------------------------------- GPU (native Triton)
 
+GPU_LAUNCHES = [{}, dict(version="v1", tile=16)]     # the chooser's (v2 where the block size allows) and v1
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [1, 7, 16, 32, 256])
@@ -138,13 +227,15 @@ def test_choose_num_kv_splits():
 def test_gpu_decode(dtype, block_size, head_dim):
     seq_lens = [1, 0, 17, 300, 1024, 2049, 4000, 513]
     for num_heads, num_kv_heads in [(8, 8), (32, 8), (9, 3), (16, 1)]:
-        check_decode("cuda", dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, [1, None, 8])
+        check_decode("cuda", dtype, seq_lens, num_heads, num_kv_heads, head_dim, block_size, [1, None, 8],
+                     launches=GPU_LAUNCHES)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_decode_long_context_few_sequences(dtype):
-    check_decode("cuda", dtype, [32768, 5000], 32, 8, 128, 16, [None, 1, 64])
+    check_decode("cuda", dtype, [32768, 5000], 32, 8, 128, 16, [None, 1, 64],
+                 launches=GPU_LAUNCHES + [dict(version="v2", tile=128, num_warps=8, num_stages=3)])
 
 
 @pytest.mark.gpu
