@@ -2,6 +2,7 @@
 #   make demo           run the engine on the default model (SmolLM2-135M-Instruct)
 #   make test           the whole CPU suite (what CI runs); make test CH=02 for one chapter
 #   make test-gpu       CUDA kernels + native Triton, on a machine with a GPU
+#   make gpu-check      the prepared device check: GPU benchmarks + every gpu test, offline, < 8 min
 #   make bench          the side-by-side benchmarks (ours vs a peer, one run)
 #   make assignments    the student edition in build/student: every task (CH=02: chapter 02's edition)
 #   make grade          grade a student tree: make grade STUDENT=build/student [CH=02]; STUDENT=. grades the reference
@@ -19,7 +20,7 @@ CH         ?=
 PYTEST_ARGS ?=
 TEST_PATHS := $(if $(CH),$(wildcard tests/$(CH)_*) $(wildcard tests/$(CH)),tests)
 
-.PHONY: setup model demo test test-gpu bench assignments grade proof notebooks clean check-ch
+.PHONY: setup model demo test test-gpu gpu-check bench assignments grade proof notebooks clean check-ch
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,6 +62,14 @@ GPU_PY ?= python3
 test-gpu: check-ch
 	$(GPU_PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(GPU_PY) -m pytest $(TEST_PATHS) -m gpu --ignore-glob='*/test_notebook.py' --ignore=tests/course $(PYTEST_ARGS)
+
+# One command for a GPU lease (benchmarks/gpu_check.py): installs nothing from the network, writes
+# JSON (+ PNG where matplotlib exists) with device and versions to GPU_CHECK_OUT.
+GPU_CHECK_OUT ?= benchmarks/results
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(GPU_PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(GPU_PY) -m benchmarks.gpu_check --out-dir $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 bench: setup
 	$(PY) -m benchmarks.run_all

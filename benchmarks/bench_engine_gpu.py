@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, environment, sync, time_fn, write_result
+from benchmarks.common import RESULTS_DIR, environment, sync, time_fn, try_plot, write_result
 
 CONTENDERS = ("ours", "hf-static", "hf-cb")
 
@@ -372,10 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
                          command="python -m benchmarks.bench_engine_gpu " + " ".join(argv if argv is not None else sys.argv[1:]))
     path = write_result(name, workload_info, throughput, args.out_dir)
     result = dict(throughput=throughput, decode=ours["decode"], summary=summary)
-    try:
-        plot(result, path.with_suffix(".png"))
-    except ImportError as e:          # a bare GPU machine may lack matplotlib: the JSON holds every number
-        print(f"no plot ({e}); the JSON is written: {path}")
+    try_plot(plot, result, path.with_suffix(".png"))
     if "profile" in ours:
         from benchmarks.profile_decode_step import format_table
         profile = ours["profile"]

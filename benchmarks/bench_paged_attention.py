@@ -41,7 +41,7 @@ import time
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, device_name, sync, time_fn, write_result
+from benchmarks.common import RESULTS_DIR, device_name, sync, time_fn, try_plot, write_result
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 # Peak HBM bandwidth (bytes/s) by device name, for the "fraction of peak" column.
@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> pathlib.Path:
                     command=command, wall_s=None, **sweep)
     workload["wall_s"] = round(time.perf_counter() - t0, 1)
     path = write_result(name, workload, rows, out_dir=args.out_dir)
-    plot(rows, path.with_suffix(".png"), f"paged decode attention vs SDPA on {device_name()}")
+    try_plot(plot, rows, path.with_suffix(".png"), f"paged decode attention vs SDPA on {device_name()}")
     sync()
     print(f"wrote {path} and {path.with_suffix('.png')} ({workload['wall_s']} s)")
     return path

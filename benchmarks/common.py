@@ -75,3 +75,15 @@ def write_result(name: str, workload: dict, rows: list[dict], out_dir: str | pat
     path = out / f"{name}.json"
     path.write_text(json.dumps({"environment": environment(), "workload": workload, "rows": rows}, indent=2))
     return path
+
+
+def try_plot(plot: Callable[..., None], *args) -> bool:
+    """plot(*args) if matplotlib is importable. A bare GPU machine may lack it: the JSON holds every
+    number, and the plot function can draw it from the JSON on another machine."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("matplotlib is not installed here: no PNG (the JSON holds every number)")
+        return False
+    plot(*args)
+    return True
