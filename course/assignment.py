@@ -86,7 +86,7 @@ def _task_section(task: Task, manifest: Manifest, info: dict, cache: dict) -> li
         path, _, func = key.partition("::")
         by_file.setdefault(path, []).append(func)
     stub = ("an `#error` naming the task (the kernel does not build until it is written; the engine then "
-            "runs on torch ops)" if task.optional and task.languages == {"c"} else
+            "runs on torch ops)" if task.error_stub else
             f"a stub raising `NotImplementedError(\"{task.id}: ...\")`")
     lines += [f"**Where** (each `BEGIN SOLUTION` / `END SOLUTION` region now holds {stub}):", ""]
     for path, funcs in by_file.items():

@@ -109,7 +109,7 @@ def build(names: list[str], out: pathlib.Path, *, minimal: bool = False, restore
             raise SystemExit("course/tasks.toml does not match the marked tree:\n  " + "\n  ".join(errors))
     assigned, solved, later = edition(manifest, names)
     stripped = [t for t in assigned + later if t.id not in restore]
-    task_of = {key: (t.id, t.title, t.optional) for t in stripped for key in t.regions}
+    task_of = {key: (t.id, t.title, t.error_stub) for t in stripped for key in t.regions}
     keys = set(task_of)
     hidden = hidden_by_file(manifest)
     out = pathlib.Path(out)

@@ -42,8 +42,8 @@ def test_files(folders: list[str] | None = None) -> list[str]:
 
 
 def cpp_stubs(manifest: Manifest, restore: set[str] = frozenset()) -> dict[str, tuple]:
-    """{C++ region key: (task, title, optional)} for every C++ task not in `restore`."""
-    return {key: (t.id, t.title, t.optional) for t in manifest.tasks if t.id not in restore
+    """{C++ region key: (task, title, error_stub)} for every C++ task not in `restore`."""
+    return {key: (t.id, t.title, t.error_stub) for t in manifest.tasks if t.id not in restore
             for key in t.regions if key.split("::")[0].endswith(tuple(R_C_SUFFIXES))}
 
 

@@ -21,7 +21,7 @@ Stubs fail loudly but keep everything else importable/compilable:
     string naming that type; in a torch extension (the CPU kernel) std::terminate prints it
     and the grader turns the crash into a failed test.
     Code after a C++ region must not use names declared inside it (checked by compiling).
-  * a C++ region of an OPTIONAL task (the performance track: kernels_cpu/) is an `#error`
+  * a C++ region of an OPTIONAL task in kernels_cpu/ (the performance track; `Task.error_stub`) is an `#error`
     instead: until it is written the kernel does not build, its `is_available()` says why, and
     the engine runs on torch ops as with cpu_kernels="off" — an optional task left undone
     never crashes the rest of the course.
