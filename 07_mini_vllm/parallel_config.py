@@ -26,6 +26,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    max_concurrent_batches_override: int | None = None     # EngineConfig.max_concurrent_batches
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -45,6 +46,17 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches in flight at once: one per pipeline stage unless told otherwise (vLLM:
+        MultiprocExecutor.max_concurrent_batches = pipeline_parallel_size)."""
+        return self.max_concurrent_batches_override or self.pipeline_parallel_size
+
+    @property
+    def pipeline_micro_batches(self) -> bool:
+        """More than one batch in flight: only the last stage samples (see model_runner.py)."""
+        return self.max_concurrent_batches > 1
 
     @property
     def executor_backend(self) -> str:

@@ -19,6 +19,18 @@ class ExecutorError(RuntimeError):
     """The workers cannot run any more (a rank died, hung or raised): every request must fail."""
 
 
+class FutureOutput:
+    """A step in flight: `result()` waits for its ModelRunnerOutput (or raises ExecutorError), once."""
+
+    def __init__(self, wait):
+        self._wait, self._done, self._value = wait, False, None
+
+    def result(self):
+        if not self._done:
+            self._value, self._done = self._wait(), True
+        return self._value
+
+
 class Executor:
     """Subclasses implement collective_rpc (run a Worker method on every rank) and shutdown."""
 
@@ -65,6 +77,25 @@ class Executor:
         """Every rank runs the step; the output comes from the rank that sampled last (the last
         pipeline stage's first TP rank; every TP rank sampled the same tokens)."""
         return self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=self.output_rank)
+
+    def execute_model_async(self, scheduler_output) -> "FutureOutput":
+        """Start the step and return at once; `.result()` waits for its output (vLLM:
+        execute_model(non_block=True) -> Future). Here the base class runs it now: one rank has
+        nothing to overlap. The multiprocess executor only sends it (the workers' pipes keep the
+        order), so the engine can schedule the next micro-batch while the stages run this one."""
+        try:
+            value = self.execute_model(scheduler_output)
+        except ExecutorError as error:
+            def fail():
+                raise error
+            return FutureOutput(fail)
+        return FutureOutput(lambda: value)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many steps the engine may have in flight (vLLM's property of the same name)."""
+        pc = self.parallel_config
+        return pc.max_concurrent_batches if pc.executor_backend == "mp" else 1
 
     @property
     def output_rank(self) -> int:
