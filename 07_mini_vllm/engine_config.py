@@ -172,7 +172,8 @@ class EngineConfig:
     distributed_executor_backend: str | None = None
     """Who runs the ranks (vLLM's name): "uni" (UniProcExecutor: the model runner in this process;
     one rank) | "mp" (MultiprocExecutor: one worker process per rank, torch.distributed between them:
-    gloo on CPU, NCCL on GPU). None: "uni" for one rank, else "mp"."""
+    gloo on CPU, NCCL on GPU) | "ray" (RayDistributedExecutor: one Ray actor per rank; needs `ray`).
+    None: "uni" for one rank, else "mp"."""
 
     max_concurrent_batches: int | None = None
     """Pipeline micro-batches: how many scheduled batches may be in flight at once (vLLM:

@@ -11,14 +11,15 @@ divide: a shape error in layer 17 of rank 2 after a minute of loading helps nobo
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from kvcache.cache_engine import KVCacheSpec
 
 from mini_vllm.config import ModelConfig
 
-# None: "uni" for one rank, "mp" for more (vLLM's default on one node).
-EXECUTOR_BACKENDS = ("uni", "mp")
+# None: "uni" for one rank, "mp" for more (vLLM's default on one node); "ray": one Ray actor per rank.
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 @dataclass(frozen=True)
@@ -34,9 +35,9 @@ class ParallelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         backend = self.distributed_executor_backend
-        if backend == "ray":
-            raise ValueError("distributed_executor_backend='ray' is not implemented here: the multiprocess executor "
-                             "('mp') covers one node; Ray's value is placing workers on several nodes")
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("distributed_executor_backend='ray' needs the ray package (pip install ray); the "
+                             "multiprocess executor ('mp') needs nothing more and covers one node")
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS} or None, got {backend!r}")
         if backend == "uni" and self.world_size > 1:

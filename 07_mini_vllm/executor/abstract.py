@@ -8,6 +8,7 @@ the one ModelRunnerOutput the scheduler needs. Which executor runs is
 
     "uni"  UniProcExecutor     one Worker in the engine's process: a step is a function call
     "mp"   MultiprocExecutor   one Worker process per rank; torch.distributed between the ranks
+    "ray"  RayDistributedExecutor  one Ray actor per rank (Ray places them; optional package)
 """
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ class Executor:
         if backend == "uni":
             from mini_vllm.executor.uniproc_executor import UniProcExecutor
             return UniProcExecutor
+        if backend == "ray":
+            from mini_vllm.executor.ray_executor import RayDistributedExecutor
+            return RayDistributedExecutor
         from mini_vllm.executor.multiproc_executor import MultiprocExecutor
         return MultiprocExecutor
 
@@ -95,7 +99,7 @@ class Executor:
     def max_concurrent_batches(self) -> int:
         """How many steps the engine may have in flight (vLLM's property of the same name)."""
         pc = self.parallel_config
-        return pc.max_concurrent_batches if pc.executor_backend == "mp" else 1
+        return pc.max_concurrent_batches if pc.executor_backend in ("mp", "ray") else 1
 
     @property
     def output_rank(self) -> int:
