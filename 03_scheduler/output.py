@@ -50,6 +50,9 @@ class CachedRequestData:
     num_computed_tokens: list[int] = field(default_factory=list)
     # Only for resumed requests: prompt + output so far (the runner forgot them at preemption).
     resumed_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Only with pipeline micro-batches (chapter 07): the tokens sampled since the request was last
+    # scheduled, for the stages that do not sample (vLLM: new_token_ids, "used in PP only").
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+from collections import deque
 from collections.abc import AsyncIterator
 
 from mini_vllm.core_client import AsyncMPClient, EngineDeadError, step_from_outputs
@@ -35,6 +36,7 @@ from mini_vllm.llm_engine import LLMEngine
 from mini_vllm.metrics import IterationStats, LoggingStatLogger, PrometheusStatLogger
 from mini_vllm.outputs import RequestOutput
 from mini_vllm.processor import PromptType
+from mini_vllm.router import CacheAwareRouter, LeastLoadedRouter, ReplicaView, RoundRobinRouter, Router
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -84,18 +86,48 @@ def merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     return merged
 
 
+def make_router(router: str | Router, block_size: int) -> Router:
+    """A Router by name (the cache-aware one hashes prompts with chapter 02's chain hash), or as given."""
+    if isinstance(router, Router):
+        return router
+    from kvcache.hashing import sha256_hash
+    makers = {"round_robin": RoundRobinRouter, "least_loaded": LeastLoadedRouter,
+              "cache_aware": lambda: CacheAwareRouter(block_size, sha256_hash)}
+    if router not in makers:
+        raise ValueError(f"router must be one of {sorted(makers)} or a Router, got {router!r}")
+    return makers[router]()
+
+
 class AsyncLLM:
     def __init__(self, config: EngineConfig, *, served_model_name: str | None = None,
-                 log_stats_interval: float | None = 10.0) -> None:
-        """log_stats_interval: seconds between vLLM's one-line stats logs (None: no log)."""
+                 log_stats_interval: float | None = 10.0, data_parallel_size: int = 1,
+                 router: str | Router = "cache_aware") -> None:
+        """log_stats_interval: seconds between vLLM's one-line stats logs (None: no log).
+        data_parallel_size: engine cores (replicas), each in its own process with the whole model,
+        behind `router` (router.py; vLLM: DPLBAsyncMPClient) — one front end for all of them."""
+        if not isinstance(data_parallel_size, int) or isinstance(data_parallel_size, bool) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}")
         # The front end: tokenizer, Processor, OutputProcessor; the core in its own process.
         self.engine = LLMEngine(config, asyncio_mode=True)
         self.engine_core: AsyncMPClient = self.engine.engine_core
+        # Data parallelism: more cores, each started like the first; replica 0 is engine_core.
+        self.core_clients: list[AsyncMPClient] = [self.engine_core]
+        try:
+            for _ in range(data_parallel_size - 1):
+                self.core_clients.append(AsyncMPClient(config, self.engine.model_config))
+        except BaseException:
+            for client in self.core_clients:
+                client.shutdown()
+            raise
+        self.replicas = [ReplicaView(i) for i in range(data_parallel_size)]
+        self.router = make_router(router, config.block_size)
+        self.replica_of: dict[str, int] = {}              # request id -> replica index, while unfinished
+        self.route_log: deque[tuple[str, int, int]] = deque(maxlen=4096)   # (request id, replica, blocks matched)
         self.output_processor = self.engine.output_processor
         self.tokenizer = self.engine.tokenizer
         self.model_config = self.engine.model_config
         self.served_model_name = served_model_name or self.model_config.model.name
-        self.prometheus = PrometheusStatLogger(self.served_model_name)
+        self.prometheus = PrometheusStatLogger(self.served_model_name, num_engines=data_parallel_size)
         self.log_stats = LoggingStatLogger()
         self.log_stats_interval = log_stats_interval
         self.collectors: dict[str, RequestOutputCollector] = {}
@@ -109,7 +141,44 @@ class AsyncLLM:
 
     @property
     def errored(self) -> bool:
-        return self.dead_error is not None or self.engine_core.is_dead
+        return self.dead_error is not None or any(client.is_dead for client in self.core_clients)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.core_clients)
+
+    def _route(self, request: EngineCoreRequest) -> int:
+        """Which replica runs this request (one replica: 0). Logged, and counted per replica in
+        /metrics (mini_vllm:dp_requests_routed_total{engine=...}), so the router's choices show."""
+        if len(self.core_clients) == 1:
+            index = 0
+        else:
+            index = self.router.select(request.prompt_token_ids, self.replicas)
+            logger.info("request %s -> engine %d (%s, %d prefix blocks matched; loads %s)", request.request_id,
+                        index, type(self.router).__name__, getattr(self.router, "last_match_blocks", 0),
+                        [r.num_unfinished for r in self.replicas])
+        self.replica_of[request.request_id] = index
+        self.route_log.append((request.request_id, index, getattr(self.router, "last_match_blocks", 0)
+                               if len(self.core_clients) > 1 else 0))
+        self.replicas[index].num_unfinished += 1
+        self.prometheus.record_routed(index)
+        return index
+
+    def _unroute(self, request_ids) -> None:
+        """Finished or aborted: no longer counted in its replica's load."""
+        for request_id in request_ids:
+            index = self.replica_of.pop(request_id, None)
+            if index is not None:
+                self.replicas[index].num_unfinished -= 1
+
+    def _by_replica(self, request_ids) -> dict[int, list[str]]:
+        """Group request ids (n > 1: children "{i}_{id}" go where their parent went) by replica."""
+        groups: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            parent = self.output_processor.parents.get(request_id)
+            index = self.replica_of.get(request_id, self.replica_of.get(getattr(parent, "request_id", None), 0))
+            groups.setdefault(index, []).append(request_id)
+        return groups
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.engine.get_default_sampling_params()
@@ -148,7 +217,7 @@ class AsyncLLM:
                                           request.arrival_time)
         finished = False
         try:
-            await self.engine_core.add_request_async(request)
+            await self.core_clients[self._route(request)].add_request_async(request)
             while not finished:
                 output = await collector.get()
                 finished = output.finished
@@ -159,6 +228,7 @@ class AsyncLLM:
             self.collectors.pop(request_id, None)
             if not finished:
                 await asyncio.shield(self.abort(request_id))
+            self._unroute([request_id])
 
     async def abort(self, request_id: str) -> None:
         ids = self.output_processor.child_ids(request_id)
@@ -166,19 +236,29 @@ class AsyncLLM:
         self.collectors.pop(request_id, None)
         if not self.errored:
             try:
-                await self.engine_core.abort_requests_async(ids)
+                for index, group in self._by_replica(ids).items():
+                    await self.core_clients[index].abort_requests_async(group)
             except (EngineDeadError, TimeoutError):
                 pass                          # the core is gone: its blocks went with it
 
     async def check_invariants(self) -> None:
-        """The core's invariants, including: with nothing running, every KV block free (tests)."""
-        await self.engine_core.call_utility_async("check_invariants")
+        """Every core's invariants, including: with nothing running, every KV block free (tests)."""
+        for client in self.core_clients:
+            await client.call_utility_async("check_invariants")
 
     async def reset_prefix_cache(self) -> bool:
-        return await self.engine_core.call_utility_async("reset_prefix_cache")
+        results = [await client.call_utility_async("reset_prefix_cache") for client in self.core_clients]
+        return all(results)
+
+    async def call_utility_all(self, method: str, *args) -> list:
+        """`method` on every replica's core, in replica order (tests, the notebook)."""
+        return [await client.call_utility_async(method, *args) for client in self.core_clients]
 
     def _dead(self) -> EngineDeadError:
-        return self.dead_error or self.engine_core._dead_error()
+        if self.dead_error is not None:
+            return self.dead_error
+        dead = [client for client in self.core_clients if client.is_dead]
+        return (dead[0] if dead else self.engine_core)._dead_error()
 
     # ------------------------------------------------------------------ the output handler
     def _start_background_tasks(self) -> None:
@@ -186,21 +266,24 @@ class AsyncLLM:
         if self._tasks:
             return
         loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(self._output_handler(), name="AsyncLLM.output_handler"))
+        for index, client in enumerate(self.core_clients):     # one reader per core (vLLM: one per DP rank's socket)
+            self._tasks.append(loop.create_task(self._output_handler(client, index),
+                                                name=f"AsyncLLM.output_handler[{index}]"))
         if self.log_stats_interval:
             self._tasks.append(loop.create_task(self._log_stats_loop(), name="AsyncLLM.log_stats"))
 
     async def start(self) -> None:
         self._start_background_tasks()
 
-    async def _output_handler(self) -> None:
+    async def _output_handler(self, client: AsyncMPClient | None = None, index: int = 0) -> None:
+        client = client or self.engine_core
         try:
             while True:
-                outputs = await self.engine_core.get_output_async()
-                self._process(outputs)
+                outputs = await client.get_output_async()
+                self._process(outputs, index)
                 reqs_to_stop = self._reqs_to_stop
                 if reqs_to_stop:
-                    await self.engine_core.finish_requests_async(reqs_to_stop)
+                    await client.finish_requests_async(reqs_to_stop)
         except asyncio.CancelledError:
             raise
         except Exception as e:               # noqa: BLE001 - the engine is unusable: fail everyone, loudly
@@ -209,9 +292,10 @@ class AsyncLLM:
             self.dead_error = error
             for collector in list(self.collectors.values()):
                 collector.put(error)
-            self.engine_core.fail_pending_utilities(error)
+            for other in self.core_clients:
+                other.fail_pending_utilities(error)
 
-    def _process(self, outputs: EngineCoreOutputs) -> None:
+    def _process(self, outputs: EngineCoreOutputs, index: int = 0) -> None:
         states = self.output_processor.request_states
         parents = self.output_processor.parents
         before = {}
@@ -245,7 +329,7 @@ class AsyncLLM:
             reasons = [c.finish_reason for c in output.outputs if c.finish_reason is not None]
             if output.finished and reasons:
                 iteration.finished_reasons.append(reasons[-1])
-        self.prometheus.record(outputs.scheduler_stats, iteration)
+        self.prometheus.record(outputs.scheduler_stats, iteration, engine=index)
         self.log_stats.record(outputs.scheduler_stats, iteration)
 
     async def _log_stats_loop(self) -> None:
@@ -258,4 +342,6 @@ class AsyncLLM:
         for task in self._tasks:
             task.cancel()
         self._tasks.clear()
+        for client in self.core_clients[1:]:
+            client.shutdown()
         self.engine.shutdown()

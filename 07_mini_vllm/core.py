@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,7 @@ from mini_vllm.engine_config import GiB, EngineConfig
 from mini_vllm.engine_messages import EngineCoreRequest
 from mini_vllm.engine_scheduler import make_scheduler
 from mini_vllm.executor import Executor, ExecutorError
+from mini_vllm.executor.abstract import FutureOutput
 from mini_vllm.model_inputs import ModelInputs
 from mini_vllm.kv_memory import (DEFAULT_CPU_KV_CACHE_MEMORY, GPUMemorySnapshot, KVCacheReport,
                                  check_enough_kv_cache_memory, gpu_kv_cache_bytes, num_blocks_for_bytes)
@@ -99,6 +101,12 @@ class EngineCore:
         self.scheduler = make_scheduler(config.scheduler_config(model_config.max_model_len), self.kv_cache_manager,
                                         self.kv_connector)
         logger.info("%s", self.kv_cache_report)
+        # Pipeline micro-batches (vLLM: EngineCore.batch_queue, step_with_batch_queue): up to this
+        # many scheduled batches in flight, oldest first; 1 = one step at a time.
+        self.batch_queue_size = self.model_executor.max_concurrent_batches
+        self.batch_queue: deque[tuple[SchedulerOutput, FutureOutput, float]] = deque()
+        self._num_output_tokens_sent: dict[str, int] = {}     # per request: output tokens the stages were told
+        self.num_batches_overlapped = 0                          # batches sent while another was in flight
 
     # ------------------------------------------------------------------ KV connector (chapter 06)
     def _make_kv_connector(self):
@@ -242,12 +250,107 @@ class EngineCore:
         request, non-finite logits, a request the KV cache can never hold) finishes THAT request
         with an error message and frees its blocks; the others go on. step() itself raises only
         for faults of the engine (the scheduler's own bookkeeping)."""
+        if self.batch_queue_size > 1:
+            return self.step_with_batch_queue()
         start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         try:
             runner_output = self.model_executor.execute_model(scheduler_output)
         except ExecutorError as e:
             return self._fail_all_requests(str(e), scheduler_output, start)
+        return self._finish_step(scheduler_output, runner_output, start)
+
+    # ------------------------------------------------------------------ pipeline micro-batches
+    def step_with_batch_queue(self) -> EngineCoreStep:
+        """Pipeline parallelism without the bubble (vLLM: step_with_batch_queue). Fill the queue:
+        schedule a batch from the requests NOT in flight, send it (the executor returns at once),
+        repeat while there is room; then wait for the OLDEST batch and apply its output. While the
+        last stage runs batch A, stage 0 already runs batch B. One call returns one batch's step."""
+        while len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
+            start = time.monotonic()
+            scheduler_output = self._schedule_micro_batch()
+            if self.batch_queue and self._defer_if_empty(scheduler_output):
+                break                                    # everyone schedulable is in flight already
+            self._attach_new_token_ids(scheduler_output)
+            try:
+                future = self.model_executor.execute_model_async(scheduler_output)
+            except ExecutorError as e:
+                return self._fail_in_flight(str(e), scheduler_output, start)
+            self.num_batches_overlapped += bool(self.batch_queue)
+            self.batch_queue.append((scheduler_output, future, start))
+            if scheduler_output.is_empty:
+                break
+        if not self.batch_queue:                         # nothing left at all: an empty step
+            start = time.monotonic()
+            scheduler_output = self.scheduler.schedule()
+            return self._finish_step(scheduler_output, self.model_executor.execute_model(scheduler_output), start)
+        scheduler_output, future, start = self.batch_queue.popleft()
+        try:
+            runner_output = future.result()
+        except ExecutorError as e:
+            return self._fail_in_flight(str(e), scheduler_output, start)
+        return self._finish_step(scheduler_output, runner_output, start)
+
+    def _schedule_micro_batch(self) -> SchedulerOutput:
+        """schedule(), seeing only the running requests that are not in flight, and at most a
+        1 / batch_queue_size share of all requests — else the first batch takes everyone, the next
+        is empty, and the stages run one batch at a time again. The requests held out are put
+        back in their order after (the scheduler can neither schedule nor preempt them: a request
+        in flight has K/V being written and a token on its way)."""
+        sched = self.scheduler
+        in_flight = {req_id for so, _, _ in self.batch_queue for req_id in so.num_scheduled_tokens}
+        running = list(sched.running)
+        cap = max(1, -(-len(sched.requests) // self.batch_queue_size))
+        visible = [r for r in running if r.request_id not in in_flight][:cap]
+        visible_ids = {id(r) for r in visible}
+        held = [r for r in running if id(r) not in visible_ids]
+        max_running = sched.max_num_running_reqs
+        sched.running = visible
+        sched.max_num_running_reqs = min(max_running - len(held), cap)
+        try:
+            scheduler_output = sched.schedule()
+        finally:
+            after = sched.running
+            after_ids, before_ids = {id(r) for r in after}, {id(r) for r in running}
+            sched.running = ([r for r in running if id(r) in after_ids or id(r) not in visible_ids]
+                             + [r for r in after if id(r) not in before_ids])
+            sched.max_num_running_reqs = max_running
+        return scheduler_output
+
+    def _defer_if_empty(self, so: SchedulerOutput) -> bool:
+        """A batch without tokens while another is in flight is not sent (a batch in flight when the
+        last request finishes would leave a reply nobody reads): the finished ids it carries go back
+        to the scheduler for the next batch, and a preempted request needs nothing sent (the runner
+        drops the row of any request a step does not schedule). Block moves must go now."""
+        if not so.is_empty or so.blocks_to_swap_out or so.blocks_to_swap_in or so.blocks_to_copy:
+            return False
+        self.scheduler.finished_req_ids |= so.finished_req_ids
+        return True
+
+    def _attach_new_token_ids(self, so: SchedulerOutput) -> None:
+        """The stages that do not sample learn each request's tokens when it is next scheduled
+        (vLLM: CachedRequestData.new_token_ids): those sampled since it was last scheduled. A new
+        or resumed request carries all of its tokens already."""
+        sent = self._num_output_tokens_sent
+        for req_id in so.finished_req_ids:
+            sent.pop(req_id, None)
+        cached = so.scheduled_cached_reqs
+        for new in so.scheduled_new_reqs:
+            sent[new.req_id] = len(self.scheduler.requests[new.req_id].output_token_ids)
+        for req_id, resumed in zip(cached.req_ids, cached.resumed_from_preemption):
+            output = self.scheduler.requests[req_id].output_token_ids
+            if not resumed and len(output) > sent.get(req_id, 0):
+                cached.new_token_ids[req_id] = list(output[sent.get(req_id, 0):])
+            sent[req_id] = len(output)
+
+    def _fail_in_flight(self, message: str, scheduler_output: SchedulerOutput, start: float) -> EngineCoreStep:
+        """The executor failed: the batches still queued are dropped with it, every request fails."""
+        self.batch_queue.clear()
+        return self._fail_all_requests(message, scheduler_output, start)
+
+    def _finish_step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                     start: float) -> EngineCoreStep:
+        """Apply one batch's output: tokens, stops, errors (the second half of a step)."""
         if scheduler_output.is_empty and self.kv_connector is not None:
             # Nothing to compute, remote K/V on its way: wait for it (bounded) instead of spinning.
             self.kv_connector.wait_for_loads(timeout=0.01)

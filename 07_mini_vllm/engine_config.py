@@ -172,7 +172,15 @@ class EngineConfig:
     distributed_executor_backend: str | None = None
     """Who runs the ranks (vLLM's name): "uni" (UniProcExecutor: the model runner in this process;
     one rank) | "mp" (MultiprocExecutor: one worker process per rank, torch.distributed between them:
-    gloo on CPU, NCCL on GPU). None: "uni" for one rank, else "mp"."""
+    gloo on CPU, NCCL on GPU) | "ray" (RayDistributedExecutor: one Ray actor per rank; needs `ray`).
+    None: "uni" for one rank, else "mp"."""
+
+    max_concurrent_batches: int | None = None
+    """Pipeline micro-batches: how many scheduled batches may be in flight at once (vLLM:
+    Executor.max_concurrent_batches, EngineCore.step_with_batch_queue). None: pipeline_parallel_size
+    (while stage 1 runs batch A, stage 0 runs batch B; only the last stage samples and the others
+    get the tokens with the next schedule). 1: the stages step in lockstep and every stage samples
+    (the broadcast logits), which n > 1 and beam search need."""
 
     execute_model_timeout_s: float = 300.0
     """The multiprocess executor waits at most this long for a step (and for workers to start)
@@ -246,6 +254,10 @@ class EngineConfig:
         parallel = self.parallel_config                       # validates the sizes and the backend
         if not isinstance(self.execute_model_timeout_s, (int, float)) or not self.execute_model_timeout_s > 0:
             raise ValueError(f"execute_model_timeout_s must be > 0 seconds, got {self.execute_model_timeout_s!r}")
+        mcb = self.max_concurrent_batches
+        if mcb is not None and (not isinstance(mcb, int) or isinstance(mcb, bool) or not 1 <= mcb <= self.pipeline_parallel_size):
+            raise ValueError(f"max_concurrent_batches must be None or an integer in 1..pipeline_parallel_size "
+                             f"({self.pipeline_parallel_size}): more batches than stages would only queue; got {mcb!r}")
         if parallel.executor_backend == "uni":
             return
         for name in ("speculative_config", "kv_transfer_config"):
@@ -258,7 +270,8 @@ class EngineConfig:
 
     @property
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.distributed_executor_backend)
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.distributed_executor_backend,
+                              self.max_concurrent_batches)
 
     def _check_cpu_kernels(self) -> None:
         """Validate the master switch; with "off", a CPU kernel asked for by name is a conflict,

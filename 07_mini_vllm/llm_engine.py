@@ -176,6 +176,9 @@ class LLMEngine:
             raise ValueError(f"{what} cannot be combined with kv_transfer_params (remote K/V is per request)")
         if self.config.speculative_config is not None:
             raise ValueError(f"{what} is not supported with speculative decoding here: {why_not_speculative}")
+        if self.config.parallel_config.pipeline_micro_batches:
+            raise ValueError(f"{what} is not supported with pipeline micro-batches: the children are forked where "
+                             "the tokens are sampled, and only the last stage samples; use max_concurrent_batches=1")
         ids = [child_request_id(request_id, i) for i in range(1, count)]
         states, reserved = self.output_processor.request_states, self.output_processor.beam_slots
         taken = [i for i in ids if i in states or i in reserved]

@@ -44,7 +44,9 @@ class IterationStats:
 
 
 class PrometheusStatLogger:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_engines: int = 1) -> None:
+        """num_engines: data-parallel engine cores feeding this logger; the gauges are their sums
+        and the counters their total, and each core's routed requests are counted apart."""
         self.registry = CollectorRegistry()
         labels, values = ["model_name"], [model_name]
         r = self.registry
@@ -77,18 +79,30 @@ class PrometheusStatLogger:
                              ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              E2E_BUCKETS)
-        self._last = SchedulerStats()          # the core's counters are cumulative: export the increase
+        # Per engine core: its counters are cumulative (export the increase), its gauges the latest.
+        self._last = {i: SchedulerStats() for i in range(num_engines)}
+        # Data parallelism (vLLM labels its metrics with the engine index the same way): which core
+        # the router sent each request to.
+        self.dp_requests_routed = Counter("mini_vllm:dp_requests_routed", "Requests the router sent to each "
+                                          "data-parallel engine core.", ["model_name", "engine"], registry=r)
+        for i in range(num_engines):
+            self.dp_requests_routed.labels(model_name, str(i))
 
-    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats | None) -> None:
+    def record_routed(self, engine: int) -> None:
+        self.dp_requests_routed.labels(self.model_name, str(engine)).inc()
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats | None,
+               engine: int = 0) -> None:
         if scheduler_stats is not None:
-            s, last = scheduler_stats, self._last
-            self.num_requests_running.set(s.num_running_reqs)
-            self.num_requests_waiting.set(s.num_waiting_reqs)
-            self.kv_cache_usage.set(s.kv_cache_usage)
+            s, last = scheduler_stats, self._last.get(engine, SchedulerStats())
             self.prefix_cache_queries.inc(max(0, s.prefix_cache_queries - last.prefix_cache_queries))
             self.prefix_cache_hits.inc(max(0, s.prefix_cache_hits - last.prefix_cache_hits))
             self.num_preemptions.inc(max(0, s.num_preemptions - last.num_preemptions))
-            self._last = s
+            self._last[engine] = s
+            latest = self._last.values()
+            self.num_requests_running.set(sum(x.num_running_reqs for x in latest))
+            self.num_requests_waiting.set(sum(x.num_waiting_reqs for x in latest))
+            self.kv_cache_usage.set(sum(x.kv_cache_usage for x in latest) / len(self._last))
         if iteration is not None:
             self.prompt_tokens.inc(iteration.num_prompt_tokens)
             self.generation_tokens.inc(iteration.num_generation_tokens)

@@ -57,6 +57,7 @@ from global_prefix_cache.kv_layout import kv_caches_from_cache_engine
 import kernels_cpu
 from kvcache.cache_engine import CacheEngine
 from paged_attention import cdiv
+from paged_attention.model.parallel_state import get_pp_group
 from scheduler import ModelRunnerOutput as SchedulerModelRunnerOutput
 from scheduler import SchedulerOutput
 
@@ -112,6 +113,13 @@ class ModelRunner:
         self.model = get_model(model_config, device=self.device, attn_backend=self.attn_backend,
                                cpu_gemm_backend=config.cpu_gemm_backend, cpu_layer_ops=config.cpu_layer_ops,
                                cuda_layer_ops=config.cuda_layer_ops)
+        # Pipeline micro-batches: only the last stage samples; the others learn the tokens from the
+        # next schedule of each request (CachedRequestData.new_token_ids), so no stage waits for the
+        # last one's logits and stage 0 can run batch B while stage 1 runs batch A (vLLM does the same).
+        pp = get_pp_group()
+        micro = config.parallel_config.pipeline_micro_batches and pp.world_size > 1
+        self.samples = pp.is_last_rank or not micro
+        self.model.broadcast_logits = not micro
         # The stream of unseeded random rows, seeded by the engine's seed: runs are reproducible.
         self.sampler = Sampler(generator=torch.Generator(device=self.device).manual_seed(config.seed),
                                logprobs_mode=config.logprobs_mode)
@@ -204,6 +212,7 @@ class ModelRunner:
         if scheduler_output.scheduled_spec_decode_tokens and self.spec_decode is None:
             raise ValueError("drafts were scheduled, but this engine has no speculative_config (chapter 04): "
                              "the scheduler only schedules drafts the runner proposed")
+        self._apply_new_token_ids(scheduler_output)
         failed = self._update_states(scheduler_output)
         # Block moves BEFORE the forward, in this order: a block a swap-out frees may be written
         # by this very step (chapter 02).
@@ -347,6 +356,26 @@ class ModelRunner:
                                f"{len(scheduled) - len(failed)} are scheduled")
         return failed
 
+    def _apply_new_token_ids(self, so: SchedulerOutput) -> None:
+        """Pipeline micro-batches: a stage that does not sample appends the tokens the last stage
+        sampled for a request since it was last scheduled; the last stage, which appended them when it
+        sampled, checks that the scheduler agrees (a mismatch fails the request, never goes unseen)."""
+        batch = self.input_batch
+        for req_id, tokens in so.scheduled_cached_reqs.new_token_ids.items():
+            state = self.requests.get(req_id)
+            if state is None or not tokens:
+                continue
+            if self.samples:
+                if state.output_token_ids[-len(tokens):] != list(tokens):
+                    raise RuntimeError(f"request {req_id}: the scheduler's new tokens {tokens} are not the ones "
+                                       f"sampled ({state.output_token_ids[-len(tokens):]})")
+                continue
+            state.output_token_ids.extend(tokens)
+            row = batch.req_id_to_index.get(req_id)
+            if row is not None:                          # still has its row: append there too
+                for token in tokens:
+                    batch.append_token(row, token)
+
     def _write_draft_token_ids(self, so: SchedulerOutput, failed: dict[str, str]) -> None:
         """This step's drafts into their requests' rows (none left over from the last step); the
         drafter drops the draft KV of preempted requests (finished ones it forgot already: the
@@ -411,6 +440,8 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, logits_indices: torch.Tensor, sample_rows: np.ndarray,
                 output: ModelRunnerOutput) -> None:
         """Logits for the sampling rows, one token each, recorded into `output`."""
+        if not self.samples:
+            return                                   # a pipeline stage before the last (micro-batches)
         if len(sample_rows) == 0:
             return
         logits = self.model.compute_logits(hidden[logits_indices])                 # [S, vocab] fp32
@@ -438,6 +469,8 @@ class ModelRunner:
         GPUModelRunner._get_prompt_logprobs_dict): position p's logits give token p + 1's logprob,
         its rank and the k most likely — from the raw model distribution, whatever logprobs_mode.
         A chunked prompt fills them in over several steps; they go out when the prompt is done."""
+        if not self.samples:
+            return                                   # a pipeline stage before the last (micro-batches)
         batch = self.input_batch
         k = batch.num_prompt_logprobs[rows]                                            # [n]
         wanted = np.flatnonzero(k >= 0)
@@ -474,6 +507,8 @@ class ModelRunner:
         (seed + i) and generator, and keep their states for when the scheduler sends them
         (parallel_sampling.py: the scheduler forks their blocks). Prompt rows carry no drafts,
         so logits_indices[j] is sample row j's last token in either sampling path."""
+        if not self.samples:
+            return                                   # a pipeline stage before the last (micro-batches)
         batch = self.input_batch
         num_children = batch.num_children[sample_rows]                                  # [S]
         pos = [j for j in np.flatnonzero(num_children > 0).tolist()

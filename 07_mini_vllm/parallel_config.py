@@ -11,14 +11,15 @@ divide: a shape error in layer 17 of rank 2 after a minute of loading helps nobo
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from kvcache.cache_engine import KVCacheSpec
 
 from mini_vllm.config import ModelConfig
 
-# None: "uni" for one rank, "mp" for more (vLLM's default on one node).
-EXECUTOR_BACKENDS = ("uni", "mp")
+# None: "uni" for one rank, "mp" for more (vLLM's default on one node); "ray": one Ray actor per rank.
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    max_concurrent_batches_override: int | None = None     # EngineConfig.max_concurrent_batches
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -33,9 +35,9 @@ class ParallelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         backend = self.distributed_executor_backend
-        if backend == "ray":
-            raise ValueError("distributed_executor_backend='ray' is not implemented here: the multiprocess executor "
-                             "('mp') covers one node; Ray's value is placing workers on several nodes")
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("distributed_executor_backend='ray' needs the ray package (pip install ray); the "
+                             "multiprocess executor ('mp') needs nothing more and covers one node")
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS} or None, got {backend!r}")
         if backend == "uni" and self.world_size > 1:
@@ -45,6 +47,17 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches in flight at once: one per pipeline stage unless told otherwise (vLLM:
+        MultiprocExecutor.max_concurrent_batches = pipeline_parallel_size)."""
+        return self.max_concurrent_batches_override or self.pipeline_parallel_size
+
+    @property
+    def pipeline_micro_batches(self) -> bool:
+        """More than one batch in flight: only the last stage samples (see model_runner.py)."""
+        return self.max_concurrent_batches > 1
 
     @property
     def executor_backend(self) -> str:

@@ -34,9 +34,29 @@ class Router:
         raise NotImplementedError
 
 
+class ReplicaView:
+    """A replica whose engine core runs in another process (the server's `--data-parallel-size`):
+    the router sees its load as the front end counts it (requests routed there and not finished),
+    and nothing of its KV pool — the cache-aware router then matches against what it routed there
+    (SGLang's router likewise keeps its own approximate tree per worker rather than asking them)."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.num_unfinished = 0
+
+
 def replica_load(engine) -> int:
     """Unfinished requests of one replica (waiting + running): the load the balancers compare."""
+    if isinstance(engine, ReplicaView):
+        return engine.num_unfinished
     return engine.engine_core.scheduler.get_num_unfinished_requests()
+
+
+def replica_has_block(engine, block_hash) -> bool:
+    """Is this block (by chain hash) computed in the replica's prefix cache? Unknown for a ReplicaView."""
+    if isinstance(engine, ReplicaView):
+        return False
+    return engine.engine_core.kv_cache_manager.block_pool.get_cached_block(block_hash) is not None
 
 
 class RoundRobinRouter(Router):
@@ -73,10 +93,9 @@ class CacheAwareRouter(Router):
 
     def prefix_blocks(self, hashes, engine, routed: OrderedDict) -> int:
         """Leading blocks of the prompt this replica has: cached in its KV pool or routed there."""
-        pool = engine.engine_core.kv_cache_manager.block_pool
         n = 0
         for h in hashes:
-            if h.hash_value not in routed and pool.get_cached_block(h) is None:
+            if h.hash_value not in routed and not replica_has_block(engine, h):
                 break
             n += 1
         return n

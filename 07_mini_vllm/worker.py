@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -37,6 +38,8 @@ class Worker:
         self.rank = rank
         self.distributed_init_method = distributed_init_method
         self.model_runner = None
+        # Time inside execute_model (the pipeline bubble is what is NOT spent computing: bench_parallel).
+        self.execute_calls, self.execute_seconds = 0, 0.0
 
     # ------------------------------------------------------------------ set-up
     def init_device(self) -> None:
@@ -91,7 +94,12 @@ class Worker:
 
     # ------------------------------------------------------------------ each step
     def execute_model(self, scheduler_output):
-        output = self.model_runner.execute_model(scheduler_output)
+        t0 = time.perf_counter()
+        try:
+            output = self.model_runner.execute_model(scheduler_output)
+        finally:
+            self.execute_calls += 1
+            self.execute_seconds += time.perf_counter() - t0
         # The runner turns an exception in the forward into per-request failures (one bad request must
         # not take the batch down); a failed collective is not that — a peer rank is gone. Raise, so
         # the executor fails the engine instead of this rank's requests one by one.
@@ -112,6 +120,18 @@ class Worker:
             out[name] = {op: (st.calls[op], st.bytes[op], st.seconds[op]) for op in st.calls}
             if reset:
                 group.stats = parallel_state.CommStats()
+        return out
+
+    def busy_stats(self, reset: bool = False) -> dict:
+        """This rank's steps since the last reset: execute_model calls and seconds, and the seconds of
+        those spent blocked in pipeline hand-offs (recv, send, the logits' broadcast) — waiting for
+        another stage, not computing."""
+        pp = parallel_state.get_pp_group().stats
+        out = {"execute_calls": self.execute_calls, "execute_s": self.execute_seconds,
+               "pp_wait_s": sum(pp.seconds[op] for op in ("recv", "send", "broadcast") if op in pp.seconds)}
+        if reset:
+            self.execute_calls, self.execute_seconds = 0, 0.0
+            self.comm_stats(reset=True)
         return out
 
     def shutdown(self) -> None:

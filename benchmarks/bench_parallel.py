@@ -16,9 +16,15 @@ decode step (medians):
     pp_recv_ms           per stage: time blocked receiving the previous stage's activations (stage 1)
     pp_broadcast_ms      time in the logits broadcast from the last stage — for stage 0 that is
                          mostly waiting for stage 1 to finish its layers
-    bubble               (PP) the fraction of a step a stage is idle: its recv + broadcast wait over the step,
-                         averaged over stages. Without micro-batches, stage 0 waits while stage 1 runs
-                         and the reverse, so the ideal is (pp - 1) / pp = 0.5 at PP=2.
+    bubble               (PP, lockstep: max_concurrent_batches=1) the fraction of a step a stage is idle:
+                         its recv + broadcast wait over the step, averaged over stages. Without
+                         micro-batches, stage 0 waits while stage 1 runs and the reverse, so the ideal
+                         is (pp - 1) / pp = 0.5 at PP=2.
+
+Then the pipeline without and with micro-batches (`run_pipeline`, the "pipeline" entry of the JSON):
+whole runs of the same workload, nothing called on the workers between steps; each stage's bubble is
+1 - its compute time / the run's wall time (compute = time in execute_model minus time blocked in the
+stage hand-offs), averaged over the stages; their ratio within the one run is the result.
 
 A step's time inside a collective is transfer PLUS waiting for the slowest rank to arrive (ranks
 that share too few cores drift apart), so the benchmark also measures the collectives alone
@@ -43,7 +49,12 @@ CONFIGS = [  # (label, EngineConfig overrides)
     ("tp1_uniproc", dict()),
     ("tp1_mp", dict(distributed_executor_backend="mp")),
     ("tp3_mp", dict(tensor_parallel_size=3)),
-    ("pp2_mp", dict(pipeline_parallel_size=2)),
+    ("pp2_mp", dict(pipeline_parallel_size=2, max_concurrent_batches=1)),     # lockstep: the per-step bubble
+]
+# The pipeline without and with micro-batches, whole runs, no per-step calls into the workers.
+PIPELINE_CONFIGS = [
+    ("pp2_lockstep", dict(pipeline_parallel_size=2, max_concurrent_batches=1)),
+    ("pp2_micro_batches", dict(pipeline_parallel_size=2)),                  # max_concurrent_batches = 2
 ]
 
 
@@ -118,6 +129,52 @@ def summarize(per_step, pc) -> dict:
     return out
 
 
+def run_pipeline(label: str, overrides: dict, num_requests: int, prompt_len: int,
+                 output_len: int) -> tuple[dict, list[list[int]]]:
+    """One whole run (prefill and decode) at PP=2, the workers left alone between steps. Each
+    stage's bubble = 1 - (its compute time) / (the run's wall time), its compute time being its
+    time inside execute_model minus the time it was blocked in the pipeline hand-offs (recv, send,
+    the logits' broadcast) — Worker.busy_stats. With micro-batches a stage runs one batch while the
+    other stage runs the other, so the bubble should shrink; the tokens must not change."""
+    from mini_vllm import LLM, SamplingParams
+    from mini_vllm.default_model import default_model_path
+
+    llm = LLM(str(default_model_path()), max_model_len=512, num_gpu_blocks_override=256, cpu_kernels="off",
+              max_num_seqs=num_requests, **overrides)
+    try:
+        engine = llm.llm_engine
+        core, executor = engine.engine_core, engine.engine_core.model_executor
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        for i in range(num_requests):
+            engine.add_request(f"r{i}", [(37 * i + 11 * j) % 40000 + 100 for j in range(prompt_len)], params)
+        executor.collective_rpc("busy_stats", (True,))
+        tokens, steps, t0 = {}, 0, time.perf_counter()
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    tokens[o.request_id] = o.outputs[0].token_ids
+            steps += 1
+        wall = time.perf_counter() - t0
+        stages = [r * executor.parallel_config.tensor_parallel_size
+                  for r in range(executor.parallel_config.pipeline_parallel_size)]
+        busy = executor.collective_rpc("busy_stats")
+        row = {"config": label, **overrides, "max_concurrent_batches": core.batch_queue_size,
+               "wall_s": round(wall, 3), "engine_steps": steps, "batches_overlapped": core.num_batches_overlapped,
+               "output_tok_per_s": round(num_requests * output_len / wall, 2)}
+        idle = []
+        for stage, rank in enumerate(stages):
+            b = busy[rank]
+            compute = b["execute_s"] - b["pp_wait_s"]
+            row[f"stage{stage}_execute_calls"] = b["execute_calls"]
+            row[f"stage{stage}_compute_s"] = round(compute, 3)
+            row[f"stage{stage}_pp_wait_s"] = round(b["pp_wait_s"], 3)
+            idle.append(1 - compute / wall)
+        row["bubble"] = round(statistics.mean(idle), 3)
+        return row, [tokens[f"r{i}"] for i in range(num_requests)]
+    finally:
+        llm.shutdown()
+
+
 def _collective_worker(rank: int, world: int, init_method: str, sizes: list[int], iters: int, queue) -> None:
     import torch
     import torch.distributed as dist
@@ -189,11 +246,22 @@ def main(argv: list[str] | None = None) -> dict:
         row["same_tokens_as_tp1"] = tokens == reference
         rows.append(row)
         print(row, flush=True)
+    pipeline = []
+    for label, overrides in PIPELINE_CONFIGS:
+        row, tokens = run_pipeline(label, overrides, num_requests, prompt_len, output_len)
+        row["same_tokens_as_tp1"] = tokens == reference
+        pipeline.append(row)
+        print(row, flush=True)
+    if len(pipeline) == 2:
+        lock, micro = pipeline
+        pipeline.append({"config": "micro_batches_vs_lockstep", "bubble_ratio": round(micro["bubble"] / lock["bubble"], 3),
+                         "wall_ratio": round(micro["wall_s"] / lock["wall_s"], 3)})
+        print(pipeline[-1], flush=True)
     workload = dict(model="SmolLM2-135M-Instruct (fp32)", num_requests=num_requests, prompt_len=prompt_len,
                     output_len=output_len, timed="decode steps after the first %d" % skip, cpu_kernels="off",
                     backend="gloo", decode_control_message_bytes=control_message_bytes(num_requests),
                     command="python -m benchmarks.bench_parallel" + (" --quick" if args.quick else ""))
-    path = write_result("parallel_cpu", {**workload, "collective_latency": latency}, rows, args.out)
+    path = write_result("parallel_cpu", {**workload, "collective_latency": latency, "pipeline": pipeline}, rows, args.out)
     print(f"wrote {path}")
     return {"rows": rows, "path": str(path)}
 

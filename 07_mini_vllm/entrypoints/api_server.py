@@ -125,11 +125,14 @@ def run_server(args, engine_config) -> None:
     import uvicorn
 
     engine = AsyncLLM(engine_config, served_model_name=(args.served_model_name or [None])[0],
-                      log_stats_interval=None if args.disable_log_stats else args.log_stats_interval)
+                      log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+                      data_parallel_size=getattr(args, "data_parallel_size", 1),
+                      router=getattr(args, "dp_router", "cache_aware"))
     names = args.served_model_name or [engine.served_model_name]
     app = build_app(engine, names, args.api_key)
-    logger.info("serving %s on http://%s:%d (engine core pid %d)", names, args.host, args.port,
-                engine.engine_core.pid)
+    logger.info("serving %s on http://%s:%d (engine core pid(s) %s%s)", names, args.host, args.port,
+                [client.pid for client in engine.core_clients],
+                f", {type(engine.router).__name__}" if engine.data_parallel_size > 1 else "")
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                     timeout_graceful_shutdown=5)

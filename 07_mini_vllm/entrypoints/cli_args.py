@@ -18,3 +18,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
     g.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats lines")
     g.add_argument("--uvicorn-log-level", default="warning")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas, each a core process with the whole model, behind one router")
+    g.add_argument("--dp-router", default="cache_aware", choices=("cache_aware", "least_loaded", "round_robin"),
+                   help="which replica gets a request (router.py); only with --data-parallel-size > 1")

@@ -8,6 +8,7 @@ the one ModelRunnerOutput the scheduler needs. Which executor runs is
 
     "uni"  UniProcExecutor     one Worker in the engine's process: a step is a function call
     "mp"   MultiprocExecutor   one Worker process per rank; torch.distributed between the ranks
+    "ray"  RayDistributedExecutor  one Ray actor per rank (Ray places them; optional package)
 """
 from __future__ import annotations
 
@@ -17,6 +18,18 @@ from mini_vllm.engine_config import EngineConfig
 
 class ExecutorError(RuntimeError):
     """The workers cannot run any more (a rank died, hung or raised): every request must fail."""
+
+
+class FutureOutput:
+    """A step in flight: `result()` waits for its ModelRunnerOutput (or raises ExecutorError), once."""
+
+    def __init__(self, wait):
+        self._wait, self._done, self._value = wait, False, None
+
+    def result(self):
+        if not self._done:
+            self._value, self._done = self._wait(), True
+        return self._value
 
 
 class Executor:
@@ -32,6 +45,9 @@ class Executor:
         if backend == "uni":
             from mini_vllm.executor.uniproc_executor import UniProcExecutor
             return UniProcExecutor
+        if backend == "ray":
+            from mini_vllm.executor.ray_executor import RayDistributedExecutor
+            return RayDistributedExecutor
         from mini_vllm.executor.multiproc_executor import MultiprocExecutor
         return MultiprocExecutor
 
@@ -65,6 +81,25 @@ class Executor:
         """Every rank runs the step; the output comes from the rank that sampled last (the last
         pipeline stage's first TP rank; every TP rank sampled the same tokens)."""
         return self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=self.output_rank)
+
+    def execute_model_async(self, scheduler_output) -> "FutureOutput":
+        """Start the step and return at once; `.result()` waits for its output (vLLM:
+        execute_model(non_block=True) -> Future). Here the base class runs it now: one rank has
+        nothing to overlap. The multiprocess executor only sends it (the workers' pipes keep the
+        order), so the engine can schedule the next micro-batch while the stages run this one."""
+        try:
+            value = self.execute_model(scheduler_output)
+        except ExecutorError as error:
+            def fail():
+                raise error
+            return FutureOutput(fail)
+        return FutureOutput(lambda: value)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many steps the engine may have in flight (vLLM's property of the same name)."""
+        pc = self.parallel_config
+        return pc.max_concurrent_batches if pc.executor_backend in ("mp", "ray") else 1
 
     @property
     def output_rank(self) -> int:

@@ -37,7 +37,7 @@ from multiprocessing.connection import Connection, wait
 
 from mini_vllm.config import ModelConfig
 from mini_vllm.engine_config import EngineConfig
-from mini_vllm.executor.abstract import Executor, ExecutorError
+from mini_vllm.executor.abstract import Executor, ExecutorError, FutureOutput
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,7 @@ class MultiprocExecutor(Executor):
         self.world_size = self.parallel_config.world_size
         self.timeout_s = float(self.config.execute_model_timeout_s)
         self.failure: str | None = None
+        self._in_flight = 0                      # execute_model_async steps whose reply is not read yet
         # spawn, not fork: the engine's process has torch's (OpenMP) thread pools running, which a
         # forked child inherits in a broken state; a spawned one starts clean (vLLM spawns once CUDA is up).
         ctx = multiprocessing.get_context("spawn")
@@ -160,6 +161,31 @@ class MultiprocExecutor(Executor):
 
     # ------------------------------------------------------------------ calls
     def collective_rpc(self, method: str, args: tuple = (), unique_reply_rank: int | None = None):
+        if self._in_flight:
+            raise RuntimeError(f"collective_rpc({method!r}) with {self._in_flight} step(s) in flight: their replies "
+                               "come first; wait for them (FutureOutput.result) before calling")
+        self._send(method, args, unique_reply_rank)
+        ranks = list(range(self.world_size)) if unique_reply_rank is None else [unique_reply_rank]
+        results = self._wait_replies(ranks, method)
+        return results if unique_reply_rank is None else results[0]
+
+    def execute_model_async(self, scheduler_output) -> FutureOutput:
+        """Send the step to every worker and return: each worker runs its messages in order, so
+        stage 0 starts this step while the later stages still run the previous one, and the
+        output rank's replies arrive in the order the steps were sent (the engine waits for them
+        oldest first)."""
+        self._send("execute_model", (scheduler_output,), self.output_rank)
+        self._in_flight += 1
+
+        def wait():
+            try:
+                return self._wait_replies([self.output_rank], "execute_model")[0]
+            finally:
+                self._in_flight -= 1
+        return FutureOutput(wait)
+
+    def _send(self, method: str, args: tuple, unique_reply_rank: int | None) -> None:
+        """Pickle (method, args) once and write it to every worker's pipe."""
         if self.failure is not None:
             raise ExecutorError(self.failure)
         try:
@@ -173,9 +199,6 @@ class MultiprocExecutor(Executor):
                 conn.send_bytes(message)
         except (OSError, ValueError) as e:
             self._fail(f"could not send {method} to the workers ({e}): {self._dead_workers() or 'a pipe is closed'}")
-        ranks = list(range(self.world_size)) if unique_reply_rank is None else [unique_reply_rank]
-        results = self._wait_replies(ranks, method)
-        return results if unique_reply_rank is None else results[0]
 
     def _wait_replies(self, ranks: list[int], what: str, timeout_s: float | None = None) -> list:
         """One reply from each of `ranks`, waiting at most timeout_s (default: execute_model_timeout_s);

@@ -123,6 +123,10 @@ class LlamaForCausalLM(nn.Module):
         """What differs between the families' attention blocks. Llama: one flag for all biases."""
         return dict(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm=False)
 
+    # Pipeline parallel: the last stage's logits go to every stage (lockstep), or stay on the last
+    # stage, the only one that samples (micro-batches; the model runner sets it: see model_runner.py).
+    broadcast_logits: bool = True
+
     def __init__(self, config: ModelConfig, attn_backend: str = "torch"):
         super().__init__()
         self.config = config
@@ -157,4 +161,4 @@ class LlamaForCausalLM(nn.Module):
             logits = self.lm_head.gather_logits(local).float()                         # [N, vocab]
         else:
             logits = torch.empty(hidden_states.shape[0], self.config.vocab_size, device=hidden_states.device)
-        return pp.broadcast(logits, src=pp.world_size - 1) if pp.world_size > 1 else logits
+        return pp.broadcast(logits, src=pp.world_size - 1) if pp.world_size > 1 and self.broadcast_logits else logits

@@ -31,7 +31,7 @@ NAME = "tiny"
 class ServerThread:
     """uvicorn serving build_app(AsyncLLM) in a thread, on a socket bound before it starts (no port race)."""
 
-    def __init__(self, model_dir, api_key: str | None = API_KEY, **engine_kwargs):
+    def __init__(self, model_dir, api_key: str | None = API_KEY, data_parallel_size: int = 1, **engine_kwargs):
         import uvicorn
 
         from mini_vllm.async_llm import AsyncLLM
@@ -40,7 +40,8 @@ class ServerThread:
 
         config = EngineConfig(model=str(model_dir), **{"max_model_len": 256, "num_gpu_blocks_override": 128,
                                                        **engine_kwargs})
-        self.engine = AsyncLLM(config, served_model_name=NAME, log_stats_interval=None)
+        self.engine = AsyncLLM(config, served_model_name=NAME, log_stats_interval=None,
+                               data_parallel_size=data_parallel_size)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
@@ -74,9 +75,11 @@ class ServerThread:
     def stop(self):
         self.server.should_exit = True
         self.thread.join(20)
+        pids = [client.pid for client in self.engine.core_clients]
         self.engine.shutdown()
         self.sock.close()
         assert not self.thread.is_alive()
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in pids), "an engine core outlived the server"
 
 
 @pytest.fixture(scope="module")
@@ -379,8 +382,9 @@ def _metrics(server) -> dict:
         for sample in family.samples:
             if "le" in sample.labels:
                 continue                       # histogram buckets: the counts and sums are enough here
-            reason = sample.labels.get("finished_reason")
-            values[sample.name + (f"{{finished_reason={reason}}}" if reason else "")] = sample.value
+            reason, engine = sample.labels.get("finished_reason"), sample.labels.get("engine")
+            values[sample.name + (f"{{finished_reason={reason}}}" if reason else "")
+                   + (f"{{engine={engine}}}" if engine else "")] = sample.value
     return values
 
 
@@ -409,6 +413,52 @@ def test_metrics_count_what_was_sent(server, client):
     assert diff("vllm:prefix_cache_queries_total") == sum(map(len, prompts)) + len(prompts[0])
     assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
     assert after["vllm:kv_cache_usage_perc"] == 0
+
+
+# ============================================================================ data parallelism
+def test_data_parallel_server_routes_tenants_by_prefix_and_matches_one_replica(tiny_llama, offline):
+    """`serve --data-parallel-size 2`: two engine cores behind the cache-aware router. One request
+    with two tenants' prompts interleaved (A1 B1 A2 B2 A3 B3; each tenant a 3-block shared prefix):
+    every tenant's prompts go to ONE core, the tenants to different cores (the router's choices, in
+    AsyncLLM.route_log and in /metrics per engine); greedy texts are one replica's (the offline LLM);
+    the same request again hits the prefix caches. Both core processes are gone after."""
+    from mini_vllm import SamplingParams
+    from mini_vllm.entrypoints.cli_args import add_serve_args
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    assert p.parse_args(["--data-parallel-size", "2"]).data_parallel_size == 2     # vLLM's flag name
+
+    tenants = {"A": " ".join(["Alpha policy text, clause one."] * 12), "B": " ".join(["Bravo manual; rule two!"] * 12)}
+    prompts = [tenants[t] + f" Question {i} from {t}?" for i in range(3) for t in "AB"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ref = [o.outputs[0].text for o in offline.generate(prompts, params, use_tqdm=False)]
+    assert all(len(o) > 48 for o in (offline.llm_engine.processor.process_inputs(p, params)[1] for p in prompts))
+    s = ServerThread(tiny_llama, data_parallel_size=2)
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        assert s.engine.data_parallel_size == 2 and len({c.pid for c in s.engine.core_clients}) == 2
+        routes, hits = [], []
+        for _ in range(2):
+            before = _metrics(s)
+            r = client.completions.create(model=NAME, prompt=prompts, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            assert [c.text for c in r.choices] == ref
+            s.wait_idle()
+            after = _metrics(s)
+            log = {req_id: engine for req_id, engine, _ in s.engine.route_log}
+            routes.append([log[f"{r.id}-{i}"] for i in range(len(prompts))])
+            hits.append(after["vllm:prefix_cache_hits_total"] - before.get("vllm:prefix_cache_hits_total", 0))
+            assert [after[f"mini_vllm:dp_requests_routed_total{{engine={e}}}"]
+                    - before[f"mini_vllm:dp_requests_routed_total{{engine={e}}}"] for e in "01"] == [3, 3]
+        for engines in routes:
+            a, b = set(engines[0::2]), set(engines[1::2])
+            assert len(a) == 1 and len(b) == 1 and a != b, f"tenants not kept together: {engines}"
+        assert routes[0] == routes[1]
+        assert hits[1] >= 6 * 3 * 16, f"the second round should hit every prompt's prefix blocks: {hits}"
+    finally:
+        s.stop()
 
 
 # ============================================================================ a dead engine core

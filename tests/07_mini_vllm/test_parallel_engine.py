@@ -51,9 +51,10 @@ def parallel_llm(engine_registry):
         engine_registry.append(llm)
         return llm
     yield make
-    for llm in made:
+    for llm in made:                       # every engine first: the check below looks at all processes
         llm.shutdown()
         engine_registry.remove(llm)
+    for llm in made:
         executor = llm.llm_engine.engine_core.model_executor
         if isinstance(executor, MultiprocExecutor):
             assert_workers_gone(executor)
@@ -163,11 +164,47 @@ def test_pp2_matches_one_rank_then_gives_up_on_a_hung_stage(parallel_llm, tiny_m
     assert "within 3 s: the workers are hung" in str(out[0].outputs[0].stop_reason) and time.monotonic() - t0 < 10
 
 
+def test_pp2_micro_batches_overlap_never_share_a_request_and_match_lockstep(parallel_llm, tiny_models):
+    """Pipeline micro-batches (max_concurrent_batches = 2 by default at PP=2): batches really are in
+    flight two at a time, never with a request in both, and the greedy tokens are the single rank's
+    and the lockstep pipeline's (max_concurrent_batches=1) — with chunks, preemptions and
+    prefix-cache hits in the run. n > 1 is refused (only the last stage samples)."""
+    prompts = shared_prefix_prompts(8)
+    ref, _ = trace(parallel_llm(tiny_models / "llama", **STRESS), prompts, GREEDY)
+    lockstep, _ = trace(parallel_llm(tiny_models / "llama", pipeline_parallel_size=2, max_concurrent_batches=1,
+                                     **STRESS), prompts, GREEDY)
+    llm = parallel_llm(tiny_models / "llama", pipeline_parallel_size=2, **STRESS)
+    core = llm.llm_engine.engine_core
+    assert core.batch_queue_size == 2
+    executor, launches = core.model_executor, []
+    send = executor.execute_model_async
+
+    def spy(so):
+        in_flight = {r for queued, _, _ in core.batch_queue for r in queued.num_scheduled_tokens}
+        launches.append((in_flight, set(so.num_scheduled_tokens)))
+        return send(so)
+    executor.execute_model_async = spy
+    outs, steps = trace(llm, prompts, GREEDY)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert tokens == [o.outputs[0].token_ids for o in ref] == [o.outputs[0].token_ids for o in lockstep]
+    overlapped = [(a, b) for a, b in launches if a and b]
+    assert overlapped and core.num_batches_overlapped >= len(overlapped), "no two batches were ever in flight"
+    assert all(not a & b for a, b in launches), "a request was scheduled while in flight"
+    assert len(overlapped) > len(launches) // 3, f"only {len(overlapped)} of {len(launches)} batches overlapped"
+    assert any(s.scheduler_output.preempted_req_ids for s in steps), "no preemption happened"
+    assert sum(o.num_cached_tokens for o in outs) > 0, "no prefix-cache hit"
+    assert any(0 < n < len(p) for s in steps for n in s.scheduler_output.num_scheduled_tokens.values()
+               for p in prompts[:1]), "no prompt was chunked"
+    assert not core.batch_queue and executor.collective_rpc("kv_cache_shapes")
+    with pytest.raises(ValueError, match="max_concurrent_batches=1"):
+        llm.generate(prompts[:1], SamplingParams(n=2, max_tokens=4), use_tqdm=False)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(tensor_parallel_size=3), "does not divide the model's 4 attention heads"),
     (dict(pipeline_parallel_size=3), "exceeds the model's 2 layers"),
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), "use 'mp'"),
-    (dict(distributed_executor_backend="ray"), "not implemented here"),
+    (dict(pipeline_parallel_size=2, max_concurrent_batches=3), "in 1..pipeline_parallel_size"),
     (dict(tensor_parallel_size=0), "positive integer"),
     (dict(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
      "not supported with distributed_executor_backend='mp'"),
@@ -176,6 +213,57 @@ def test_impossible_splits_fail_at_start_up_without_a_process(tiny_models, kwarg
     with pytest.raises(ValueError, match=match):
         LLM(str(tiny_models / "llama"), **{**SMALL, **kwargs})
     assert not multiprocessing.active_children()
+
+
+def test_ray_backend_without_ray_is_refused_naming_the_package(tiny_models, monkeypatch):
+    import importlib.util
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    with pytest.raises(ValueError, match="needs the ray package"):
+        LLM(str(tiny_models / "llama"), distributed_executor_backend="ray", **SMALL)
+
+
+def _descendants() -> set[int]:
+    """Every live process below this one (read from /proc: Ray starts a tree of them)."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+def test_ray_executor_pp2_micro_batches_match_one_rank_and_leave_nothing(parallel_llm, tiny_models):
+    """distributed_executor_backend="ray": one actor per stage on a local Ray instance the executor
+    starts; the pipeline's micro-batches work through it (actors keep call order), the greedy tokens
+    are the single rank's, and shutdown stops the actors and the Ray instance (no process left)."""
+    ray = pytest.importorskip("ray")
+    from mini_vllm.executor.ray_executor import RayDistributedExecutor
+    prompts = shared_prefix_prompts(6)
+    ref = parallel_llm(tiny_models / "llama", **STRESS).generate(prompts, GREEDY, use_tqdm=False)
+    before = _descendants()
+    llm = parallel_llm(tiny_models / "llama", pipeline_parallel_size=2, distributed_executor_backend="ray", **STRESS)
+    executor = llm.llm_engine.engine_core.model_executor
+    assert isinstance(executor, RayDistributedExecutor) and ray.is_initialized()
+    pids = executor.worker_pids
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    out = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert llm.llm_engine.engine_core.num_batches_overlapped > 0
+    assert executor.collective_rpc("kv_cache_shapes") == [[(16, 16, 2, 16)], [(16, 16, 2, 16)]]
+    llm.shutdown()
+    assert not ray.is_initialized()
+    deadline = time.monotonic() + 20
+    while _descendants() - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _descendants() - before, f"processes left behind: {sorted(_descendants() - before)}"
 
 
 def test_smollm2_tp2_is_refused_9_heads(smollm2_dir):
