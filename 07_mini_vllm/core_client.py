@@ -44,6 +44,16 @@ def multiprocessing_enabled() -> bool:
     return value in ("1", "true")
 
 
+def core_num_threads() -> int:
+    """The torch thread count the core process should run with: this process's own. The core's
+    process is forked from the forkserver, which never saw this process's torch.set_num_threads:
+    without this, an engine asked to run on 1 thread (a benchmark on a shared machine, a rank
+    given its share of the cores) would run its core on torch's default, every core. vLLM's CPU
+    platform does the same through OMP_NUM_THREADS (`vllm/platforms/cpu.py: check_and_update_config`)."""
+    import torch
+    return torch.get_num_threads()
+
+
 class EngineDeadError(RuntimeError):
     """The engine core process is gone; no request can make progress (vLLM's EngineDeadError)."""
 
@@ -123,7 +133,7 @@ class MPClient:
         try:
             self.proc = EngineCoreProcHandle(dict(config=config, model_config=model_config,
                                                   input_address=input_address, output_address=output_address,
-                                                  num_threads=num_threads))
+                                                  num_threads=num_threads or core_num_threads()))
         except BaseException:
             self._close_sockets()
             raise

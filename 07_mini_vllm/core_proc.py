@@ -157,9 +157,10 @@ class EngineCoreProc:
         return self.core.kv_cache_manager.reset_prefix_cache()
 
     def _utility_cpu_time(self) -> dict:
-        """This process's CPU seconds, every thread (torch's included), and its steps so far: the
-        IPC benchmark's meter (benchmarks/bench_engine_core_ipc.py)."""
-        return {"cpu_s": time.process_time(), "steps": self.num_steps}
+        """This process's CPU seconds, every thread (torch's included), its steps so far and its
+        torch thread count: the IPC benchmark's meter (benchmarks/bench_engine_core_ipc.py)."""
+        import torch
+        return {"cpu_s": time.process_time(), "steps": self.num_steps, "torch_threads": torch.get_num_threads()}
 
     def _utility_kv_cache_stats(self) -> dict:
         kv = self.core.kv_cache_manager

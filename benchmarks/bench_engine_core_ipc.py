@@ -11,8 +11,18 @@ alternation (in-process, split, in-process, ...; the median of --repeats passes 
   * CPU ms per step: the in-process engine's process; with the split, the front end's process
     and the core's (time.process_time, every thread, torch's included) — their sum minus the
     in-process CPU is what the split costs;
-  * the output message: pickled bytes per step and the pickle encode + decode time.
+  * the output message: pickled bytes per step and the pickle encode + decode time;
+  * each side's torch thread count, and the machine's load average before and after.
 Writes benchmarks/results/engine_core_ipc.json.
+
+Read CPU ms per step with the OpenMP wait policy in mind (recorded in the JSON): torch's CPU
+build uses GNU OpenMP, whose worker threads spin after each parallel region before they sleep
+(OMP_WAIT_POLICY unset), long enough to span the Python between two ops and between two steps.
+So a process's CPU time is about its thread count times its wall time, whatever the work, and
+it tracks what stretches the wall time (on a shared machine, the neighbours' load). Run with
+OMP_WAIT_POLICY=PASSIVE (threads sleep at once: CPU time is the work done) and --name to compare:
+
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks.bench_engine_core_ipc --name engine_core_ipc_passive
 """
 from __future__ import annotations
 
@@ -34,6 +44,8 @@ SMOKE = {"2 requests": dict(num_requests=2, prompt_len=(8, 24), output_len=(8, 8
 
 def _timed_pass(llm, prompts, params, multiprocess: bool) -> dict:
     """One timed LLM.generate from a cold prefix cache: wall and CPU per step, message sizes."""
+    import torch
+
     import mini_vllm.core_client as core_client
 
     llm.reset_prefix_cache()
@@ -67,6 +79,7 @@ def _timed_pass(llm, prompts, params, multiprocess: bool) -> dict:
     if multiprocess:
         core_client.decode = decode
         core_after = engine.engine_core.call_utility("cpu_time")
+        row["torch_threads"] = core_after["torch_threads"]
         steps[0] = core_after["steps"] - core_before["steps"]
         core_cpu = core_after["cpu_s"] - core_before["cpu_s"]
         row.update(front_end_cpu_ms_per_step=round(1e3 * front_cpu / steps[0], 3),
@@ -75,7 +88,7 @@ def _timed_pass(llm, prompts, params, multiprocess: bool) -> dict:
                    message_bytes_per_step=round(message_bytes[0] / steps[0]),
                    pickle_us_per_step=round(1e6 * codec_s[0] / steps[0], 1))
     else:
-        row.update(cpu_ms_per_step=round(1e3 * front_cpu / steps[0], 3))
+        row.update(cpu_ms_per_step=round(1e3 * front_cpu / steps[0], 3), torch_threads=torch.get_num_threads())
     row.update(steps=steps[0], wall_ms_per_step=round(1e3 * wall / steps[0], 3))
     row["output_token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
     if not multiprocess:
@@ -129,6 +142,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--repeats", type=int, default=3, help="timed passes per mode (the median is kept)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--name", default=None, help="the result's file name (default engine_core_ipc[_smoke])")
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -138,6 +152,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model_dir = tiny_model_dir(Path(tmp.name)) if args.smoke else default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows = []
+    load_before = os.getloadavg()
     for name, shape in (SMOKE if args.smoke else CONFIGS).items():
         workload = make_workload(tokenizer, shape["num_requests"], shape["prompt_len"], shape["output_len"])
         repeats = 1 if args.smoke else args.repeats
@@ -150,10 +165,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for row in (inproc, mp):
             print(row, flush=True)
         rows += [inproc, mp]
-    write_result("engine_core_ipc_smoke" if args.smoke else "engine_core_ipc",
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    command = "python -m benchmarks.bench_engine_core_ipc" + (" --smoke" if args.smoke else "") + \
+        (f" --repeats {args.repeats}" if args.repeats != 3 else "") + (f" --name {args.name}" if args.name else "")
+    write_result(args.name or ("engine_core_ipc_smoke" if args.smoke else "engine_core_ipc"),
                  dict(model=Path(model_dir).name, dtype="float32", device="cpu", greedy=True, ignore_eos=True,
                       configs=SMOKE if args.smoke else CONFIGS, encoding="pickle protocol 5 over ZMQ PUSH/PULL (ipc://)",
-                      command="python -m benchmarks.bench_engine_core_ipc" + (" --smoke" if args.smoke else "")),
+                      omp_wait_policy=policy or "unset (GNU OpenMP's default: spin, then sleep)",
+                      load_average_1_5_15_min=dict(before=[round(x, 2) for x in load_before],
+                                                   after=[round(x, 2) for x in os.getloadavg()]),
+                      command=(f"OMP_WAIT_POLICY={policy} " if policy else "") + command),
                  rows, args.out_dir)
     tmp.cleanup()
     return rows

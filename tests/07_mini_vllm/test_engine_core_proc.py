@@ -141,3 +141,23 @@ def test_async_llm_stream_abort_and_parity(tiny_llama, make_llm):
     finally:
         engine.shutdown()
     assert texts[:-1] == expected and texts[-1] == 2
+
+
+def test_core_process_runs_on_this_process_torch_threads(tiny_llama, monkeypatch):
+    """The core's process is forked from the forkserver, which never saw this process's
+    torch.set_num_threads: the client hands its thread count over, so an engine told to use one
+    thread (or a rank given its share of the cores) does not run its core on every core."""
+    import torch
+
+    default = torch.get_num_threads()
+    wanted = 1 if default > 1 else 2          # anything but the forkserver's default, so the test can fail
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    torch.set_num_threads(wanted)
+    try:
+        llm = _mp_llm(tiny_llama)
+    finally:
+        torch.set_num_threads(default)
+    try:
+        assert llm.llm_engine.engine_core.call_utility("cpu_time")["torch_threads"] == wanted
+    finally:
+        llm.shutdown()

@@ -229,6 +229,61 @@ def test_n_logprobs_and_stop(client, offline):
     assert cut.text == full[:full.index(stop)]
 
 
+def _streamed_choices(chunks, text_of) -> tuple[dict, dict]:
+    """Streamed chunks -> ({choice index: joined text}, {choice index: [finish reasons]})."""
+    texts, finishes = {}, {}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (text_of(choice) or "")
+            if choice.finish_reason is not None:
+                finishes.setdefault(choice.index, []).append(choice.finish_reason)
+    return texts, finishes
+
+
+def test_n_streamed_equals_non_streamed_for_a_seed(client):
+    """n = 3 seeded samples, streamed: each choice's pieces join to that choice's non-streamed
+    text, each choice ends once with a finish reason, and include_usage counts every choice's
+    tokens. Several prompts with n = 2 as well: choice i * n + j is completion j of prompt i."""
+    kwargs = dict(model=NAME, prompt="Once upon a time", n=3, max_tokens=10, temperature=1.0, seed=99,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    assert len({c.text for c in whole.choices}) > 1, "the seeded samples should differ (else the test is weak)"
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    texts, finishes = _streamed_choices(chunks, lambda choice: choice.text)
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert finishes == {0: ["length"], 1: ["length"], 2: ["length"]}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30 == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+    prompts = ["Hello there", "def f(x):"]
+    kw2 = dict(model=NAME, prompt=prompts, n=2, max_tokens=6, temperature=0.8, seed=5, extra_body={"ignore_eos": True})
+    whole2 = client.completions.create(**kw2)
+    chunks2 = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw2))
+    texts2, finishes2 = _streamed_choices(chunks2, lambda choice: choice.text)
+    assert texts2 == {c.index: c.text for c in whole2.choices} and sorted(texts2) == [0, 1, 2, 3]
+    assert all(f == ["length"] for f in finishes2.values()) and len(finishes2) == 4
+    assert chunks2[-1].usage.completion_tokens == 24 == whole2.usage.completion_tokens
+
+
+def test_chat_n_streamed_equals_non_streamed_for_a_seed(client):
+    """Chat with n = 2, seeded: per choice one role chunk first, the streamed content equals the
+    non-streamed message, one finish reason, usage over both choices."""
+    kwargs = dict(model=NAME, messages=[{"role": "user", "content": "Tell me a story."}], n=2, max_tokens=8,
+                  temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    assert len(whole.choices) == 2 and whole.choices[0].message.content != whole.choices[1].message.content
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    texts, finishes = _streamed_choices(chunks, lambda choice: choice.delta.content)
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert finishes == {0: ["length"], 1: ["length"]}
+    roles = [(ch.index, ch.delta.role) for c in chunks for ch in c.choices if ch.delta.role is not None]
+    assert roles == [(0, "assistant"), (1, "assistant")]
+    for i in (0, 1):
+        first = next(ch for c in chunks for ch in c.choices if ch.index == i)
+        assert first.delta.role == "assistant", "a choice's first chunk carries the role"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16 == whole.usage.completion_tokens
+
+
 def test_64_concurrent_streaming_clients(server):
     """64 streams at once (chat and completions): no errors, every stream well formed and
     complete, its text equal to the same request made alone and not streamed."""
@@ -479,5 +534,34 @@ def test_dead_core_gives_503_and_failing_health(tiny_llama):
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
         assert httpx.get(s.url + "/health").status_code == 503
         assert time.monotonic() - t0 < 5
+    finally:
+        s.stop()
+
+
+# ============================================================================ the real model
+@pytest.mark.model
+def test_smollm2_chat_through_the_server_equals_llm_chat(smollm2_dir, make_llm):
+    """SmolLM2-135M-Instruct behind our server: a greedy chat completion (the model's own chat
+    template, applied by the server) is LLM.chat's text for the same messages, whole and streamed,
+    and it is the model answering (the question has one right answer), not a random checkpoint."""
+    from mini_vllm import SamplingParams
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ref = make_llm(smollm2_dir, max_model_len=256).chat(messages, SamplingParams(temperature=0, max_tokens=12),
+                                                         use_tqdm=False)[0]
+    assert "Paris" in ref.outputs[0].text
+    s = ServerThread(smollm2_dir)
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+        assert r.choices[0].message.content == ref.outputs[0].text
+        assert r.choices[0].finish_reason == ref.outputs[0].finish_reason
+        assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert r.usage.completion_tokens == len(ref.outputs[0].token_ids)
+        chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
+        assert chunks[-1].usage.completion_tokens == len(ref.outputs[0].token_ids)
+        s.wait_idle()
     finally:
         s.stop()
