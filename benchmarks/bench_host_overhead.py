@@ -3,6 +3,9 @@ costs next to nothing.
 
     python -m benchmarks.bench_host_overhead            # batch 1 / 64 / 256 -> results/host_overhead_cpu.json
     python -m benchmarks.bench_host_overhead --smoke    # the code path at CI size
+    python -m benchmarks.bench_host_overhead --name base_1 --out-dir /tmp/ab ...   # one run of an A/B
+    python -m benchmarks.bench_host_overhead --before /tmp/ab/base_*.json --after /tmp/ab/new_*.json
+                                                        # -> results/host_overhead_cpu.json, before vs after
 
 Why: on an H200 a pure decode step at batch 256 took 14.4 ms while the GPU was busy 9.3 ms
 (results/engine_gpu_profile.json) — the host phases (schedule, prepare inputs, graph buffer fill,
@@ -10,8 +13,9 @@ update_from_output, output processing) run one after another each step and the G
 time is host time: with a tiny random model (2 layers, hidden 64, a small vocabulary) the model's
 compute is negligible and what a CPU measures per step is the engine's bookkeeping.
 
-Each phase is timed by wrapping the engine's methods from the outside (time.perf_counter around
-the call, accumulated per step), as `profile_decode_step.named_phases` does with
+Each phase is timed by wrapping the engine's methods from the outside (time.perf_counter and the
+thread's CPU time, time.thread_time, around the call, accumulated per step; on a shared machine
+the CPU time is the steadier of the two: it leaves out the time the thread was descheduled), as `profile_decode_step.named_phases` does with
 record_function: the engine carries no timing code. Phases nest (execute_model contains
 update_states, prepare_inputs, forward and sample); `step` is the whole LLMEngine.step().
 `graph buffer fill` is `DecodeBuffers.fill` — on a GPU it copies each step's inputs into the
@@ -65,8 +69,11 @@ def _resolve(root, path):
 
 
 @contextlib.contextmanager
-def timed_phases(engine, totals: dict[str, float]):
-    """Wrap the engine's phase methods so that each call adds its wall time to totals[phase]."""
+def timed_phases(engine, totals: dict[str, float], cpu_totals: dict[str, float] | None = None):
+    """Wrap the engine's phase methods so that each call adds its wall time to totals[phase]
+    (and this thread's CPU time to cpu_totals[phase]: on a shared, loaded machine the time the
+    thread was descheduled inflates the wall clock, not the CPU time)."""
+    cpu_totals = defaultdict(float) if cpu_totals is None else cpu_totals
     patched = []
     for path, method, label in PHASES:
         obj = _resolve(engine, path)
@@ -75,11 +82,12 @@ def timed_phases(engine, totals: dict[str, float]):
         original = getattr(obj, method)
 
         def wrapped(*args, _original=original, _label=label, **kwargs):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return _original(*args, **kwargs)
             finally:
                 totals[_label] += time.perf_counter() - t0
+                cpu_totals[_label] += time.thread_time() - c0
 
         setattr(obj, method, wrapped)
         patched.append((obj, method))
@@ -136,23 +144,29 @@ def measure_batch(llm, batch_size: int, context: int, steps: int, warmup: int, v
     for _ in range(warmup):
         engine.step()
     per_step: dict[str, list[float]] = defaultdict(list)
+    per_step_cpu: dict[str, list[float]] = defaultdict(list)
     digest = hashlib.sha1()
     for _ in range(steps):
         totals: dict[str, float] = defaultdict(float)
-        with timed_phases(engine, totals):
-            t0 = time.perf_counter()
+        cpu_totals: dict[str, float] = defaultdict(float)
+        with timed_phases(engine, totals, cpu_totals):
+            t0, c0 = time.perf_counter(), time.thread_time()
             outputs = engine.step()
-            totals["step"] = time.perf_counter() - t0
+            totals["step"], cpu_totals["step"] = time.perf_counter() - t0, time.thread_time() - c0
         if not is_full_decode(engine, batch_size):
             raise RuntimeError(f"batch {batch_size}: a timed step was not a pure decode")
+        c0 = time.thread_time()
         totals["graph buffer fill (CPU copy)"] = _graph_fill_seconds(buffers, engine.last_step.model_inputs)
+        cpu_totals["graph buffer fill (CPU copy)"] = time.thread_time() - c0
         for out in sorted(outputs, key=lambda o: o.request_id):
             digest.update(f"{out.request_id}:{out.outputs[0].token_ids[-1]};".encode())
-        for name, seconds in totals.items():
-            per_step[name].append(seconds)
+        for name in totals:
+            per_step[name].append(totals[name])
+            per_step_cpu[name].append(cpu_totals[name])
     engine.abort_request(ids)
     phases = {name: round(1000 * statistics.median(v), 4) for name, v in per_step.items()}
-    return dict(batch_size=batch_size, context=context, steps=steps, phases_ms=phases,
+    phases_cpu = {name: round(1000 * statistics.median(v), 4) for name, v in per_step_cpu.items()}
+    return dict(batch_size=batch_size, context=context, steps=steps, phases_ms=phases, phases_cpu_ms=phases_cpu,
                 step_ms=phases["step"], tokens_sha1=digest.hexdigest())
 
 
@@ -175,7 +189,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--name", default=None, help="result file name (default host_overhead_cpu[_smoke])")
+    parser.add_argument("--before", nargs="+", type=Path, help="summarise: result files of the old commit's runs")
+    parser.add_argument("--after", nargs="+", type=Path, help="... and of the new commit's (with --before)")
+    parser.add_argument("--commits", nargs=2, metavar=("BEFORE", "AFTER"),
+                        help="summarise: name the two commits (runs from an exported tree know none)")
     args = parser.parse_args(argv)
+    if args.before or args.after:
+        return summarise_ab(args.before, args.after, args.out_dir, args.commits)
     if args.smoke:
         args.batch_sizes, args.steps, args.warmup, args.context = [1, 8], 4, 1, 16
     # The phases are single-threaded Python; one intra-op thread keeps the tiny forward from
@@ -189,7 +209,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows = [measure_batch(llm, b, args.context, args.steps, args.warmup, TINY["vocab_size"])
                 for b in args.batch_sizes]
         llm.shutdown()
-    workload = dict(model="random Qwen3-shaped, tiny: the forward is negligible, the phases are the host's",
+    workload = dict(model="random Qwen3-shaped, tiny (2 layers, hidden 64, vocab 2048): forward and sample are "
+                          "the only phases that compute; the others are the engine's host bookkeeping",
                     config=TINY, dtype="float32", attention_backend="cpu", context=args.context,
                     steps=args.steps, max_num_seqs=max(args.batch_sizes), sampling="greedy, detokenize=False",
                     threads=args.threads,
@@ -197,8 +218,49 @@ def main(argv: list[str] | None = None) -> dict:
     name = args.name or ("host_overhead_cpu_smoke" if args.smoke else "host_overhead_cpu")
     path = write_result(name, workload, rows, args.out_dir)
     for row in rows:
-        print(f"batch {row['batch_size']}: " + ", ".join(f"{k.strip()} {v}" for k, v in row["phases_ms"].items()))
+        print(f"batch {row['batch_size']} (thread CPU ms): "
+              + ", ".join(f"{k.strip()} {v}" for k, v in row["phases_cpu_ms"].items()))
     print(f"wrote {path}")
+    return dict(workload=workload, rows=rows)
+
+
+def summarise_ab(before: list[Path], after: list[Path], out_dir: str | Path | None = None,
+                 commits: list[str] | None = None) -> dict:
+    """Interleaved before/after runs (one result file per run, from the old and the new commit
+    run alternately) -> host_overhead_cpu.json: per batch size and phase, the median over the
+    runs of each run's median, both sides, and after / before. The greedy tokens must agree."""
+    import json
+
+    def load(paths):
+        return [json.loads(Path(p).read_text()) for p in paths]
+
+    runs = {"before": load(before), "after": load(after)}
+    digests = {(r["batch_size"], r["tokens_sha1"]) for side in runs.values() for run in side for r in run["rows"]}
+    batch_sizes = [r["batch_size"] for r in runs["after"][0]["rows"]]
+    if len(digests) != len(batch_sizes):
+        raise ValueError(f"the greedy tokens differ between the runs: {sorted(digests)}")
+    rows = []
+    for i, b in enumerate(batch_sizes):
+        row = dict(batch_size=b)
+        for key, out_key in (("phases_ms", "wall"), ("phases_cpu_ms", "thread_cpu")):
+            phases = {}
+            for name in runs["after"][0]["rows"][i][key]:
+                med = {side: round(statistics.median(run["rows"][i][key][name] for run in side_runs), 3)
+                       for side, side_runs in runs.items()}
+                phases[name.strip()] = dict(before_ms=med["before"], after_ms=med["after"],
+                                            after_over_before=round(med["after"] / med["before"], 2)
+                                            if med["before"] else None)
+            row[out_key] = phases
+        rows.append(dict(row, tokens_identical=True))
+    workload = dict(runs["after"][0]["workload"], rounds=len(runs["after"]),
+                    load_average_per_run={side: [run["workload"]["load_average"] for run in side_runs]
+                                          for side, side_runs in runs.items()},
+                    commits=dict(zip(runs, commits)) if commits else
+                    {side: sorted({str(run["workload"]["git_commit"]) for run in side_runs}) for side, side_runs in runs.items()},
+                    how="the old and the new commit's benchmark run alternately (before, after, before, ...), "
+                        "each run in a fresh process; per phase the median over the runs of each run's median")
+    workload.pop("load_average", None)
+    write_result("host_overhead_cpu", workload, rows, out_dir)
     return dict(workload=workload, rows=rows)
 
 
