@@ -477,11 +477,15 @@ class Scheduler:
         index = model_runner_output.req_id_to_index
         failed = model_runner_output.failed
         stopped_running: set[int] = set()
+        # Looked up once, not per request: this loop runs for every scheduled request every step,
+        # host time a GPU waits for at large batches.
+        requests, cache_blocks = self.requests, self.kv_cache_manager.cache_blocks
+        max_model_len = self.max_model_len
         for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if request is None or request.is_finished:
+            request = requests.get(req_id)
+            if request is None or RequestStatus.is_finished(request.status):
                 continue     # aborted while the model was running: drop its tokens
-            if req_id in failed:
+            if failed and req_id in failed:
                 # Its K/V may be half written: freed, never cached. The others go on.
                 self._free_request(request, RequestStatus.FINISHED_ERROR, owns_kv=True, message=failed[req_id])
                 stopped_running.add(id(request))
@@ -502,11 +506,11 @@ class Scheduler:
                 if request.streaming_input:
                     generated = []    # the input is still open: those logits belong to an unfinished prompt
             # The forward pass wrote the K/V of every computed token: full blocks may now be hit.
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            cache_blocks(request, request.num_computed_tokens)
             stopped = False
             for n, token_id in enumerate(generated, 1):
                 request.append_output_token_ids(token_id)
-                if check_stop(request, self.max_model_len):
+                if check_stop(request, max_model_len):
                     generated = generated[:n]       # tokens after the stop are dropped
                     stopped = True
                     break

@@ -53,6 +53,11 @@ class DecodeBuffers:
         self.block_tables = torch.zeros(max_size, max_num_blocks_per_req, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(max_size, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)   # 1 token per row
+        # Rows >= num_real hold padding: a fill writes padding only over the rows the previous fill
+        # made real, not over the whole bucket every step — in a run of decode steps the batch size
+        # does not change, and each padding write is a kernel launch on a GPU. Unknown at first
+        # (the buffers may have been written by anyone): the first fill pads every row it does not fill.
+        self.num_real = max_size
 
     def metadata(self, size: int, max_seq_len: int) -> AttentionMetadata:
         """Views of the first `size` rows: the same memory at capture and at every replay."""
@@ -75,12 +80,19 @@ class DecodeBuffers:
         self.seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
         self.block_tables[:n, :width].copy_(md.block_tables, non_blocking=True)
         # Padding rows: token 0 at position 0, written nowhere (slot -1), attending to one slot of block 0.
-        self.input_ids[n:size] = 0
-        self.positions[n:size] = 0
-        self.slot_mapping[n:size] = -1
-        self.seq_lens[n:size] = 1
-        self.block_tables[n:size] = 0
+        # Rows >= num_real are padding already; only rows the last fill made real need it again.
+        if n < self.num_real:
+            self.pad_rows(n, self.num_real)
+        self.num_real = n
         ### END SOLUTION
+
+    def pad_rows(self, start: int, stop: int) -> None:
+        """Make rows start..stop-1 padding rows."""
+        self.input_ids[start:stop] = 0
+        self.positions[start:stop] = 0
+        self.slot_mapping[start:stop] = -1
+        self.seq_lens[start:stop] = 1
+        self.block_tables[start:stop] = 0
 
 
 class CUDAGraphRunner:
@@ -115,10 +127,8 @@ class CUDAGraphRunner:
             raise RuntimeError("capture() needs CUDA; this runner was built with eager=True")
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.capture_sizes):
-            self.buffers.input_ids[:size] = 0
-            self.buffers.slot_mapping[:size] = -1       # an all-padding batch: capture writes no KV
-            self.buffers.seq_lens[:size] = 1
-            self.buffers.block_tables[:size] = 0
+            self.buffers.pad_rows(0, size)              # an all-padding batch: capture writes no KV
+            self.buffers.num_real = 0
             for _ in range(2):                          # warm-up: Triton compiles, allocator settles
                 self._forward(size)
             torch.cuda.synchronize()

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from paged_attention.block_table import compute_slot_mapping
 from paged_attention.metadata import AttentionMetadata
 
 from mini_vllm.logits_processors import OutputTokens
@@ -186,6 +185,14 @@ class InputBatch:
         self.token_ids[row, n] = token_id
         self.num_tokens[row] = n + 1
 
+    def append_tokens(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """`append_token` for many distinct rows at once, one token each (a decode step)."""
+        n = self.num_tokens[rows]
+        if n.size and int(n.max()) >= self.max_model_len:
+            raise IndexError(f"a row already holds max_model_len={self.max_model_len} tokens")
+        self.token_ids[rows, n] = token_ids
+        self.num_tokens[rows] = n + 1
+
     def output_tokens(self, rows: np.ndarray, extra: np.ndarray | None = None,
                       device: str | torch.device = "cpu") -> OutputTokens:
         """Each row's output tokens so far (+ its first extra[r] drafts), one padded tensor for the
@@ -228,19 +235,24 @@ class InputBatch:
             raise RuntimeError(f"scheduled past the tokens the runner has for {[self.req_ids[rows[i]] for i in overrun]}: "
                                "scheduler and runner disagree")
         width = max(1, int(self.num_blocks[rows].max()))
-        block_tables = torch.from_numpy(np.ascontiguousarray(self.block_table[rows, :width])).to(device)
-        positions_t = torch.from_numpy(positions).to(device)
-        # Chapter 01's vectorized slot mapping, over the block tables just built.
-        slot_mapping = compute_slot_mapping(block_tables, torch.from_numpy(req_indices).to(device), positions_t,
-                                            block_size, check_values=False)
+        table = self.block_table[rows, :width]                                     # [n, width] (a copy)
+        # Chapter 01's slot mapping (`compute_slot_mapping`: block of the position, times block_size,
+        # plus the offset in it), on the host in numpy as vLLM's BlockTable.compute_slot_mapping does:
+        # no device ops, and the result travels with the other index arrays.
+        slot_mapping = table[req_indices, positions // block_size].astype(np.int64) * block_size + positions % block_size
         query_start_loc = np.zeros(n + 1, dtype=np.int32)
         query_start_loc[1:] = cu_num_tokens
+        # Three host-to-device copies instead of seven: the int64 arrays in one, the int32 ones in
+        # another, the block table; each tensor is a view of its copy.
+        int64 = torch.from_numpy(np.concatenate((input_ids.astype(np.int64), positions, slot_mapping,
+                                                 logits_indices))).to(device)
+        int32 = torch.from_numpy(np.concatenate((seq_lens.astype(np.int32), query_start_loc))).to(device)
+        input_ids_t, positions_t, slot_mapping_t, logits_indices_t = int64.split(
+            (total, total, total, len(logits_indices)))
         md = AttentionMetadata(
-            slot_mapping=slot_mapping, block_tables=block_tables,
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-            query_start_loc=torch.from_numpy(query_start_loc).to(device),
+            slot_mapping=slot_mapping_t, block_tables=torch.from_numpy(table).to(device),
+            seq_lens=int32[:n], query_start_loc=int32[n:],
             max_query_len=int(num_scheduled.max()), max_seq_len=int(seq_lens.max()))
-        inputs = ModelInputs(input_ids=torch.from_numpy(input_ids.astype(np.int64)).to(device),
-                             positions=positions_t, attn_metadata=md,
-                             logits_indices=torch.from_numpy(logits_indices).to(device))
+        inputs = ModelInputs(input_ids=input_ids_t, positions=positions_t, attn_metadata=md,
+                             logits_indices=logits_indices_t)
         return inputs, rows[sample_rows]

@@ -58,6 +58,10 @@ class RequestState:
     cumulative_logprob: float | None = None
     num_cached_tokens: int = 0
     sent_tokens: int = 0                 # DELTA: tokens already sent
+    # Token ids only, cumulative, one completion: no text, no logprobs, no parent, no beams.
+    # Such a request's running steps take `_plain_output` (what the general path computes for
+    # it, without the branches that cannot apply): the GPU waits for this loop at large batches.
+    plain: bool = False
 
 
 class OutputProcessor:
@@ -82,10 +86,18 @@ class OutputProcessor:
             self.request_states[child_id] = RequestState(
                 child_id, prompt, prompt_token_ids, params, detokenizer, RequestMetrics(arrival_time),
                 logprobs=[] if params.logprobs is not None else None,
-                cumulative_logprob=0.0 if params.logprobs is not None else None)
+                cumulative_logprob=0.0 if params.logprobs is not None else None,
+                plain=self._is_plain(params, detokenizer, parent))
             if parent:
                 self.parents[child_id] = parent
                 parent.first_state = parent.first_state or self.request_states[child_id]
+
+    @staticmethod
+    def _is_plain(params: SamplingParams, detokenizer, parent) -> bool:
+        """May this request's running steps take `_plain_output`? (See RequestState.plain.)"""
+        return (detokenizer is None and parent is None and params.logprobs is None
+                and params.output_kind == RequestOutputKind.CUMULATIVE
+                and not isinstance(params, BeamSearchSamplingParams))
 
     def child_ids(self, request_id: str) -> list[str]:
         """The ids the engine core knows a request by: its own, and its children's when n > 1."""
@@ -121,22 +133,31 @@ class OutputProcessor:
             self._observe_spec_decode(step)
         request_outputs: list[RequestOutput] = []
         reqs_to_stop: list[str] = []
+        # Read once per step, not once per request: at batch 256 this loop is host time the GPU
+        # waits for, and most steps have no errors, no prompt logprobs and no logprobs at all.
+        states, errors, step_logprobs = self.request_states, step.errors, step.logprobs
+        step_prompt_logprobs = step.prompt_logprobs
         for core_output in step.outputs:
-            state = self.request_states.get(core_output.request_id)
-            if state is None or core_output.request_id in step.errors:
+            request_id = core_output.request_id
+            state = states.get(request_id)
+            if state is None or (errors and request_id in errors):
                 continue                  # aborted meanwhile; errors are reported below
-            if isinstance(state.params, BeamSearchSamplingParams) and core_output.finished:
-                self._release_beam_slots(core_output.request_id)
+            if core_output.finished and isinstance(state.params, BeamSearchSamplingParams):
+                self._release_beam_slots(request_id)
                 if isinstance(core_output, BeamSearchCoreOutput):
-                    del self.request_states[core_output.request_id]
+                    del states[request_id]
                     state.metrics.finished_time = state.metrics.first_token_time = now
                     request_outputs.append(self._beam_search_output(state, core_output))
                     continue
             new_ids = core_output.new_token_ids
             state.num_cached_tokens = core_output.num_cached_tokens
-            if core_output.request_id in step.prompt_logprobs:
+            if state.plain and new_ids and core_output.finish_reason is None and not (
+                    step_prompt_logprobs and request_id in step_prompt_logprobs):
+                request_outputs.append(self._plain_output(state, new_ids, core_output.stop_reason, now))
+                continue
+            if step_prompt_logprobs and request_id in step_prompt_logprobs:
                 state.prompt_logprobs = [None] + [self._logprob_entry(state, entry)
-                                                  for entry in step.prompt_logprobs[core_output.request_id]]
+                                                  for entry in step_prompt_logprobs[request_id]]
             finish_reason = str(core_output.finish_reason) if core_output.finish_reason is not None else None
             stop_reason = core_output.stop_reason
             stop_str = None
@@ -144,11 +165,11 @@ class OutputProcessor:
                 if state.detokenizer is not None:
                     # EOS / a stop token ended it (the scheduler said "stop"): no stop-string search.
                     new_ids, stop_str = self._detokenize(state, new_ids, finish_reason == "stop")
-                self._append_tokens(state, new_ids, step.logprobs.get(core_output.request_id), now)
+                self._append_tokens(state, new_ids, step_logprobs.get(request_id) if step_logprobs else None, now)
                 if state.detokenizer is not None:
                     if stop_str is not None:
                         if finish_reason is None:       # still running in the scheduler: finish it there
-                            reqs_to_stop.append(core_output.request_id)
+                            reqs_to_stop.append(request_id)
                         finish_reason, stop_reason = "stop", stop_str
             if finish_reason is not None:
                 state.metrics.finished_time = now
@@ -161,8 +182,8 @@ class OutputProcessor:
             if output is not None:
                 request_outputs.append(output)
             if finish_reason is not None:
-                del self.request_states[core_output.request_id]
-        for request_id, message in step.errors.items():
+                del states[request_id]
+        for request_id, message in errors.items():
             state = self.request_states.pop(request_id, None)
             if state is not None:
                 state.metrics.finished_time = now
@@ -207,11 +228,26 @@ class OutputProcessor:
         metrics.last_token_time = now
         metrics.token_times.extend([now] * len(new_ids))
         state.output_token_ids.extend(new_ids)
-        if state.logprobs is not None and logprobs is not None:
+        if logprobs is not None and state.logprobs is not None:
             # One entry per emitted token (zip: tokens cut after a stop are dropped with theirs).
             for _, entry in zip(new_ids, logprobs):
                 state.logprobs.append(self._logprob_entry(state, entry))
                 state.cumulative_logprob += entry[1][0]
+
+    @staticmethod
+    def _plain_output(state: RequestState, new_ids: list[int], stop_reason, now: float) -> RequestOutput:
+        """A plain request's running step (RequestState.plain): `_append_tokens` and
+        `_make_request_output` of the general path, with only the branches that apply to it.
+        The tests check both paths give equal RequestOutputs."""
+        metrics = state.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        metrics.token_times.extend([now] * len(new_ids))
+        state.output_token_ids.extend(new_ids)
+        completion = CompletionOutput(0, "", state.output_token_ids[:], None, None, None, stop_reason)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], False,
+                             metrics, state.num_cached_tokens, prompt_logprobs=state.prompt_logprobs)
 
     def _logprob_entry(self, state: RequestState, entry: tuple[list[int], list[float], int]) -> dict[int, Logprob]:
         """(ids, logprobs, rank) -> {id: Logprob}: column 0 is the chosen token (sampled, or the
@@ -240,10 +276,10 @@ class OutputProcessor:
             if not token_ids and not text and not finished:
                 return None               # nothing new to say this step
         else:
-            token_ids, logprobs = list(state.output_token_ids), state.logprobs
-        parent = self.parents.get(state.request_id)
+            token_ids, logprobs = state.output_token_ids[:], state.logprobs
+        parent = self.parents.get(state.request_id) if self.parents else None    # (most steps: no n > 1)
         completion = CompletionOutput(parent.index_of(state.request_id) if parent else 0, text, token_ids,
-                                      state.cumulative_logprob, list(logprobs) if logprobs is not None else None,
+                                      state.cumulative_logprob, logprobs[:] if logprobs is not None else None,
                                       finish_reason, stop_reason)
         if parent is not None:
             return self._parent_output(parent, state, completion)

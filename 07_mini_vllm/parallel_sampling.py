@@ -103,7 +103,7 @@ class ForkingScheduler(Scheduler):
         block table and the tokens. The step's copy-on-write pairs go out as blocks_to_copy."""
         resend = self._unsent | self._rewritten
         self._rewritten = set()
-        for kind in (step.running_reqs, step.new_reqs):
+        for kind in ((step.running_reqs, step.new_reqs) if resend else ()):     # (usually nothing to resend)
             for request in [r for r in kind if r.request_id in resend]:
                 kind.remove(request)
                 step.resumed_reqs.append(request)

@@ -154,3 +154,20 @@ def test_parallel_sampling_memory_quick(tmp_path):
     for r in result["rows"]:
         assert r["block_steps_shared"] < r["block_steps_unshared"] and 0 < r["memory_saving"] < 1
     assert (tmp_path / "parallel_sampling_memory_quick.json").exists()
+
+
+def test_host_overhead_benchmark_smoke(tmp_path):
+    """Per-phase host time of pure decode steps: every phase is found and timed, the steps
+    really are full-batch decodes, and the greedy tokens are hashed for before/after checks."""
+    from benchmarks import bench_host_overhead
+
+    result = bench_host_overhead.main(["--smoke", "--out-dir", str(tmp_path)])
+    data = json.loads((tmp_path / "host_overhead_cpu_smoke.json").read_text())
+    assert [r["batch_size"] for r in data["rows"]] == [1, 8] and len(data["workload"]["load_average"]) == 3
+    for row in result["rows"]:
+        phases = row["phases_ms"]
+        assert {"schedule", "execute_model", "  update_states", "  prepare_inputs", "  forward", "  sample",
+                "update_from_output", "output processing", "graph buffer fill (CPU copy)"} <= set(phases)
+        assert all(v > 0 for v in phases.values())
+        assert phases["step"] >= phases["execute_model"] >= phases["  forward"]     # (each step contains them)
+        assert len(row["tokens_sha1"]) == 40

@@ -49,6 +49,21 @@ def test_fill_pads_with_rows_that_write_nothing():
         buffers.fill(decode_batch([([5, 6, 7], [3])] * 3, 4), size=2)
 
 
+def test_a_smaller_fill_pads_the_rows_the_last_one_filled():
+    """Padding is written only where the previous fill put real rows: a batch that shrinks
+    within its bucket leaves padding, never the last step's tokens and slots, behind it."""
+    buffers = DecodeBuffers(max_size=8, max_num_blocks_per_req=16, device=torch.device("cpu"))
+    buffers.fill(decode_batch([([5, 6, 7], [3]), ([8, 9, 10, 11, 12], [1, 4]), ([1, 2], [2])], 4), size=4)
+    assert buffers.seq_lens[:4].tolist() == [3, 5, 2, 1]
+    buffers.fill(decode_batch([([5, 6, 7], [3])], 4), size=4)
+    md = buffers.metadata(4, max_seq_len=64)
+    assert buffers.input_ids[:4].tolist() == [7, 0, 0, 0] and buffers.positions[:4].tolist() == [2, 0, 0, 0]
+    assert md.slot_mapping.tolist() == [3 * 4 + 2, -1, -1, -1] and md.seq_lens.tolist() == [3, 1, 1, 1]
+    assert md.block_tables[1:].tolist() == [[0] * 16] * 3
+    buffers.fill(decode_batch([([5, 6, 7], [3])] * 2, 4), size=2)     # grows again, another bucket
+    assert buffers.seq_lens.tolist() == [3, 3, 1, 1, 1, 1, 1, 1] and (buffers.slot_mapping[2:] == -1).all()
+
+
 @torch.inference_mode()
 def test_padded_bucket_gives_the_real_rows_the_unpadded_result(tiny_engine_models):
     """The CUDA-graph path's padding, run eagerly on a CPU: 3 decodes padded to a bucket of 4

@@ -75,3 +75,29 @@ def test_bad_input():
         prepare_inputs([[1], []], [0, 3], [[0], [1]], block_size=4)
     with pytest.raises(ValueError, match="one entry per request"):
         prepare_inputs([[1], [1]], [0], [[0], [1]], block_size=4)
+
+
+def test_append_tokens_is_append_token_for_each_row():
+    """A decode step's vectorized write (one token into each of several rows, in any order)
+    leaves the batch exactly as one append_token per row does; a full row refuses, changing nothing."""
+    import numpy as np
+
+    from mini_vllm.input_batch import CachedRequestState, InputBatch
+    from mini_vllm.sampling_params import SamplingParams
+
+    def batch():
+        b = InputBatch(4, 8, 2)
+        for i, prompt in enumerate([[1, 2], [3], [4, 5, 6], [7] * 7]):
+            b.add_request(CachedRequestState(f"r{i}", prompt, SamplingParams(), None, [i], len(prompt)))
+        return b
+
+    one, many = batch(), batch()
+    for row, token in [(2, 30), (0, 10), (1, 20)]:
+        one.append_token(row, token)
+    many.append_tokens(np.array([2, 0, 1]), np.array([30, 10, 20], dtype=np.int32))
+    assert (one.token_ids == many.token_ids).all() and (one.num_tokens == many.num_tokens).all()
+    many.append_tokens(np.array([3]), np.array([40], dtype=np.int32))      # row 3 reaches max_model_len
+    before = many.token_ids.copy(), many.num_tokens.copy()
+    with pytest.raises(IndexError, match="max_model_len"):
+        many.append_tokens(np.array([0, 3]), np.array([11, 41], dtype=np.int32))
+    assert (many.token_ids == before[0]).all() and (many.num_tokens == before[1]).all()
