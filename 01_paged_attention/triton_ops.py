@@ -393,7 +393,8 @@ def v2_tile_for(block_size: int, target_tokens: int) -> int:
 # Per-iteration KV tile (tokens) by element size: a 64-token tile of K + V at head_dim 128 in
 # 16-bit is 32 KiB per program per step (v1's 16 tokens: 8 KiB, too little in flight to hide
 # HBM latency, with the block-table lookup on the critical path of every step). fp32 keeps
-# 32 tokens (same bytes). Set by reasoning, NOT measured: `--sweep` measures the grid.
+# 32 tokens (same bytes). Tile, warps and stages: from one H200 measurement of v1
+# (benchmarks/results/triton_decode_sweep_h200.json); v2 itself is unmeasured: `--sweep` times its grid.
 DECODE_TILE_TOKENS = {2: 64, 4: 32}
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 4       # measured (H200, v1 tile 64, 4 warps): 4 stages 0.91x-1.01x SDPA, 2 stages 0.70x-0.92x
@@ -404,8 +405,9 @@ def choose_decode_config(num_seqs: int, num_kv_heads: int, max_seq_len: int, hea
                          dtype: torch.dtype, block_size: int = 16) -> DecodeConfig:
     """The launch for one decode call (vLLM: the tile/warps picks in triton_unified_attention).
 
-    Rule (defaults from reasoning; `python -m benchmarks.bench_paged_attention --sweep` on a GPU
-    measures the grid and these constants are to be reset from it):
+    Rule (tile / warps / stages measured for v1 on an H200, the rest from reasoning;
+    `python -m benchmarks.bench_paged_attention --sweep` on a GPU measures v2's grid and these
+    constants are to be reset from it):
       * v2 with `v2_tile_for`'s tile (whole blocks, or slices of a big power-of-two block)
         when the block size is >= 8 and padding it to a power of two wastes <= 1/4 of the rows
         (12 -> 16 yes, 5 -> 8 no) and the tile has at most twice the target's rows (200 -> 256

@@ -136,13 +136,13 @@ def test_choose_decode_config():
     above) and compiles without spills (test_triton_compile.py)."""
     from paged_attention.triton_ops import DecodeConfig, choose_decode_config
     bf16 = torch.bfloat16
-    assert choose_decode_config(128, 8, 8192, 128, bf16, 16) == DecodeConfig("v2", 64, 4, 2, 1)
-    assert choose_decode_config(1, 8, 32768, 128, bf16, 16) == DecodeConfig("v2", 64, 4, 2, 32)
+    assert choose_decode_config(128, 8, 8192, 128, bf16, 16) == DecodeConfig("v2", 64, 4, 4, 1)
+    assert choose_decode_config(1, 8, 32768, 128, bf16, 16) == DecodeConfig("v2", 64, 4, 4, 32)
     assert choose_decode_config(1, 8, 32768, 128, torch.float32, 16).tile == 32
     assert choose_decode_config(4, 8, 100, 64, bf16, 12).tile == 48           # 4 blocks of 12 (16 rows each)
     assert choose_decode_config(4, 8, 100, 64, bf16, 256).tile == 64          # a quarter of a 256-token block
     assert choose_decode_config(4, 8, 100, 64, bf16, 200).version == "v1"     # one 200-token block = 256 rows
-    assert choose_decode_config(4, 8, 100, 64, bf16, 5) == DecodeConfig("v1", 32, 4, 2, 1)   # 5 -> 8 rows: 3/8 padding
+    assert choose_decode_config(4, 8, 100, 64, bf16, 5) == DecodeConfig("v1", 32, 4, 4, 1)   # 5 -> 8 rows: 3/8 padding
     assert choose_decode_config(4, 8, 100, 64, bf16, 1).version == "v1"
 
 
