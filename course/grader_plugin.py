@@ -21,6 +21,8 @@ Jobs:
     code that wrote it);
   * selectors (COURSE_SELECT): a manifest id `file::func[torch]` reaches pytest as `file::func`;
     collection keeps only the parametrizations it selects;
+  * tests marked `gpu` are deselected on a machine without CUDA (as `make test` does): a test
+    that cannot run here is no part of a grade here, rather than a skip that counts as a miss;
   * each failure's one-line summary: the exception line and where it was raised.
 """
 import faulthandler
@@ -156,14 +158,21 @@ def pytest_runtest_setup(item):
         _marks_of[item.nodeid] = sorted({m.name for m in item.iter_markers()})
 
 
+def _runnable_here(item) -> bool:
+    """False for a `gpu` test on a machine without CUDA."""
+    if item.get_closest_marker("gpu") is None:
+        return True
+    import torch
+    return torch.cuda.is_available()
+
+
 def pytest_collection_modifyitems(config, items):
     """Selectors (`file::func[torch]`) reached pytest as their function: keep only the
-    parametrizations they select (course/runner.py: pytest_args)."""
-    if _SELECT is None:
-        return
+    parametrizations they select (course/runner.py: pytest_args), and only what can run here."""
     keep, drop = [], []
     for item in items:
-        (keep if any(_matches(item.nodeid, s) for s in _SELECT) else drop).append(item)
+        selected = _SELECT is None or any(_matches(item.nodeid, s) for s in _SELECT)
+        (keep if selected and _runnable_here(item) else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
