@@ -221,13 +221,18 @@ class OutputProcessor:
             if state is not None:
                 state.metrics.spec_drafting_time += spec.drafting_time
 
-    def _append_tokens(self, state: RequestState, new_ids: list[int], logprobs, now: float) -> None:
+    @staticmethod
+    def _append_token_ids(state: RequestState, new_ids: list[int], now: float) -> None:
+        """The step's tokens and their arrival times (what every request records)."""
         metrics = state.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.last_token_time = now
         metrics.token_times.extend([now] * len(new_ids))
         state.output_token_ids.extend(new_ids)
+
+    def _append_tokens(self, state: RequestState, new_ids: list[int], logprobs, now: float) -> None:
+        self._append_token_ids(state, new_ids, now)
         if logprobs is not None and state.logprobs is not None:
             # One entry per emitted token (zip: tokens cut after a stop are dropped with theirs).
             for _, entry in zip(new_ids, logprobs):
@@ -239,15 +244,10 @@ class OutputProcessor:
         """A plain request's running step (RequestState.plain): `_append_tokens` and
         `_make_request_output` of the general path, with only the branches that apply to it.
         The tests check both paths give equal RequestOutputs."""
-        metrics = state.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.last_token_time = now
-        metrics.token_times.extend([now] * len(new_ids))
-        state.output_token_ids.extend(new_ids)
+        OutputProcessor._append_token_ids(state, new_ids, now)
         completion = CompletionOutput(0, "", state.output_token_ids[:], None, None, None, stop_reason)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], False,
-                             metrics, state.num_cached_tokens, prompt_logprobs=state.prompt_logprobs)
+                             state.metrics, state.num_cached_tokens, prompt_logprobs=state.prompt_logprobs)
 
     def _logprob_entry(self, state: RequestState, entry: tuple[list[int], list[float], int]) -> dict[int, Logprob]:
         """(ids, logprobs, rank) -> {id: Logprob}: column 0 is the chosen token (sampled, or the
