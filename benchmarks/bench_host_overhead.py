@@ -28,7 +28,6 @@ code must leave them identical.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import os
 import statistics
@@ -40,6 +39,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import write_result
+from benchmarks.profile_decode_step import wrapped_phases
 
 # (object path from the LLMEngine, method name, phase name)
 PHASES = (
@@ -59,43 +59,22 @@ TINY = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_l
             rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 
 
-def _resolve(root, path):
-    obj = root
-    for name in path:
-        obj = getattr(obj, name, None)
-        if obj is None:
-            return None
-    return obj
-
-
-@contextlib.contextmanager
 def timed_phases(engine, totals: dict[str, float], cpu_totals: dict[str, float] | None = None):
     """Wrap the engine's phase methods so that each call adds its wall time to totals[phase]
     (and this thread's CPU time to cpu_totals[phase]: on a shared, loaded machine the time the
     thread was descheduled inflates the wall clock, not the CPU time)."""
     cpu_totals = defaultdict(float) if cpu_totals is None else cpu_totals
-    patched = []
-    for path, method, label in PHASES:
-        obj = _resolve(engine, path)
-        if obj is None or not hasattr(obj, method):
-            continue
-        original = getattr(obj, method)
 
-        def wrapped(*args, _original=original, _label=label, **kwargs):
+    def wrap(original, label):
+        def wrapped(*args, **kwargs):
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
-                return _original(*args, **kwargs)
+                return original(*args, **kwargs)
             finally:
-                totals[_label] += time.perf_counter() - t0
-                cpu_totals[_label] += time.thread_time() - c0
-
-        setattr(obj, method, wrapped)
-        patched.append((obj, method))
-    try:
-        yield
-    finally:
-        for obj, method in patched:
-            delattr(obj, method)          # the instance attribute goes; the class method shows again
+                totals[label] += time.perf_counter() - t0
+                cpu_totals[label] += time.thread_time() - c0
+        return wrapped
+    return wrapped_phases(engine, PHASES, wrap)
 
 
 def fill_decode(engine, batch_size: int, context: int, vocab_size: int, seed: int = 1) -> list[str]:

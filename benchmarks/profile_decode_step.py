@@ -48,26 +48,31 @@ def _resolve(root, path):
 
 
 @contextlib.contextmanager
-def named_phases(engine):
-    """Wrap the engine's phase methods in record_function ranges for the duration of the block."""
+def wrapped_phases(engine, phases, wrap):
+    """For the duration of the block, replace each phase method (path from the engine, method
+    name, label) by wrap(original, label) on its instance; the class methods show again after."""
     patched = []
-    for path, method, label in PHASES:
+    for path, method, label in phases:
         obj = _resolve(engine, path)
         if obj is None or not hasattr(obj, method):
             continue
-        original = getattr(obj, method)
-
-        def wrapped(*args, _original=original, _label=label, **kwargs):
-            with torch.profiler.record_function(f"phase: {_label}"):
-                return _original(*args, **kwargs)
-
-        setattr(obj, method, wrapped)
+        setattr(obj, method, wrap(getattr(obj, method), label))
         patched.append((obj, method))
     try:
         yield
     finally:
         for obj, method in patched:
             delattr(obj, method)          # the instance attribute goes; the class method shows again
+
+
+def named_phases(engine):
+    """Wrap the engine's phase methods in record_function ranges for the duration of the block."""
+    def wrap(original, label):
+        def wrapped(*args, **kwargs):
+            with torch.profiler.record_function(f"phase: {label}"):
+                return original(*args, **kwargs)
+        return wrapped
+    return wrapped_phases(engine, PHASES, wrap)
 
 
 def _device_time_us(event) -> float:
