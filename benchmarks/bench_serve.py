@@ -5,7 +5,7 @@ client, the same model, the same CPU, one after the other.
     python -m benchmarks.bench_serve --smoke               # tiny random model, ours only, seconds
     python -m benchmarks.bench_serve --vllm-venv /path/to/.venv-vllm   # where benchmarks.vllm_peer set it up
 
-Workload (fixed by --seed): prompts are windows of real English text (the Python documentation
+Workload (fixed by --seed; fresh prompts at each rate): prompts are windows of real English text (the Python documentation
 every Python installation ships, as bench_engine's), sent as text to /v1/completions with
 stream=True, ignore_eos and max_tokens = the drawn output length. Lengths follow a ShareGPT-like
 long-tailed distribution — lognormal, as the ShareGPT conversations vLLM benchmarks on are —
@@ -221,15 +221,26 @@ def run_vllm_client(python: Path, url: str, model_dir: Path, rate: float, num_pr
             "--random-output-len", str(output_len), "--num-prompts", str(num_prompts), "--request-rate", str(rate),
             "--ignore-eos", "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
             "50,99", "--goodput", f"ttft:{slo_ttft_ms}", f"tpot:{slo_tpot_ms}", "--save-result", "--result-dir",
-            str(out_dir), "--result-filename", f"{name}.json", "--disable-tqdm", "--num-warmups", "0"]
+            str(out_dir), "--result-filename", f"{name}.json", "--disable-tqdm", "--num-warmups", "0",
+            "--temperature", "0"]       # greedy, as our client asks (vLLM's client leaves it to the server)
     proc = subprocess.run([str(python), "-c", VLLM_CLIENT, *args], capture_output=True, text=True, env=peer_env(),
                           timeout=1800)
-    if proc.returncode != 0:
-        return dict(ok=False, error=(proc.stderr.strip().splitlines() or ["?"])[-1][:300])
+    if proc.returncode != 0 or not (out_dir / f"{name}.json").exists():
+        return dict(ok=False, returncode=proc.returncode, error=client_error(proc.stdout + proc.stderr))
     data = json.loads((out_dir / f"{name}.json").read_text())
     keep = ("completed", "failed", "request_throughput", "output_throughput", "request_goodput", "p50_ttft_ms",
             "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "p50_itl_ms", "p99_itl_ms", "p50_e2el_ms", "p99_e2el_ms")
     return dict(ok=True, **{k: round(data[k], 3) if isinstance(data.get(k), float) else data.get(k) for k in keep})
+
+
+NOISE = ("nanobind:", " - leaked", "Triton is installed", "See https://nanobind")
+
+
+def client_error(output: str) -> str:
+    """The last lines of a failed client's output that say something (not the Triton/nanobind chatter
+    every vLLM-CPU process prints at exit)."""
+    lines = [ln for ln in output.strip().splitlines() if ln.strip() and not ln.startswith(NOISE)]
+    return " | ".join(lines[-4:])[-600:] or "no output"
 
 
 class ServerStartError(RuntimeError):
@@ -238,11 +249,13 @@ class ServerStartError(RuntimeError):
         self.label = label
 
 
-def bench_servers(starters: dict, workload, rates, seed: int, slo, log_dir: Path,
+def bench_servers(starters: dict, workloads: list, rates, seed: int, slo, log_dir: Path,
                   vllm_client=None) -> tuple[list[dict], dict]:
     """Start every server (side by side, idle until asked), then at each rate run the same
     arrivals against each in turn — the order flipping from rate to rate — so that a shared
-    machine's drift falls on both alike."""
+    machine's drift falls on both alike. Each rate sends prompts of its own (`workloads[i]`):
+    prompts sent at an earlier rate would be prefix-cache hits on both servers, and the TTFT
+    measured would be a cache's, not a prefill's."""
     procs, urls, info = {}, {}, {}
     try:
         for label, start in starters.items():
@@ -256,12 +269,12 @@ def bench_servers(starters: dict, workload, rates, seed: int, slo, log_dir: Path
                 tail = (log_dir / f"{label}.log").read_text()[-1500:]
                 raise ServerStartError(label, f"{e}; its log ends: {tail}") from None
             # Warm-up: two requests (kernels, allocator), not timed.
-            asyncio.run(run_rate(urls[label], workload[:2], 100.0, seed))
+            asyncio.run(run_rate(urls[label], workloads[-1][:2], 100.0, seed))
         rows = []
         for i, rate in enumerate(rates):
             order = list(starters) if i % 2 == 0 else list(reversed(starters))
             for label in order:
-                results, duration = asyncio.run(run_rate(urls[label], workload, rate, seed))
+                results, duration = asyncio.run(run_rate(urls[label], workloads[i], rate, seed))
                 row = dict(server=label, request_rate=rate, **summarize(results, duration, *slo))
                 print(row, flush=True)
                 rows.append(row)
@@ -304,7 +317,7 @@ def plot(rows: list[dict], path: Path, slo) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0])
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0, 8.0])
     ap.add_argument("--num-prompts", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slo-ttft-ms", type=float, default=2500.0)
@@ -328,7 +341,10 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         model_dir = default_model_path()
         specs = (PROMPT_LEN, OUTPUT_LEN)
-    workload = make_workload(AutoTokenizer.from_pretrained(model_dir), args.num_prompts, args.seed, *specs)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # One set of prompts per rate (and one for the warm-up, the last): no prefix-cache hit across rates.
+    workloads = [make_workload(tokenizer, args.num_prompts, args.seed + i, *specs) for i in range(len(args.rates) + 1)]
+    workload = [w for ws in workloads[:-1] for w in ws]
     slo = (args.slo_ttft_ms, args.slo_tpot_ms)
     python = venv_python(args.vllm_venv)
     reason = "skipped (--skip-vllm)" if args.skip_vllm else (unavailable_reason(args.vllm_venv) if python else
@@ -345,13 +361,13 @@ def main(argv: list[str] | None = None) -> dict:
     if run_vllm:
         starters["vllm"] = lambda port, log: start_vllm(python, model_dir, port, log)
     try:
-        rows, servers = bench_servers(starters, workload, args.rates, args.seed, slo, tmp_dir,
+        rows, servers = bench_servers(starters, workloads, args.rates, args.seed, slo, tmp_dir,
                                       vllm_client if run_vllm else None)
     except ServerStartError as e:
         if not run_vllm or e.label != "vllm":
             raise
         reason, run_vllm = f"the vLLM server did not start: {e}", False      # ours alone, and say why
-        rows, servers = bench_servers({"mini_vllm": starters["mini_vllm"]}, workload, args.rates, args.seed, slo,
+        rows, servers = bench_servers({"mini_vllm": starters["mini_vllm"]}, workloads, args.rates, args.seed, slo,
                                       tmp_dir)
     max_rate_meeting_slo = {}
     for server in servers:
@@ -367,6 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
         model=Path(model_dir).name, dtype="float32", device="cpu", num_prompts=args.num_prompts, rates=args.rates,
         prompt_len=specs[0], output_len=specs[1], mean_prompt_tokens=mean_in, mean_output_tokens=mean_out,
         text="windows of the Python documentation (pydoc_data.topics), sent as text", arrivals="Poisson",
+        prompts_per_rate="drawn afresh at each rate (seed + rate index): no prefix-cache hit across rates",
         greedy=True, ignore_eos=True, max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
         slo=dict(ttft_ms=slo[0], tpot_ms=slo[1], met_when="at least 90% of requests meet both"),
         servers=servers, max_rate_meeting_slo=max_rate_meeting_slo, vllm=vllm_version,
