@@ -16,6 +16,7 @@ prints the KV cache size the engine chose at start-up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import logging
 import random
@@ -248,4 +249,5 @@ def cmd_serve(args) -> None:
         if args.model is not None and args.model != args.model_tag:
             raise SystemExit(f"two models given: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
-    run_server(args, engine_config(args))
+    # A server warms up before it answers /health (vLLM's CPU worker does): see EngineConfig.cpu_warm_up.
+    run_server(args, dataclasses.replace(engine_config(args), cpu_warm_up=True))

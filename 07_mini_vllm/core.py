@@ -80,6 +80,8 @@ class EngineCore:
         try:
             self.kv_cache_report = self._determine_kv_cache_size(baseline)
             self.model_executor.initialize_kv_cache(self.kv_cache_report.num_blocks, self.kv_cache_report.num_cpu_blocks)
+            if config.cpu_warm_up and device.type == "cpu":
+                self.model_executor.profile_run()        # the largest step once, before any client waits on it
         except BaseException:
             self.model_executor.shutdown()               # no worker outlives a failed start
             raise

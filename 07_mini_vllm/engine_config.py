@@ -137,6 +137,13 @@ class EngineConfig:
     tcmalloc for the same reason) instead of unmapping big buffers and page-faulting them back in every
     prefill step. Process-wide: once an engine has set it, it stays for the process."""
 
+    cpu_warm_up: bool = False
+    """CPU: at start-up, run one forward at the largest step the scheduler may ask for (`profile_run`:
+    max_num_batched_tokens tokens), so that the first large step a client sends does not also pay that
+    size's one-time costs (vLLM's CPU worker does the same: CPUModelRunner.warming_up_model). Off by
+    default, since it costs every engine start one full step; `python -m mini_vllm serve` turns it on.
+    On a GPU the memory profiling already runs that forward."""
+
     seed: int = 0
     """Seeds the random stream shared by sampled requests that bring no seed of their own."""
 
@@ -222,6 +229,8 @@ class EngineConfig:
         if self.cuda_graph_sizes is not None:
             if not self.cuda_graph_sizes or not all(isinstance(s, int) and s >= 1 for s in self.cuda_graph_sizes):
                 raise ValueError(f"cuda_graph_sizes must be a non-empty list of positive ints, got {self.cuda_graph_sizes!r}")
+        if not isinstance(self.cpu_warm_up, bool):
+            raise ValueError(f"cpu_warm_up must be True or False, got {self.cpu_warm_up!r}")
         if not isinstance(self.cpu_keep_freed_memory, bool):
             raise ValueError(f"cpu_keep_freed_memory must be True or False, got {self.cpu_keep_freed_memory!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

@@ -2,6 +2,8 @@
 when one max_model_len request cannot fit, and (GPU) sizing by profiling."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -64,6 +66,41 @@ def test_profile_run_peak_step_runs_on_any_device(tiny_engine_models, make_llm):
     runner.profile_run()
     out = llm.generate(["a b c"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3            # the engine's own cache was untouched
+
+
+def test_cpu_warm_up_runs_the_largest_step_once_and_changes_nothing(tiny_engine_models, make_llm, monkeypatch):
+    """cpu_warm_up runs profile_run (a forward at max_num_batched_tokens) once at start-up, into a
+    throwaway cache: afterwards every block is free, nothing is prefix-cached, and greedy tokens equal
+    those of an engine that did not warm up. Without the flag it does not run (engine starts in tests
+    stay cheap)."""
+    from mini_vllm.model_runner import ModelRunner
+
+    model_dir, _ = tiny_engine_models["llama"]
+    calls = []
+    real = ModelRunner.profile_run
+    monkeypatch.setattr(ModelRunner, "profile_run", lambda self: (calls.append(self.max_num_batched_tokens), real(self)))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cold = make_llm(model_dir, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    assert calls == []
+    expected = [o.outputs[0].token_ids for o in cold.generate(["a b c", "d e"], params)]
+    warm = make_llm(model_dir, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, cpu_warm_up=True)
+    assert calls == [64]
+    pool = warm.llm_engine.engine_core.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_blocks and not pool.cached_block_hash_to_block
+    assert [o.outputs[0].token_ids for o in warm.generate(["a b c", "d e"], params)] == expected
+
+
+def test_serve_warms_up(monkeypatch):
+    """`python -m mini_vllm serve` starts its engine with cpu_warm_up (a client's first large prompt
+    must not pay the one-time costs of that step size)."""
+    from mini_vllm import cli
+    from mini_vllm.entrypoints import api_server
+
+    seen = {}
+    monkeypatch.setattr(api_server, "run_server", lambda args, config: seen.setdefault("config", config))
+    monkeypatch.setattr(sys, "argv", ["mini_vllm", "serve", "some/model"])
+    cli.main()
+    assert seen["config"].cpu_warm_up is True and seen["config"].model == "some/model"
 
 
 @pytest.mark.gpu
