@@ -186,8 +186,8 @@ class EngineConfig:
     """Schedule step N+1 while step N runs (vLLM's --async-scheduling; async_scheduler.py, core.py's
     batch queue of two, the runner's input ids from the previous step's sampled tokens on the device):
     the host's scheduling and output processing overlap the forward pass instead of following it.
-    Off by default, as in vLLM: on this project's CPU runs it gained nothing measurable
-    (benchmarks/bench_host_overhead.py --async-ab). Not with speculative decoding, a KV connector,
+    Off by default, as in vLLM, until a measurement says otherwise (benchmarks/bench_host_overhead.py
+    --async-ab). Not with speculative decoding, a KV connector,
     more than one rank, n > 1 or beam search (each needs the step's tokens on the host before the next
     step is planned)."""
 
