@@ -36,8 +36,10 @@ def prompts(n, length=9, start=100):
 
 def run(llm, requests, abort_after: dict[str, int] | None = None):
     """requests: [(request_id, prompt ids, params)] -> ({request_id: (tokens, logprobs, finish_reason,
-    stop_reason)}, steps). abort_after: {request_id: step() calls after which it is aborted}.
-    The engine's invariants are checked after every step."""
+    stop_reason)}, steps), from each request's last (cumulative) output: an aborted request has no
+    final output, its entry is what it had streamed, with finish_reason "abort".
+    abort_after: {request_id: step() calls after which it is aborted}. The engine's invariants are
+    checked after every step."""
     engine = llm.llm_engine
     for rid, ids, params in requests:
         engine.add_request(rid, {"prompt_token_ids": ids}, params)
@@ -46,8 +48,7 @@ def run(llm, requests, abort_after: dict[str, int] | None = None):
         if not engine.has_unfinished_requests():
             break
         for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
+            finals[out.request_id] = out
         steps.append(engine.last_step)
         engine.engine_core.check_invariants()
         for rid, at in (abort_after or {}).items():
@@ -55,12 +56,14 @@ def run(llm, requests, abort_after: dict[str, int] | None = None):
                 engine.abort_request(rid)
     assert not engine.has_unfinished_requests(), "the engine stopped making progress"
     engine.engine_core.check_invariants()
-    return {rid: _summary(out) for rid, out in finals.items()}, steps
+    aborted = set(abort_after or ())
+    return {rid: _summary(out, rid in aborted) for rid, out in finals.items()}, steps
 
 
-def _summary(out):
+def _summary(out, aborted: bool):
     o = out.outputs[0]
-    return list(o.token_ids), o.logprobs, o.finish_reason, o.stop_reason
+    assert out.finished != aborted, f"{out.request_id}: finished={out.finished}, aborted={aborted}"
+    return list(o.token_ids), o.logprobs, "abort" if aborted else o.finish_reason, o.stop_reason
 
 
 def assert_same(pair, requests, abort_after=None):
@@ -167,6 +170,7 @@ def test_abort_while_a_batch_is_in_flight_matches_sync(pair):
     requests = [(f"a{i}", ids, GREEDY) for i, ids in enumerate(prompts(4, start=800))]
     results, _, _ = assert_same(pair, requests, abort_after={"a1": 4, "a3": 1})
     assert results["a1"][2] == "abort" and results["a3"][2] == "abort"
+    assert len(results["a1"][0]) == 4 and len(results["a3"][0]) == 1     # one token a step, then aborted
     assert results["a0"][2] == "length" and len(results["a0"][0]) == 10
 
 
@@ -234,7 +238,7 @@ def test_what_async_scheduling_cannot_do_is_refused(pair):
 def test_smollm2_async_greedy_matches_hf(smollm2_dir, smollm2_hf, make_llm, traced, hf_oracle):
     """SmolLM2 under async scheduling, with a pool small enough to preempt, against HF greedy."""
     hf_greedy, assert_same_greedy = hf_oracle
-    llm = make_llm(smollm2_dir, block_size=4, async_scheduling=True, num_gpu_blocks_override=24, max_model_len=64)
+    llm = make_llm(smollm2_dir, block_size=4, async_scheduling=True, num_gpu_blocks_override=18, max_model_len=64)
     tokenizer = llm.get_tokenizer()
     texts = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
              "Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker"]
