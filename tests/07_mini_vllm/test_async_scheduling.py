@@ -67,10 +67,15 @@ def _summary(out, aborted: bool):
 
 
 def assert_same(pair, requests, abort_after=None):
-    """Run `requests` on both engines; identical results. Returns (results, sync steps, async steps)."""
+    """Run `requests` on both engines; identical results, and the async engine really overlapped
+    (a batch was sent while another was in flight: without placeholders it would not have been).
+    Returns (results, sync steps, async steps)."""
     sync, async_ = pair
     expect, sync_steps = run(sync, requests, abort_after)
+    core = async_.llm_engine.engine_core
+    overlapped = core.num_batches_overlapped
     got, async_steps = run(async_, requests, abort_after)
+    assert core.num_batches_overlapped > overlapped, "the async engine never had two batches in flight"
     assert set(got) == set(expect)
     for rid in expect:
         assert got[rid] == expect[rid], f"{rid}: async {got[rid][0]} ({got[rid][2]}) vs sync {expect[rid][0]} " \
@@ -90,8 +95,6 @@ def test_greedy_and_seeded_sampling_with_logprobs_match_sync(pair):
     results, _, async_steps = assert_same(pair, requests)
     assert [len(results[f"r{i}"][0]) for i in range(6)] == [12, 9, 14, 1, 2, 2]
     assert results["r0"][1] is not None and len(results["r0"][1]) == 12
-    # The overlap happened: batches were scheduled while another was in flight.
-    assert pair[1].llm_engine.engine_core.num_batches_overlapped > 0
 
 
 def test_max_tokens_1_and_2_waste_no_step_on_a_request_sure_to_stop(pair):
