@@ -237,7 +237,7 @@ class EngineCore:
         scheduler has forgotten, and — with nothing left to run — every KV block free again."""
         self.scheduler.check_invariants()
         self.kv_cache_manager.check_invariants()
-        self._wait_in_flight()              # the runner's state is the worker thread's until then
+        self.model_executor.wait_in_flight()    # the runner's state is the worker thread's until then
         known = set(self.scheduler.requests) | self.scheduler.finished_req_ids
         stale = set(self.model_runner.requests) - known if self.model_runner is not None else set()
         assert not stale, f"the model runner still holds requests the scheduler does not know: {sorted(stale)}"
@@ -320,14 +320,6 @@ class EngineCore:
             except ExecutorError as e:
                 outputs += self._fail_in_flight(str(e), scheduler_output, start).outputs
         return outputs
-
-    def _wait_in_flight(self) -> None:
-        """Wait until the batches in flight have run (their outputs stay queued for step())."""
-        for _, future, _ in self.batch_queue if self.config.async_scheduling else ():
-            try:
-                future.result()
-            except ExecutorError:
-                pass                                     # step() reports it
 
     def _schedule_micro_batch(self) -> SchedulerOutput:
         """schedule(), seeing only the running requests that are not in flight, and at most a

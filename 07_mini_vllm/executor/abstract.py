@@ -120,6 +120,10 @@ class Executor:
         """The last step's tensors, where the runner is in this process (for tracing)."""
         return self.model_runner.last_inputs if self.model_runner is not None else None
 
+    def wait_in_flight(self) -> None:
+        """Return once every step sent so far has run (their outputs are still the engine's to
+        take). Steps run in the caller's thread here: nothing is ever in flight."""
+
     def check_health(self) -> None:
         """Raise ExecutorError if a rank is gone."""
 

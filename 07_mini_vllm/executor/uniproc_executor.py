@@ -47,6 +47,12 @@ class UniProcExecutor(Executor):
             return get_output(output)
         return FutureOutput(wait)
 
+    def wait_in_flight(self) -> None:
+        """One worker thread runs the steps in order: once a no-op sent after them has run, they
+        have all run. (Waiting on their futures would take their outputs and move last_inputs.)"""
+        if self._thread is not None:
+            self._thread.submit(lambda: None).result()
+
     @property
     def last_inputs(self):
         """With a step possibly running in the worker thread, the runner's `last_inputs` may be a

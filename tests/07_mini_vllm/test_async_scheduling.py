@@ -51,6 +51,7 @@ def run(llm, requests, abort_after: dict[str, int] | None = None):
             finals[out.request_id] = out
         steps.append(engine.last_step)
         engine.engine_core.check_invariants()
+        _assert_inputs_are_the_steps(engine.last_step)
         for rid, at in (abort_after or {}).items():
             if at == n:
                 engine.abort_request(rid)
@@ -58,6 +59,20 @@ def run(llm, requests, abort_after: dict[str, int] | None = None):
     engine.engine_core.check_invariants()
     aborted = set(abort_after or ())
     return {rid: _summary(out, rid in aborted) for rid, out in finals.items()}, steps
+
+
+def _assert_inputs_are_the_steps(step):
+    """The traced model inputs are those of the batch whose output this step applied — not those
+    of the batch still in flight (same requests, one position further). (Fewer tokens than
+    scheduled where the runner dropped a request that failed in the batch before.)"""
+    so = step.scheduler_output
+    if step.model_inputs is None:
+        return
+    computed = [r.num_computed_tokens for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.num_computed_tokens)
+    ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
+    ends = {c + so.num_scheduled_tokens[r] for c, r in zip(computed, ids)}
+    positions = step.model_inputs.positions.tolist()
+    assert len(positions) <= so.total_num_scheduled_tokens and max(positions) + 1 in ends
 
 
 def _summary(out, aborted: bool):
@@ -209,7 +224,7 @@ def test_the_runner_reads_the_placeholder_from_the_device_tensor(pair):
     engine.add_request("w", {"prompt_token_ids": prompts(1, start=1000)[0]}, GREEDY)
     engine.step()
     engine.step()
-    core._wait_in_flight()
+    core.model_executor.wait_in_flight()
     state = core.model_runner.requests["w"]
     assert PLACEHOLDER_TOKEN_ID in state.output_token_ids          # the in-flight step's token
     inputs = core.model_executor.model_runner.last_inputs
