@@ -281,7 +281,10 @@ class EngineCore:
           while N runs, then applies N's output."""
         while len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
             start = time.monotonic()
-            scheduler_output = self.scheduler.schedule() if self.config.async_scheduling else self._schedule_micro_batch()
+            if self.config.async_scheduling:
+                scheduler_output = self.scheduler.schedule()        # the requests in flight too
+            else:
+                scheduler_output = self._schedule_micro_batch()
             if self.batch_queue and self._defer_if_empty(scheduler_output):
                 break                                    # everyone schedulable is in flight already
             if not self.config.async_scheduling:

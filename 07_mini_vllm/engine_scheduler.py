@@ -9,9 +9,10 @@ them composes them, and Python's method resolution order chains the overrides, l
         -> ChunkedPrefillScheduler (05: Δ cut into chunks)
           -> Scheduler (03: two counters, a budget, preemption, the prefix cache)
 
-and chapter 07's own layers, async scheduling's placeholders (`async_scheduler.py`), parallel sampling's fork (`parallel_sampling.ForkingScheduler`, copy-on-
-write on chapter 02's BlockSpaceManager) and beam search on it (`beam_search_scheduler.py`), go on top of whichever of these the config picks —
-so that, e.g., a decoding request's Δ is chapter 05's chunk (here: its one token) plus chapter
+and chapter 07's own layers, async scheduling's placeholders (`async_scheduler.py`), parallel
+sampling's fork (`parallel_sampling.ForkingScheduler`, copy-on-write on chapter 02's
+BlockSpaceManager) and beam search on it (`beam_search_scheduler.py`), go on top of whichever of
+these the config picks — so that, e.g., a decoding request's Δ is chapter 05's chunk (here: its one token) plus chapter
 04's drafts, and the output chapter 06 hands its connector already carries those drafts. vLLM has
 one `Scheduler` class with all of it inline (`vllm/v1/core/sched/scheduler.py`); the split here is
 for reading, one chapter at a time. Speculative tokens cost nothing when there are none, so
@@ -75,5 +76,5 @@ def make_scheduler(config: SchedulerConfig, kv_cache_manager: KVCacheManager,
     return cls(config, kv_cache_manager, connector=connector)
 
 
-__all__ = ["make_scheduler", "AsyncEngineScheduler", "AsyncEngineSchedulerNoChunking", "ChunkedSpecDecodeScheduler", "KVConnectorSpecDecodeScheduler",
-           "KVConnectorChunkedSpecDecodeScheduler", "EngineScheduler", "EngineSchedulerNoChunking", "Scheduler"]
+__all__ = ["make_scheduler", "AsyncEngineScheduler", "AsyncEngineSchedulerNoChunking", "ChunkedSpecDecodeScheduler",
+           "KVConnectorSpecDecodeScheduler", "KVConnectorChunkedSpecDecodeScheduler", "EngineScheduler", "EngineSchedulerNoChunking", "Scheduler"]

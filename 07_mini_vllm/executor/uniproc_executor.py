@@ -26,7 +26,8 @@ class UniProcExecutor(Executor):
         self.driver_worker.load_model()
         self.model_runner = self.driver_worker.model_runner
         self.attn_backend = self.model_runner.attn_backend
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="execute_model") if self.config.async_scheduling else None
+        self._thread = (ThreadPoolExecutor(1, thread_name_prefix="execute_model")
+                        if self.config.async_scheduling else None)
         self._last_inputs = None            # async: the inputs of the step whose output was taken last
 
     def execute_model_async(self, scheduler_output) -> FutureOutput:

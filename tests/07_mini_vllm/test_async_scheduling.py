@@ -68,9 +68,9 @@ def _assert_inputs_are_the_steps(step):
     so = step.scheduler_output
     if step.model_inputs is None:
         return
-    computed = [r.num_computed_tokens for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.num_computed_tokens)
-    ids = [r.req_id for r in so.scheduled_new_reqs] + list(so.scheduled_cached_reqs.req_ids)
-    ends = {c + so.num_scheduled_tokens[r] for c, r in zip(computed, ids)}
+    cached = so.scheduled_cached_reqs
+    ends = {r.num_computed_tokens + so.num_scheduled_tokens[r.req_id] for r in so.scheduled_new_reqs}
+    ends |= {c + so.num_scheduled_tokens[r] for r, c in zip(cached.req_ids, cached.num_computed_tokens)}
     positions = step.model_inputs.positions.tolist()
     assert len(positions) <= so.total_num_scheduled_tokens and max(positions) + 1 in ends
 
