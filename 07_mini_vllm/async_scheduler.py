@@ -60,11 +60,12 @@ class AsyncScheduler(Scheduler):
                 or request.num_tokens + placeholders >= self.max_model_len)
 
     def _try_schedule_waiting(self, request: Request, step: ScheduledStep) -> str:
-        """A request preempted while its last batch was in flight waits for that token: it cannot
-        be recomputed (or swapped in) before its value is known. The engine core applies the
-        batch's output before the next schedule, so this only guards the order."""
-        if request.num_output_placeholders:
-            return "skipped"
+        """A request preempted while its last batch was in flight cannot be recomputed (or swapped
+        in) before that token's value is known. It never is: chapter 03 admits nothing in a step
+        that preempts, and the engine core applies the in-flight batch's output before the next
+        schedule. Asserted, because a silent skip would hide a broken order."""
+        assert request.num_output_placeholders == 0, \
+            f"{request.request_id} is waiting with a token in flight: its batch's output was not applied first"
         return super()._try_schedule_waiting(request, step)
 
     def _update_after_schedule(self, step: ScheduledStep) -> None:
