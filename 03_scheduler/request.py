@@ -132,6 +132,10 @@ class Request:
         # scheduled as extra tokens (num_tokens_with_spec) but are not part of num_tokens until
         # the target model accepts them; update_from_output rolls back the rejected ones.
         self.spec_token_ids: list[int] = []
+        # Async scheduling (chapter 07, vLLM's name): tokens the model is computing right now, in a
+        # batch sent before the last one came back. Their positions are scheduled already (the next
+        # batch reads them on the device); their values arrive with that batch's output.
+        self.num_output_placeholders = 0
         # Streaming input ([Kwon 2025, Table 4.1], "streaming prefills"): while True, more prompt tokens may
         # arrive (append_prompt_tokens) and no output token is sampled yet.
         self.streaming_input = streaming_input

@@ -101,10 +101,11 @@ class EngineCore:
             num_cpu_blocks=self.kv_cache_report.num_cpu_blocks)
         self.kv_connector = self._make_kv_connector()
         self.scheduler = make_scheduler(config.scheduler_config(model_config.max_model_len), self.kv_cache_manager,
-                                        self.kv_connector)
+                                        self.kv_connector, async_scheduling=config.async_scheduling)
         logger.info("%s", self.kv_cache_report)
-        # Pipeline micro-batches (vLLM: EngineCore.batch_queue, step_with_batch_queue): up to this
-        # many scheduled batches in flight, oldest first; 1 = one step at a time.
+        # Pipeline micro-batches and async scheduling (vLLM: EngineCore.batch_queue,
+        # step_with_batch_queue): up to this many scheduled batches in flight, oldest first; 1 = one
+        # step at a time.
         self.batch_queue_size = self.model_executor.max_concurrent_batches
         self.batch_queue: deque[tuple[SchedulerOutput, FutureOutput, float]] = deque()
         self._num_output_tokens_sent: dict[str, int] = {}     # per request: output tokens the stages were told
@@ -190,11 +191,16 @@ class EngineCore:
             raise RuntimeError(f"the engine cannot run requests any more: {self.failure}")
         if isinstance(request, EngineCoreRequest):
             request = request.to_request()
+        if self.config.async_scheduling and request.streaming_input:
+            raise ValueError("streaming input cannot be combined with async_scheduling: the tokens a request "
+                             "samples while its input is open are dropped, so its placeholders never resolve")
         self.scheduler.add_request(request)
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[str]:
         finished = self.scheduler.finish_requests(request_ids, status)
         self._release_drafter_state(finished)
+        if not self.scheduler.has_unfinished_requests():
+            self._drain_if_idle()                 # async scheduling: nothing stays in flight for no request
         return finished
 
     def abort_requests(self, request_ids) -> list[str]:
@@ -233,6 +239,7 @@ class EngineCore:
         scheduler has forgotten, and — with nothing left to run — every KV block free again."""
         self.scheduler.check_invariants()
         self.kv_cache_manager.check_invariants()
+        self.model_executor.wait_in_flight()    # the runner's state is the worker thread's until then
         known = set(self.scheduler.requests) | self.scheduler.finished_req_ids
         stale = set(self.model_runner.requests) - known if self.model_runner is not None else set()
         assert not stale, f"the model runner still holds requests the scheduler does not know: {sorted(stale)}"
@@ -262,18 +269,28 @@ class EngineCore:
             return self._fail_all_requests(str(e), scheduler_output, start)
         return self._finish_step(scheduler_output, runner_output, start)
 
-    # ------------------------------------------------------------------ pipeline micro-batches
+    # ------------------------------------------------------------------ batches in flight
     def step_with_batch_queue(self) -> EngineCoreStep:
-        """Pipeline parallelism without the bubble (vLLM: step_with_batch_queue). Fill the queue:
-        schedule a batch from the requests NOT in flight, send it (the executor returns at once),
-        repeat while there is room; then wait for the OLDEST batch and apply its output. While the
-        last stage runs batch A, stage 0 already runs batch B. One call returns one batch's step."""
+        """Up to batch_queue_size batches in flight (vLLM: step_with_batch_queue). Fill the queue:
+        schedule a batch, send it (the executor returns at once), repeat while there is room; then
+        wait for the OLDEST batch and apply its output. One call returns one batch's step.
+
+        Two uses of the same loop:
+        * pipeline micro-batches: each batch holds requests NOT in flight, so while the last stage
+          runs batch A, stage 0 already runs batch B;
+        * async scheduling (async_scheduler.py): the SAME requests are in consecutive batches — batch
+          N+1 is scheduled with placeholders for batch N's tokens, so the host plans and sends N+1
+          while N runs, then applies N's output."""
         while len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
             start = time.monotonic()
-            scheduler_output = self._schedule_micro_batch()
+            if self.config.async_scheduling:
+                scheduler_output = self.scheduler.schedule()        # the requests in flight too
+            else:
+                scheduler_output = self._schedule_micro_batch()
             if self.batch_queue and self._defer_if_empty(scheduler_output):
                 break                                    # everyone schedulable is in flight already
-            self._attach_new_token_ids(scheduler_output)
+            if not self.config.async_scheduling:
+                self._attach_new_token_ids(scheduler_output)
             try:
                 future = self.model_executor.execute_model_async(scheduler_output)
             except ExecutorError as e:
@@ -291,7 +308,23 @@ class EngineCore:
             runner_output = future.result()
         except ExecutorError as e:
             return self._fail_in_flight(str(e), scheduler_output, start)
-        return self._finish_step(scheduler_output, runner_output, start)
+        step = self._finish_step(scheduler_output, runner_output, start)
+        step.outputs += self._drain_if_idle()
+        return step
+
+    def _drain_if_idle(self) -> list[EngineCoreOutput]:
+        """Async scheduling: when the last request has just finished, the batches still in flight
+        hold only finished requests (their work is discarded). Take their outputs now, so that an
+        idle engine has nothing in flight — nothing left for shutdown, check_invariants or the next
+        request to trip over."""
+        outputs: list[EngineCoreOutput] = []
+        while self.config.async_scheduling and self.batch_queue and not self.scheduler.has_unfinished_requests():
+            scheduler_output, future, start = self.batch_queue.popleft()
+            try:
+                outputs += self.scheduler.update_from_output(scheduler_output, future.result())
+            except ExecutorError as e:
+                outputs += self._fail_in_flight(str(e), scheduler_output, start).outputs
+        return outputs
 
     def _schedule_micro_batch(self) -> SchedulerOutput:
         """schedule(), seeing only the running requests that are not in flight, and at most a

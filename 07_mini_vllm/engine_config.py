@@ -189,6 +189,15 @@ class EngineConfig:
     get the tokens with the next schedule). 1: the stages step in lockstep and every stage samples
     (the broadcast logits), which n > 1 and beam search need."""
 
+    async_scheduling: bool = False
+    """Schedule step N+1 while step N runs (vLLM's --async-scheduling; async_scheduler.py, core.py's
+    batch queue of two, the runner's input ids from the previous step's sampled tokens on the device):
+    the host's scheduling and output processing overlap the forward pass instead of following it.
+    Off by default, as in vLLM, until a measurement says otherwise (benchmarks/bench_host_overhead.py
+    --async-ab). Not with speculative decoding, a KV connector,
+    more than one rank, n > 1 or beam search (each needs the step's tokens on the host before the next
+    step is planned)."""
+
     execute_model_timeout_s: float = 300.0
     """The multiprocess executor waits at most this long for a step (and for workers to start)
     before declaring the workers hung and failing the requests (vLLM: VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS).
@@ -250,6 +259,7 @@ class EngineConfig:
                 raise ValueError(f"kv_transfer_config needs device='cpu' (chapter 06 moves host memory; GPU K/V "
                                  f"would need GPUDirect RDMA or a staging copy), got {self.device!r}")
         self._check_parallel()
+        self._check_async_scheduling()
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
             if self.logprobs_mode.startswith("processed"):
@@ -276,6 +286,26 @@ class EngineConfig:
         if self.resolved_device.type == "cuda" and self.num_gpu_blocks_override is None and self.kv_cache_memory is None:
             raise ValueError("the multiprocess executor does not profile GPU memory: give kv_cache_memory (bytes per "
                              "rank) or num_gpu_blocks_override")
+
+    def _check_async_scheduling(self) -> None:
+        """What async scheduling cannot overlap: features that need a step's tokens (or its KV
+        transfers) settled on the host before the next step is planned or run."""
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
+        if not self.async_scheduling:
+            return
+        conflicts = {
+            "speculative_config": (self.speculative_config is not None,
+                                   "the next step's drafts are proposed from this step's accepted tokens"),
+            "kv_transfer_config": (self.kv_transfer_config is not None,
+                                   "the connector's loads and saves are settled step by step"),
+            "tensor_parallel_size / pipeline_parallel_size / distributed_executor_backend":
+                (self.parallel_config.executor_backend != "uni",
+                 "the sampled-token tensor the next step reads lives in the engine's own model runner"),
+        }
+        for name, (conflict, why) in conflicts.items():
+            if conflict:
+                raise ValueError(f"async_scheduling=True cannot be combined with {name}: {why}")
 
     @property
     def parallel_config(self) -> ParallelConfig:

@@ -38,6 +38,7 @@ import torch
 
 from paged_attention.metadata import AttentionMetadata
 
+from mini_vllm.async_output import SampledTokens, scatter_prev_sampled
 from mini_vllm.logits_processors import OutputTokens
 from mini_vllm.model_inputs import ModelInputs
 from mini_vllm.sampling_params import SamplingParams
@@ -89,6 +90,9 @@ class InputBatch:
         self.req_ids: list[str | None] = []            # row -> request id (None: a hole until condense())
         self.req_id_to_index: dict[str, int] = {}
         self.states: list[CachedRequestState | None] = []   # row -> its state (sampling params, generator)
+        # Async scheduling (async_output.py): the previous step's sampled tokens, on the device; the
+        # rows' placeholder input ids are taken from them. Empty: every input id is on the host.
+        self.prev_sampled_token_ids: list[SampledTokens] = []
 
     @property
     def num_reqs(self) -> int:
@@ -249,6 +253,8 @@ class InputBatch:
         int32 = torch.from_numpy(np.concatenate((seq_lens.astype(np.int32), query_start_loc))).to(device)
         input_ids_t, positions_t, slot_mapping_t, logits_indices_t = int64.split(
             (total, total, total, len(logits_indices)))
+        if self.prev_sampled_token_ids:
+            scatter_prev_sampled(input_ids, rows[req_indices], self.req_ids, self.prev_sampled_token_ids, input_ids_t)
         md = AttentionMetadata(
             slot_mapping=slot_mapping_t, block_tables=torch.from_numpy(table).to(device),
             seq_lens=int32[:n], query_start_loc=int32[n:],

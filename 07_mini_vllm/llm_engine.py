@@ -176,6 +176,9 @@ class LLMEngine:
             raise ValueError(f"{what} cannot be combined with kv_transfer_params (remote K/V is per request)")
         if self.config.speculative_config is not None:
             raise ValueError(f"{what} is not supported with speculative decoding here: {why_not_speculative}")
+        if self.config.async_scheduling:
+            raise ValueError(f"{what} is not supported with async_scheduling: the {ids_name} blocks are forked "
+                             "from the step's sampled tokens, which the next step must not have planned past")
         if self.config.parallel_config.pipeline_micro_batches:
             raise ValueError(f"{what} is not supported with pipeline micro-batches: the children are forked where "
                              "the tokens are sampled, and only the last stage samples; use max_concurrent_batches=1")

@@ -47,6 +47,7 @@ import copy
 import dataclasses
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +62,7 @@ from paged_attention.model.parallel_state import get_pp_group
 from scheduler import ModelRunnerOutput as SchedulerModelRunnerOutput
 from scheduler import SchedulerOutput
 
+from mini_vllm.async_output import PLACEHOLDER_TOKEN_ID, AsyncModelRunnerOutput, SampledTokens
 from mini_vllm.config import ModelConfig
 from mini_vllm.cuda_graph import CUDAGraphRunner
 from mini_vllm.engine_config import EngineConfig
@@ -146,6 +148,12 @@ class ModelRunner:
         self._sampling_metadata: tuple[tuple[str, ...], SamplingMetadata] | None = None   # (row ids, metadata)
         self.last_inputs: ModelInputs | None = None          # the last step's tensors (the notebook traces them)
         self.kv_connector = None                              # chapter 06's worker side (register_kv_connector)
+        # Async scheduling (async_output.py): each step's sampled tokens, oldest first, until their
+        # values are written into the requests' states; the last step's feed the next input ids.
+        self.async_scheduling = config.async_scheduling
+        self._sampled_steps: deque[list[SampledTokens]] = deque()
+        self._step_sampled: list[SampledTokens] = []          # the step being run's
+        self._failed_last_step: set[str] = set()              # already scheduled again when they failed
 
     # ================================================================== set-up
     @staticmethod
@@ -208,12 +216,42 @@ class ModelRunner:
 
     # ================================================================== one step
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | AsyncModelRunnerOutput:
+        """One step. With async scheduling the sampled tokens stay on the device: the output is an
+        AsyncModelRunnerOutput whose `get_output()` waits for their host copy."""
+        if not self.async_scheduling:
+            return self._execute_model(scheduler_output)
+        # Steps before the last are done (the engine core took their outputs): their values go into
+        # the states now; the last step's tokens are still the device tensor this step reads.
+        self._write_back_sampled(keep_last=True)
+        self.input_batch.prev_sampled_token_ids = self._sampled_steps[-1] if self._sampled_steps else []
+        self._step_sampled = []
+        try:
+            output = self._execute_model(scheduler_output)
+        finally:
+            self._sampled_steps.append(self._step_sampled)
+            self.input_batch.prev_sampled_token_ids = []
+        self._failed_last_step = set(output.failed)
+        return AsyncModelRunnerOutput(output, self._step_sampled)
+
+    def _drop_failed_in_flight(self, so: SchedulerOutput, failed: dict[str, str]) -> None:
+        """Async scheduling: a request that failed in the previous step was scheduled for this one
+        before the scheduler knew; it has no token in flight to compute. Its row goes (the scheduler
+        finished it already and drops whatever this step reports for it)."""
+        batch = self.input_batch
+        for req_id in self._failed_last_step & so.num_scheduled_tokens.keys():
+            if batch.remove_request(req_id) is not None:
+                failed[req_id] = "failed in the previous step"
+        batch.condense()
+
+    def _execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if scheduler_output.scheduled_spec_decode_tokens and self.spec_decode is None:
             raise ValueError("drafts were scheduled, but this engine has no speculative_config (chapter 04): "
                              "the scheduler only schedules drafts the runner proposed")
         self._apply_new_token_ids(scheduler_output)
         failed = self._update_states(scheduler_output)
+        if self.async_scheduling and self._failed_last_step:
+            self._drop_failed_in_flight(scheduler_output, failed)
         # Block moves BEFORE the forward, in this order: a block a swap-out frees may be written
         # by this very step (chapter 02).
         so = scheduler_output
@@ -459,9 +497,13 @@ class ModelRunner:
         md = self._sampling_metadata_for(rows)
         outputs = None
         if md.logits_processors is not None and md.logits_processors.needs_output_tokens:
+            self._write_back_sampled(keep_last=False)        # async: the output tokens' values, waited for
             outputs = self.input_batch.output_tokens(rows, device=self.device)
         result = self.sampler(logits, md, outputs)
-        self._record(result, rows, output)
+        if self.async_scheduling:
+            self._record_async(result, rows)
+        else:
+            self._record(result, rows, output)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: np.ndarray, num_scheduled: np.ndarray,
                          sample_rows: np.ndarray, output: ModelRunnerOutput) -> None:
@@ -605,6 +647,41 @@ class ModelRunner:
             sampled[i].append(token)
             states[i].output_token_ids.append(token)
         output.logprobs.update(logprobs)
+
+    # ================================================================== async scheduling (async_output.py)
+    def _record_async(self, result: SamplerOutput, rows: np.ndarray) -> None:
+        """`_record` without reading the tokens: a placeholder goes where each token belongs (the
+        batch row, the state's output list), the tokens and logprobs start their copy to the host,
+        and the step's AsyncModelRunnerOutput fills them in when the engine core asks."""
+        batch = self.input_batch
+        states = [batch.states[i] for i in rows.tolist()]
+        batch.append_tokens(rows, np.full(len(rows), PLACEHOLDER_TOKEN_ID, dtype=batch.token_ids.dtype))   # (checks first)
+        output_index = []
+        for state in states:
+            output_index.append(len(state.output_token_ids))
+            state.output_token_ids.append(PLACEHOLDER_TOKEN_ID)
+        self._step_sampled.append(SampledTokens.copy_to_host(result.sampled_token_ids, result.logprobs_tensors,
+                                                             rows.tolist(), states, output_index))
+
+    def _write_back_sampled(self, keep_last: bool) -> None:
+        """Write sampled values over their placeholders, in each request's state and — if it still
+        has its row — in the batch; oldest step first, all but the last step with `keep_last`.
+        Waits for the host copies (on a GPU: for those steps' forward passes). A request that
+        finished, or was re-sent by the scheduler since (its tokens replaced by the truth), is
+        skipped."""
+        batch = self.input_batch
+        while len(self._sampled_steps) > keep_last:
+            for sampled in self._sampled_steps.popleft():
+                sampled.wait()
+                for req_id, state, k, token in zip(sampled.req_ids, sampled.states, sampled.output_index,
+                                                   sampled.host_token_ids.tolist()):
+                    if (self.requests.get(req_id) is not state or k >= len(state.output_token_ids)
+                            or state.output_token_ids[k] != PLACEHOLDER_TOKEN_ID):
+                        continue
+                    state.output_token_ids[k] = token
+                    row = batch.req_id_to_index.get(req_id)
+                    if row is not None and batch.states[row] is state:
+                        batch.token_ids[row, batch.num_prompt_tokens[row] + k] = token
 
     # ================================================================== speculative decoding (chapter 04)
     def _sample_with_drafts(self, hidden: torch.Tensor, inputs: ModelInputs, sample_rows: np.ndarray,

@@ -6,6 +6,8 @@ costs next to nothing.
     python -m benchmarks.bench_host_overhead --name base_1 --out-dir /tmp/ab ...   # one run of an A/B
     python -m benchmarks.bench_host_overhead --before /tmp/ab/base_*.json --after /tmp/ab/new_*.json
                                                         # -> results/host_overhead_cpu.json, before vs after
+    python -m benchmarks.bench_host_overhead --async-ab # async scheduling off vs on, same workload, same
+                                                        # run -> results/host_overhead_async_cpu.json
 
 Why: on an H200 a pure decode step at batch 256 took 14.4 ms while the GPU was busy 9.3 ms
 (results/engine_gpu_profile.json) — the host phases (schedule, prepare inputs, graph buffer fill,
@@ -149,12 +151,82 @@ def measure_batch(llm, batch_size: int, context: int, steps: int, warmup: int, v
                 step_ms=phases["step"], tokens_sha1=digest.hexdigest())
 
 
-def make_llm(model_dir: Path, max_num_seqs: int, max_model_len: int):
+def make_llm(model_dir: Path, max_num_seqs: int, max_model_len: int, async_scheduling: bool = False):
     from mini_vllm import LLM
 
     return LLM(str(model_dir), dtype="float32", device="cpu", attention_backend="cpu",
                max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
-               kv_cache_memory=64 << 20)
+               kv_cache_memory=64 << 20, async_scheduling=async_scheduling)
+
+
+def measure_steps(llm, batch_size: int, context: int, steps: int, warmup: int,
+                  vocab_size: int) -> tuple[dict, dict[str, list[int]]]:
+    """Wall time of whole LLMEngine.step() calls in pure decode at `batch_size` — no phase wrappers:
+    with async scheduling the phases run on two threads at once, so only the step's wall time says
+    what the overlap bought. Returns ({step_ms median, tokens/s, process CPU s}, each request's tokens)."""
+    engine = llm.llm_engine
+    ids = fill_decode(engine, batch_size, context, vocab_size)
+    for _ in range(warmup):
+        engine.step()
+    times, tokens = [], {}
+    c0, t_start = time.process_time(), time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        times.append(time.perf_counter() - t0)
+        for out in outputs:
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+    total, cpu = time.perf_counter() - t_start, time.process_time() - c0
+    engine.abort_request(ids)
+    return dict(step_ms=round(1000 * statistics.median(times), 4),
+                output_tokens_per_s=round(batch_size * steps / total, 1),
+                process_cpu_s_per_step=round(cpu / steps, 6)), tokens
+
+
+def async_ab(args) -> dict:
+    """Async scheduling off vs on: two engines of the same tiny model in one process, measured in
+    alternating rounds (off, on, on, off, ...) on the same workload; the greedy tokens of the two
+    must be identical, request by request."""
+    import sys
+
+    with tempfile.TemporaryDirectory() as tmp:
+        from benchmarks.bench_engine_gpu import make_model_dir
+        model_dir = make_model_dir(Path(tmp), TINY, torch.float32)
+        llms = {mode: make_llm(model_dir, max(args.batch_sizes), args.max_model_len, async_scheduling=mode == "async")
+                for mode in ("sync", "async")}
+        rows = []
+        for b in args.batch_sizes:
+            runs: dict[str, list[dict]] = {"sync": [], "async": []}
+            for r in range(args.rounds):
+                order = ("sync", "async") if r % 2 == 0 else ("async", "sync")
+                tokens = {}
+                for mode in order:
+                    row, tokens[mode] = measure_steps(llms[mode], b, args.context, args.steps, args.warmup,
+                                                      TINY["vocab_size"])
+                    runs[mode].append(row)
+                if tokens["sync"] != tokens["async"]:
+                    raise RuntimeError(f"batch {b}: async scheduling changed the greedy tokens")
+            med = {mode: {key: round(statistics.median(run[key] for run in side), 4) for key in side[0]}
+                   for mode, side in runs.items()}
+            rows.append(dict(batch_size=b, sync=med["sync"], async_=med["async"],
+                             async_over_sync_step_ms=round(med["async"]["step_ms"] / med["sync"]["step_ms"], 3),
+                             tokens_identical=True, per_round=runs))
+        for llm in llms.values():
+            llm.shutdown()
+    workload = dict(model="random Qwen3-shaped, tiny (2 layers, hidden 64, vocab 2048)", config=TINY, dtype="float32",
+                    attention_backend="cpu", context=args.context, steps=args.steps, warmup=args.warmup,
+                    rounds=args.rounds, max_num_seqs=max(args.batch_sizes), sampling="greedy, detokenize=False",
+                    threads=args.threads, cpu_count=os.cpu_count(), load_average=list(os.getloadavg()),
+                    git_commit=_git_commit(), command="python -m benchmarks.bench_host_overhead " + " ".join(sys.argv[1:]),
+                    how="per batch size, the engines run alternately (off, on, on, off, ...); each run is `steps` "
+                        "timed LLMEngine.step() calls of a pure decode batch; per mode the median over the rounds")
+    name = args.name or ("host_overhead_async_cpu_smoke" if args.smoke else "host_overhead_async_cpu")
+    path = write_result(name, workload, rows, args.out_dir)
+    for row in rows:
+        print(f"batch {row['batch_size']}: step ms sync {row['sync']['step_ms']} async {row['async_']['step_ms']} "
+              f"(async / sync {row['async_over_sync_step_ms']})")
+    print(f"wrote {path}")
+    return dict(workload=workload, rows=rows)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -172,15 +244,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--after", nargs="+", type=Path, help="... and of the new commit's (with --before)")
     parser.add_argument("--commits", nargs=2, metavar=("BEFORE", "AFTER"),
                         help="summarise: name the two commits (runs from an exported tree know none)")
+    parser.add_argument("--async-ab", action="store_true",
+                        help="async scheduling off vs on, same run -> host_overhead_async_cpu.json")
+    parser.add_argument("--rounds", type=int, default=5, help="--async-ab: alternating rounds per batch size")
     args = parser.parse_args(argv)
     if args.before or args.after:
         return summarise_ab(args.before, args.after, args.out_dir, args.commits)
     if args.smoke:
-        args.batch_sizes, args.steps, args.warmup, args.context = [1, 8], 4, 1, 16
+        args.batch_sizes, args.steps, args.warmup, args.context, args.rounds = [1, 8], 4, 1, 16, 2
     # The phases are single-threaded Python; one intra-op thread keeps the tiny forward from
     # fighting other processes for a shared CPU (spinning OpenMP workers), which is noise here.
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.async_ab:
+        return async_ab(args)
     with tempfile.TemporaryDirectory() as tmp:
         from benchmarks.bench_engine_gpu import make_model_dir
         model_dir = make_model_dir(Path(tmp), TINY, torch.float32)

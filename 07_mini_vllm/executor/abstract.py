@@ -32,6 +32,12 @@ class FutureOutput:
         return self._value
 
 
+def get_output(value):
+    """A runner's output, waited for: async scheduling's AsyncModelRunnerOutput (model_runner.py)
+    holds the sampled tokens' device-to-host copy in flight until `get_output()`."""
+    return value.get_output() if hasattr(value, "get_output") else value
+
+
 class Executor:
     """Subclasses implement collective_rpc (run a Worker method on every rank) and shutdown."""
 
@@ -80,7 +86,7 @@ class Executor:
     def execute_model(self, scheduler_output):
         """Every rank runs the step; the output comes from the rank that sampled last (the last
         pipeline stage's first TP rank; every TP rank sampled the same tokens)."""
-        return self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=self.output_rank)
+        return get_output(self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=self.output_rank))
 
     def execute_model_async(self, scheduler_output) -> "FutureOutput":
         """Start the step and return at once; `.result()` waits for its output (vLLM:
@@ -97,7 +103,10 @@ class Executor:
 
     @property
     def max_concurrent_batches(self) -> int:
-        """How many steps the engine may have in flight (vLLM's property of the same name)."""
+        """How many steps the engine may have in flight (vLLM's property of the same name): two
+        with async scheduling (step N runs while N+1 is planned and sent)."""
+        if self.config.async_scheduling:
+            return 2
         pc = self.parallel_config
         return pc.max_concurrent_batches if pc.executor_backend in ("mp", "ray") else 1
 
@@ -110,6 +119,10 @@ class Executor:
     def last_inputs(self):
         """The last step's tensors, where the runner is in this process (for tracing)."""
         return self.model_runner.last_inputs if self.model_runner is not None else None
+
+    def wait_in_flight(self) -> None:
+        """Return once every step sent so far has run (their outputs are still the engine's to
+        take). Steps run in the caller's thread here: nothing is ever in flight."""
 
     def check_health(self) -> None:
         """Raise ExecutorError if a rank is gone."""

@@ -3,10 +3,19 @@
 The single-device engine as it always was: the Worker's model runner is an attribute of this
 process, a step is a method call, and nothing touches torch.distributed (the parallel layers see
 parallel_state's single-rank groups and are chapter 01's plain layers).
+
+With async scheduling the step runs in one worker thread (vLLM's UniProcExecutor does the same
+with max_concurrent_batches > 1): `execute_model_async` returns at once and the engine core
+schedules the next step while this one runs. On a GPU the forward is queued on the device
+anyway; on a CPU the thread IS the overlap — torch's kernels and this project's C++ ones release
+the GIL while they compute. One thread: the steps run in the order they were sent, which is what
+lets the scheduler free or reuse blocks a step in flight still writes.
 """
 from __future__ import annotations
 
-from mini_vllm.executor.abstract import Executor
+from concurrent.futures import ThreadPoolExecutor
+
+from mini_vllm.executor.abstract import Executor, FutureOutput, get_output
 from mini_vllm.worker import Worker
 
 
@@ -17,10 +26,45 @@ class UniProcExecutor(Executor):
         self.driver_worker.load_model()
         self.model_runner = self.driver_worker.model_runner
         self.attn_backend = self.model_runner.attn_backend
+        self._thread = (ThreadPoolExecutor(1, thread_name_prefix="execute_model")
+                        if self.config.async_scheduling else None)
+        self._last_inputs = None            # async: the inputs of the step whose output was taken last
+
+    def execute_model_async(self, scheduler_output) -> FutureOutput:
+        """Async scheduling: the step goes to the worker thread; `.result()` waits for it, then for
+        its sampled tokens' host copy (`get_output`), and nothing before."""
+        if self._thread is None:
+            return super().execute_model_async(scheduler_output)
+        runner = self.model_runner
+
+        def run():
+            output = self.driver_worker.execute_model(scheduler_output)
+            return output, runner.last_inputs
+
+        future = self._thread.submit(run)
+
+        def wait():
+            output, self._last_inputs = future.result()
+            return get_output(output)
+        return FutureOutput(wait)
+
+    def wait_in_flight(self) -> None:
+        """One worker thread runs the steps in order: once a no-op sent after them has run, they
+        have all run. (Waiting on their futures would take their outputs and move last_inputs.)"""
+        if self._thread is not None:
+            self._thread.submit(lambda: None).result()
+
+    @property
+    def last_inputs(self):
+        """With a step possibly running in the worker thread, the runner's `last_inputs` may be a
+        later step's: the inputs of the step whose output the engine took last instead."""
+        return self._last_inputs if self._thread is not None else self.model_runner.last_inputs
 
     def collective_rpc(self, method: str, args: tuple = (), unique_reply_rank: int | None = None):
         result = getattr(self.driver_worker, method)(*args)
         return result if unique_reply_rank is not None else [result]
 
     def shutdown(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
         self.driver_worker.shutdown()

@@ -171,3 +171,17 @@ def test_host_overhead_benchmark_smoke(tmp_path):
         assert all(v > 0 for v in phases.values())
         assert phases["step"] >= phases["execute_model"] >= phases["  forward"]     # (each step contains them)
         assert len(row["tokens_sha1"]) == 40
+
+
+def test_host_overhead_async_ab_smoke(tmp_path):
+    """Async scheduling off vs on in one process: both modes timed per batch size and round, and the
+    run raises unless the greedy tokens of the two engines are identical request by request."""
+    from benchmarks import bench_host_overhead
+
+    result = bench_host_overhead.main(["--async-ab", "--smoke", "--out-dir", str(tmp_path)])
+    data = json.loads((tmp_path / "host_overhead_async_cpu_smoke.json").read_text())
+    assert [r["batch_size"] for r in data["rows"]] == [1, 8] and data["workload"]["rounds"] == 2
+    for row in result["rows"]:
+        assert row["tokens_identical"] and len(row["per_round"]["sync"]) == len(row["per_round"]["async"]) == 2
+        assert row["sync"]["step_ms"] > 0 and row["async_"]["step_ms"] > 0
+        assert row["async_over_sync_step_ms"] == round(row["async_"]["step_ms"] / row["sync"]["step_ms"], 3)

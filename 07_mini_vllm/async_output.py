@@ -1,0 +1,132 @@
+"""Async scheduling, the model runner's side: sampled tokens that stay on the device.
+
+Mirrors vLLM v1's `AsyncGPUModelRunnerOutput` (`vllm/v1/worker/gpu_model_runner.py`: the sampled
+ids' device-to-host copy started non_blocking on a side stream, a CUDA event recorded after it,
+`get_output()` waiting on that event) and `InputBatch.prev_sampled_token_ids` (the next step's
+input ids of the same requests are taken from that tensor on the device).
+
+Why: with async scheduling (async_scheduler.py) step N+1 is scheduled and prepared while step N
+still runs. Its input ids for the requests that sampled in step N are step N's sampled tokens:
+reading them back to the host first would make the host wait for step N's forward pass — the very
+wait async scheduling removes. So the runner writes a placeholder (`PLACEHOLDER_TOKEN_ID`) where
+the token goes in its host-side batch, and `InputBatch.prepare_inputs` scatters the device tensor
+into those positions of the input ids. The host copy is only waited for by whoever needs the values:
+the engine core when it applies step N's output (`AsyncModelRunnerOutput.get_output`), and the
+runner itself when a sampler needs the output tokens (penalties, min_tokens, bad words) or a step
+later, when it writes the values into its own state (`ModelRunner._write_back_sampled`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from mini_vllm.input_batch import CachedRequestState
+
+# Where a sampled token's value is not on the host yet (vLLM uses -1 the same way). Never a
+# valid token id: an input id that is still a placeholder at the forward pass fails loudly
+# (the embedding's index check) instead of computing with a wrong token.
+PLACEHOLDER_TOKEN_ID = -1
+
+
+@dataclass
+class SampledTokens:
+    """One sampling call's tokens (and logprobs): on the device, and their host copy in flight."""
+    rows: list[int]                          # batch rows at sampling time (ModelRunnerOutput's order)
+    req_ids: list[str]
+    states: list[CachedRequestState]         # whose output_token_ids hold the placeholders
+    output_index: list[int]                  # where each token goes in its state's output_token_ids
+    num_logprobs: list[int | None]           # per row: SamplingParams.logprobs
+    token_ids: torch.Tensor                  # [S] int64, on the device: the next step's input ids
+    host_token_ids: torch.Tensor             # [S] int64, on the host once `event` has completed
+    host_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None   # [S, 1+k] ids, [S, 1+k], [S]
+    event: "torch.cuda.Event | None"         # None on a CPU: the copy is done when it returns
+
+    @classmethod
+    def copy_to_host(cls, token_ids: torch.Tensor, logprobs, rows: list[int], states: list[CachedRequestState],
+                     output_index: list[int]) -> "SampledTokens":
+        """Start the device-to-host copies (non_blocking into pinned memory on a GPU) and record an
+        event after them; nothing here waits for the forward pass."""
+        lp = None
+        if logprobs is not None:
+            lp = tuple(_to_host(t) for t in (logprobs.logprob_token_ids, logprobs.logprobs,
+                                             logprobs.selected_token_ranks))
+        host = _to_host(token_ids)
+        event = None
+        if token_ids.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return cls(rows, [s.req_id for s in states], states, output_index,
+                   [s.sampling_params.logprobs for s in states], token_ids, host, lp, event)
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def index_of(self) -> dict[str, int]:
+        return {req_id: j for j, req_id in enumerate(self.req_ids)}
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+class AsyncModelRunnerOutput:
+    """A step's ModelRunnerOutput whose sampled rows are still on their way (vLLM's name).
+    `get_output()` waits for the host copies and fills them in; it reads nothing of the runner
+    (the engine core calls it from its own thread while the runner runs the next step)."""
+
+    def __init__(self, output, sampled: list[SampledTokens]):
+        self._output, self._sampled, self._done = output, sampled, False
+
+    def get_output(self):
+        if self._done:
+            return self._output
+        output = self._output
+        for sampled in self._sampled:
+            sampled.wait()
+            tokens = sampled.host_token_ids.tolist()
+            for row, token in zip(sampled.rows, tokens):
+                output.sampled_token_ids[row].append(token)
+            if sampled.host_logprobs is not None:
+                ids, values, ranks = (t.tolist() for t in sampled.host_logprobs)
+                for j, (req_id, k) in enumerate(zip(sampled.req_ids, sampled.num_logprobs)):
+                    if k is not None:
+                        output.logprobs[req_id] = [(ids[j][:k + 1], values[j][:k + 1], ranks[j])]
+        self._done = True
+        return output
+
+
+def scatter_prev_sampled(input_ids: np.ndarray, token_rows: np.ndarray, req_ids: list[str | None],
+                         prev: list[SampledTokens], input_ids_t: torch.Tensor) -> None:
+    """Replace the placeholder input ids in the device tensor `input_ids_t` [T] by the previous
+    step's sampled tokens, on the device (vLLM: GPUModelRunner._prepare_input_ids). `input_ids`
+    [T] is its host copy, `token_rows` [T] the batch row of each token, `req_ids` row -> request.
+    Raises if a placeholder has no sampled token (the caller fails that request)."""
+    positions = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN_ID)                       # [P]
+    if positions.size == 0:
+        return
+    owners = [req_ids[r] for r in token_rows[positions].tolist()]
+    if len(set(owners)) != len(owners):
+        raise RuntimeError(f"more than one token in flight for {owners}: scheduler and runner disagree")
+    done = np.zeros(len(owners), dtype=bool)
+    device = input_ids_t.device
+    for sampled in prev:
+        index = sampled.index_of()
+        pick = [(i, index[r]) for i, r in enumerate(owners) if r in index]
+        if not pick:
+            continue
+        dst, src = (np.asarray(x, dtype=np.int64) for x in zip(*pick))                 # [p], [p]
+        input_ids_t[torch.from_numpy(positions[dst]).to(device)] = \
+            sampled.token_ids[torch.from_numpy(src).to(device)]
+        done[dst] = True
+    if not done.all():
+        missing = [r for r, d in zip(owners, done) if not d]
+        raise RuntimeError(f"no sampled token for the placeholder of {missing}: scheduler and runner disagree")

@@ -1,0 +1,272 @@
+"""Async scheduling (EngineConfig.async_scheduling, async_scheduler.py, async_output.py): the same
+engine run synchronously is the shadow of the truth. For tiny random models, every workload here
+runs on a synchronous engine and on an async one built the same way, and must give IDENTICAL
+tokens, logprobs and finish reasons — greedy and seeded sampling, max_tokens 1 and 2, stop token
+ids, min_tokens, chunked prefill, shared prefixes hitting the prefix cache, preemption (recompute
+and swap), an abort while a batch is in flight, a request that fails while the others go on. The
+engines' invariants are checked after every step, and after every test every KV block must be free
+(tests/conftest.py). What async scheduling cannot do is refused with a clear error."""
+from __future__ import annotations
+
+import pytest
+
+from mini_vllm import EngineConfig, SamplingParams
+from mini_vllm.async_output import PLACEHOLDER_TOKEN_ID
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_engine_models):
+    return tiny_engine_models["llama"]
+
+
+ENGINE = dict(block_size=4, max_num_seqs=8, num_gpu_blocks_override=256, max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny, make_llm):
+    """(sync LLM, async LLM), otherwise identical."""
+    return make_llm(tiny[0], **ENGINE), make_llm(tiny[0], **ENGINE, async_scheduling=True)
+
+
+def prompts(n, length=9, start=100):
+    return [[start + 31 * i + t for t in range(length)] for i in range(n)]
+
+
+def run(llm, requests, abort_after: dict[str, int] | None = None):
+    """requests: [(request_id, prompt ids, params)] -> ({request_id: (tokens, logprobs, finish_reason,
+    stop_reason)}, steps), from each request's last (cumulative) output: an aborted request has no
+    final output, its entry is what it had streamed, with finish_reason "abort".
+    abort_after: {request_id: step() calls after which it is aborted}. The engine's invariants are
+    checked after every step."""
+    engine = llm.llm_engine
+    for rid, ids, params in requests:
+        engine.add_request(rid, {"prompt_token_ids": ids}, params)
+    finals, steps = {}, []
+    for n in range(1, 2000):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            finals[out.request_id] = out
+        steps.append(engine.last_step)
+        engine.engine_core.check_invariants()
+        _assert_inputs_are_the_steps(engine.last_step)
+        for rid, at in (abort_after or {}).items():
+            if at == n:
+                engine.abort_request(rid)
+    assert not engine.has_unfinished_requests(), "the engine stopped making progress"
+    engine.engine_core.check_invariants()
+    aborted = set(abort_after or ())
+    return {rid: _summary(out, rid in aborted) for rid, out in finals.items()}, steps
+
+
+def _assert_inputs_are_the_steps(step):
+    """The traced model inputs are those of the batch whose output this step applied — not those
+    of the batch still in flight (same requests, one position further). (Fewer tokens than
+    scheduled where the runner dropped a request that failed in the batch before.)"""
+    so = step.scheduler_output
+    if step.model_inputs is None:
+        return
+    cached = so.scheduled_cached_reqs
+    ends = {r.num_computed_tokens + so.num_scheduled_tokens[r.req_id] for r in so.scheduled_new_reqs}
+    ends |= {c + so.num_scheduled_tokens[r] for r, c in zip(cached.req_ids, cached.num_computed_tokens)}
+    positions = step.model_inputs.positions.tolist()
+    assert len(positions) <= so.total_num_scheduled_tokens and max(positions) + 1 in ends
+
+
+def _summary(out, aborted: bool):
+    o = out.outputs[0]
+    assert out.finished != aborted, f"{out.request_id}: finished={out.finished}, aborted={aborted}"
+    return list(o.token_ids), o.logprobs, "abort" if aborted else o.finish_reason, o.stop_reason
+
+
+def assert_same(pair, requests, abort_after=None):
+    """Run `requests` on both engines; identical results, and the async engine really overlapped
+    (a batch was sent while another was in flight: without placeholders it would not have been).
+    Returns (results, sync steps, async steps)."""
+    sync, async_ = pair
+    expect, sync_steps = run(sync, requests, abort_after)
+    core = async_.llm_engine.engine_core
+    overlapped = core.num_batches_overlapped
+    got, async_steps = run(async_, requests, abort_after)
+    assert core.num_batches_overlapped > overlapped, "the async engine never had two batches in flight"
+    assert set(got) == set(expect)
+    for rid in expect:
+        assert got[rid] == expect[rid], f"{rid}: async {got[rid][0]} ({got[rid][2]}) vs sync {expect[rid][0]} " \
+                                        f"({expect[rid][2]})"
+    return expect, sync_steps, async_steps
+
+
+# ------------------------------------------------------------------------------ sampling
+def test_greedy_and_seeded_sampling_with_logprobs_match_sync(pair):
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=9, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=1.3, top_k=20, seed=5, max_tokens=14, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=1),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=2, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)]
+    requests = [(f"r{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts(6, length=10), params))]
+    results, _, async_steps = assert_same(pair, requests)
+    assert [len(results[f"r{i}"][0]) for i in range(6)] == [12, 9, 14, 1, 2, 2]
+    assert results["r0"][1] is not None and len(results["r0"][1]) == 12
+
+
+def test_max_tokens_1_and_2_waste_no_step_on_a_request_sure_to_stop(pair):
+    """A request whose max_tokens is reached by a token in flight is not scheduled again."""
+    requests = [("one", prompts(1)[0], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)),
+                ("two", prompts(1, start=300)[0], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))]
+    _, _, async_steps = assert_same(pair, requests)
+    scheduled = [set(s.scheduler_output.num_scheduled_tokens) for s in async_steps]
+    assert sum("one" in s for s in scheduled) == 1 and sum("two" in s for s in scheduled) == 2
+
+
+def test_stop_token_ids_min_tokens_and_eos_match_sync(pair):
+    """Stops decided by a token's VALUE: the async engine had already scheduled the next step."""
+    base = prompts(4, start=500)
+    probe, _ = run(pair[0], [(f"p{i}", ids, GREEDY) for i, ids in enumerate(base)])
+    # Stop at the 3rd generated token (a value the scheduler learns one step late), with and
+    # without min_tokens keeping it from ending the request early; and an EOS id.
+    stop = [probe[f"p{i}"][0][2] for i in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop[0]]),
+              SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop[1]], min_tokens=6),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop[3]], logprobs=2)]
+    results, _, _ = assert_same(pair, [(f"s{i}", ids, p) for i, (ids, p) in enumerate(zip(base, params))])
+    assert results["s0"][2] == "stop" and results["s0"][0][-1] == stop[0]
+    assert results["s3"][2] == "stop"
+    assert results["s2"][2] == "length"
+
+
+def test_penalties_see_the_tokens_in_flight(pair):
+    """A repetition penalty needs the output so far, including the token still in flight: the
+    runner waits for it (a step without overlap), the tokens stay the sync ones."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.8,
+                            presence_penalty=0.5)
+    assert_same(pair, [(f"pen{i}", ids, params) for i, ids in enumerate(prompts(3, start=700))])
+
+
+# ------------------------------------------------------------------------------ scheduling features
+def test_chunked_prefill_matches_sync(tiny, make_llm):
+    kw = dict(ENGINE, max_num_batched_tokens=16, max_num_seqs=4)
+    pair = make_llm(tiny[0], **kw), make_llm(tiny[0], **kw, async_scheduling=True)
+    long = prompts(3, length=45, start=40)
+    requests = [(f"c{i}", ids, SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True, logprobs=1))
+                for i, ids in enumerate(long)]
+    _, _, async_steps = assert_same(pair, requests)
+    assert any(0 < n < 45 for s in async_steps for n in s.scheduler_output.num_scheduled_tokens.values())
+
+
+def test_shared_prefixes_hit_the_prefix_cache_and_match_sync(pair):
+    prefix = list(range(200, 232))                        # 8 full blocks of 4
+    requests = [(f"x{i}", prefix + [900 + i, 901 + i], GREEDY) for i in range(5)]
+    requests.append(("again", prefix + [900, 901], GREEDY))   # the same prompt as x0
+    expect, _ = run(pair[0], requests[:1])                  # x0 alone first: its blocks are cached
+    got, _ = run(pair[1], requests[:1])
+    assert got == expect
+    _, _, async_steps = assert_same(pair, requests[1:])
+    hits = [new.num_computed_tokens for s in async_steps for new in s.scheduler_output.scheduled_new_reqs]
+    assert hits and min(hits) >= 32, hits
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_matches_sync(tiny, make_llm, mode):
+    """A KV cache too small for everyone: requests are preempted while their last batch is in
+    flight (its token is appended when it comes back) and resumed later."""
+    kw = dict(ENGINE, num_gpu_blocks_override=20, max_num_seqs=6)
+    if mode == "swap":
+        kw.update(preemption_mode="swap", swap_space=0.01)
+    pair = make_llm(tiny[0], **kw), make_llm(tiny[0], **kw, async_scheduling=True)
+    requests = [(f"q{i}", ids, SamplingParams(temperature=0.9, seed=i, max_tokens=18, ignore_eos=True, logprobs=1))
+                for i, ids in enumerate(prompts(6, length=6, start=60))]
+    _, sync_steps, async_steps = assert_same(pair, requests)
+    assert any(s.scheduler_output.preempted_req_ids for s in async_steps)
+
+
+# ------------------------------------------------------------------------------ abort and failures
+def test_abort_while_a_batch_is_in_flight_matches_sync(pair):
+    requests = [(f"a{i}", ids, GREEDY) for i, ids in enumerate(prompts(4, start=800))]
+    results, _, _ = assert_same(pair, requests, abort_after={"a1": 4, "a3": 1})
+    assert results["a1"][2] == "abort" and results["a3"][2] == "abort"
+    assert len(results["a1"][0]) == 4 and len(results["a3"][0]) == 1     # one token a step, then aborted
+    assert results["a0"][2] == "length" and len(results["a0"][0]) == 10
+
+
+def test_a_request_that_fails_mid_decoding_fails_alone(pair, monkeypatch):
+    """Non-finite logits for one request at its 4th token, while its next step is already
+    scheduled: it fails with the same tokens as in the sync engine; the others go on."""
+    for llm in pair:
+        runner = llm.llm_engine.engine_core.model_runner
+        compute_logits = runner.model.compute_logits
+
+        def poisoned(hidden, runner=runner, compute_logits=compute_logits):
+            logits = compute_logits(hidden)
+            state = runner.requests.get("bad")
+            row = runner.input_batch.req_id_to_index.get("bad")
+            if state is not None and row is not None and len(state.output_token_ids) == 3 \
+                    and logits.shape[0] == runner.input_batch.num_reqs:
+                logits[row] = float("nan")
+            return logits
+        monkeypatch.setattr(runner.model, "compute_logits", poisoned)
+    requests = [(f"g{i}", ids, GREEDY) for i, ids in enumerate(prompts(3, start=600))]
+    requests.insert(1, ("bad", prompts(1, start=650)[0], GREEDY))
+    results, _, _ = assert_same(pair, requests)
+    assert results["bad"][2] == "error" and "non-finite" in str(results["bad"][3])
+    assert len(results["bad"][0]) == 3
+    assert all(results[f"g{i}"][2] == "length" for i in range(3))
+
+
+def test_the_runner_reads_the_placeholder_from_the_device_tensor(pair):
+    """White box: while a decode batch is in flight, the runner's host copy of a request holds the
+    placeholder at the token in flight, and the next step's input id there is the sampled token."""
+    engine = pair[1].llm_engine
+    core = engine.engine_core
+    engine.add_request("w", {"prompt_token_ids": prompts(1, start=1000)[0]}, GREEDY)
+    engine.step()
+    engine.step()
+    core.model_executor.wait_in_flight()
+    state = core.model_runner.requests["w"]
+    assert PLACEHOLDER_TOKEN_ID in state.output_token_ids          # the in-flight step's token
+    inputs = core.model_executor.model_runner.last_inputs
+    assert int(inputs.input_ids.min()) >= 0                        # no placeholder reached the model
+    while engine.has_unfinished_requests():
+        engine.step()
+    core.check_invariants()
+
+
+# ------------------------------------------------------------------------------ what is refused
+def test_what_async_scheduling_cannot_do_is_refused(pair):
+    for bad in (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+                dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                dict(kv_transfer_config={"kv_connector": "GlobalKVPoolConnector", "kv_role": "kv_both"}),
+                dict(async_scheduling="yes")):
+        with pytest.raises(ValueError, match="async_scheduling"):
+            EngineConfig(async_scheduling=bad.pop("async_scheduling", True), **bad)
+    engine = pair[1].llm_engine
+    with pytest.raises(ValueError, match="async_scheduling"):
+        engine.add_request("n2", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(n=2, max_tokens=3))
+    from mini_vllm.beam_search import BeamSearchParams
+    with pytest.raises(ValueError, match="async_scheduling"):
+        engine.add_request("beam", {"prompt_token_ids": [5, 6, 7]}, BeamSearchParams(beam_width=2, max_tokens=3))
+    assert not engine.has_unfinished_requests()
+
+
+# ------------------------------------------------------------------------------ real weights
+@pytest.mark.model
+def test_smollm2_async_greedy_matches_hf(smollm2_dir, smollm2_hf, make_llm, traced, hf_oracle):
+    """SmolLM2 under async scheduling, with a pool small enough to preempt, against HF greedy."""
+    hf_greedy, assert_same_greedy = hf_oracle
+    llm = make_llm(smollm2_dir, block_size=4, async_scheduling=True, num_gpu_blocks_override=18, max_model_len=64)
+    tokenizer = llm.get_tokenizer()
+    texts = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+             "Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker"]
+    prompts = [tokenizer(t).input_ids for t in texts] + [tokenizer(texts[0]).input_ids + [11]]
+    MAX_NEW = 12
+    outputs, steps = traced(llm, prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
+    eos = llm.llm_engine.model_config.eos_token_ids
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == MAX_NEW
+        assert_same_greedy(out.outputs[0].token_ids, hf_greedy(smollm2_hf, prompt, MAX_NEW), MAX_NEW, eos,
+                           f"async: {prompt[:6]}...")
+    assert llm.llm_engine.engine_core.num_batches_overlapped > 0
+    assert any(s.scheduler_output.preempted_req_ids for s in steps), "the small pool was supposed to preempt"
