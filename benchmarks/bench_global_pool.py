@@ -1,7 +1,7 @@
 """A global prefix pool between two engines: hit rate, skipped prefill and TTFT, with and without it.
 
     python -m benchmarks.bench_global_pool            # SmolLM2, both layers, ~3 min on 2 cores -> results/global_pool.json + .png
-    python -m benchmarks.bench_global_pool --quick    # one layer, 2 sessions (CI)
+    python -m benchmarks.bench_global_pool --quick    # one layer, 2 sessions, a tiny random model (CI)
 
 Two SmolLM2 engines (fp32, CPU): engine A in its own process (`kv_producer`) and engine B in
 this one (`kv_consumer`), joined by chapter 06's connector through one of the two layers:
@@ -54,7 +54,7 @@ def layer_config(layer: str, address: str, role: str) -> dict:
                                           "local_buffer_size": 64 << 20}}
 
 
-def run_layer(layer: str, tokenizer, sessions: int, repeat_system: int, max_tokens: int) -> dict:
+def run_layer(layer: str, tokenizer, sessions: int, repeat_system: int, max_tokens: int, model: str) -> dict:
     import torch
 
     from mini_vllm.engine_process import EngineProcess, run_requests
@@ -69,9 +69,9 @@ def run_layer(layer: str, tokenizer, sessions: int, repeat_system: int, max_toke
     a = b = None
     try:
         a = EngineProcess(kv_transfer_config=layer_config(layer, server.address, "kv_producer"),
-                          num_threads=torch.get_num_threads(), **ENGINE_KW)
-        b = LLMEngine(kv_transfer_config=layer_config(layer, server.address, "kv_consumer"), **ENGINE_KW)
-        c = LLMEngine(**ENGINE_KW)                                     # the same engine, no pool
+                          num_threads=torch.get_num_threads(), model=model, **ENGINE_KW)
+        b = LLMEngine(kv_transfer_config=layer_config(layer, server.address, "kv_consumer"), model=model, **ENGINE_KW)
+        c = LLMEngine(model=model, **ENGINE_KW)                        # the same engine, no pool
         rows = []
         for i in range(sessions + 1):                                  # session 0 warms both engines up
             system = f"Session {i}. " + SYSTEM * repeat_system
@@ -106,6 +106,7 @@ def run_layer(layer: str, tokenizer, sessions: int, repeat_system: int, max_toke
 def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
+    from benchmarks.bench_engine import tiny_model_dir
     from mini_vllm import default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -113,16 +114,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sessions", type=int, default=4)
     ap.add_argument("--repeat-system", type=int, default=6, help="copies of the system text (6: ~500 tokens)")
     ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--quick", action="store_true", help="scratch layer only, 2 sessions, a shorter system prompt")
+    ap.add_argument("--quick", action="store_true",
+                    help="scratch layer only, 2 sessions, a shorter system prompt, a tiny random model (tests)")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
-    if args.quick:
+    tmp = tempfile.TemporaryDirectory()
+    model = str(default_model_path())
+    if args.quick:       # the pool's mechanics are the same whatever the weights: seconds instead of minutes
         args.layers, args.sessions, args.repeat_system = ["scratch"], 2, 2
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    layers = [run_layer(layer, tokenizer, args.sessions, args.repeat_system, args.max_tokens) for layer in args.layers]
+        model = str(tiny_model_dir(Path(tmp.name)))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    layers = [run_layer(layer, tokenizer, args.sessions, args.repeat_system, args.max_tokens, model)
+              for layer in args.layers]
+    tmp.cleanup()
     for r in layers:
         print({k: v for k, v in r.items() if k != "sessions"})
-    workload = dict(model="SmolLM2-135M-Instruct", dtype="float32",
+    workload = dict(model=Path(model).name, dtype="float32",
                     device="cpu (2 cores; engine A in its own process beside this one)",
                     sessions=args.sessions, system_prompt_copies=args.repeat_system, greedy=True,
                     max_tokens=args.max_tokens,

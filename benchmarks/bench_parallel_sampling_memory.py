@@ -1,7 +1,7 @@
 """KV blocks saved by sharing among parallel samples and among beams, in the thesis' form.
 
     python -m benchmarks.bench_parallel_sampling_memory            # SmolLM2, ~5 min on 2 cores
-    python -m benchmarks.bench_parallel_sampling_memory --quick    # 4 prompts, 8 tokens (tests)
+    python -m benchmarks.bench_parallel_sampling_memory --quick    # tiny random model, 4 prompts, 8 tokens (tests)
 
 [Kwon 2025, §3.6.3, Fig. 3.15] reports the memory saving of parallel sampling as the blocks saved
 by sharing divided by the blocks used without sharing (6.1–9.8% on Alpaca, 16.2–30.5% on
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 from benchmarks.common import RESULTS_DIR, write_result
@@ -69,7 +70,8 @@ def beam_footprint(llm, prompts: list[list[int]], params) -> tuple[int, int, int
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="4 prompts of 8 output tokens (tests)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a tiny random model (SmolLM2's tokenizer), 4 prompts of 8 output tokens (tests)")
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
@@ -77,10 +79,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     from transformers import AutoTokenizer
 
-    from benchmarks.bench_engine import make_workload
+    from benchmarks.bench_engine import make_workload, tiny_model_dir
     from mini_vllm import LLM, BeamSearchParams, SamplingParams, default_model_path
 
-    model_dir = default_model_path()
+    tmp = tempfile.TemporaryDirectory()
+    # The sharing is the same whatever the weights: --quick checks the mechanics in seconds.
+    model_dir = tiny_model_dir(Path(tmp.name)) if args.quick else default_model_path()
     num_prompts, output_len = (4, 8) if args.quick else (args.num_prompts, args.output_len)
     workload = make_workload(AutoTokenizer.from_pretrained(model_dir), num_prompts, (32, 512), (output_len, output_len), 0)
     prompts = [p for p, _ in workload]
@@ -121,6 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
                                            *(argv if argv is not None else sys.argv[1:])]))
     name = "parallel_sampling_memory_quick" if args.quick else "parallel_sampling_memory"
     path = write_result(name, workload_info, rows, args.out_dir)
+    tmp.cleanup()
     return dict(rows=rows, path=path)
 
 

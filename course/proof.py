@@ -52,7 +52,7 @@ from course.manifest import Manifest, load, problems
 from course.runner import Workspace, ZygoteClient
 from course.testids import matches
 
-ROTATION = 4          # (3) runs every task's full set once in this many days
+ROTATION = 7          # (3) runs every task's full set once in this many days (a week)
 
 
 @dataclasses.dataclass
