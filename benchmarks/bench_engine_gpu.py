@@ -43,7 +43,7 @@ import torch
 
 from benchmarks.common import RESULTS_DIR, environment, sync, time_fn, try_plot, write_result
 
-CONTENDERS = ("ours", "hf-static", "hf-cb")
+CONTENDERS = ("ours", "ours-async", "hf-static", "hf-cb")
 
 QWEN3_0_6B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -212,15 +212,17 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def child_ours(args, model_dir: Path, workload, subset, device: str, dtype: torch.dtype) -> dict:
+def child_ours(args, model_dir: Path, workload, subset, device: str, dtype: torch.dtype,
+               async_scheduling: bool = False) -> dict:
     """Our engine, in its own process: throughput on the workload and on the peers' subset, the
-    decode sweep against the bandwidth measured first, and (optionally) a profiled decode step."""
+    decode sweep against the bandwidth measured first, and (optionally, synchronous engine only) a
+    profiled decode step. `async_scheduling`: the same with step N+1 scheduled while N runs."""
     from mini_vllm import LLM
 
     bandwidth = args.copy_bandwidth or copy_bandwidth(device)
     llm = LLM(str(model_dir), dtype=str(dtype).removeprefix("torch."), device=device,
               max_model_len=2 * args.max_len + 16, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=16384,
-              **({} if device == "cuda" else dict(kv_cache_memory=64 << 20)))
+              async_scheduling=async_scheduling, **({} if device == "cuda" else dict(kv_cache_memory=64 << 20)))
     print(llm.llm_engine.kv_cache_report, flush=True)
     run_ours(llm, nano_vllm_workload(4, args.min_len // 2, args.min_len), args.temperature)     # warm-up
     config = llm.llm_engine.config
@@ -233,7 +235,7 @@ def child_ours(args, model_dir: Path, workload, subset, device: str, dtype: torc
         row["bandwidth_limit_ms"] = round(1000 * row["bytes_read"] / bandwidth, 3)
         row["fraction_of_limit"] = round(row["bandwidth_limit_ms"] / row["decode_step_ms"], 3)
     out["decode"] = decode
-    if args.profile_batch:
+    if args.profile_batch and not async_scheduling:
         from benchmarks.profile_decode_step import profile_decode
         out["profile"] = profile_decode(llm, args.profile_batch, args.decode_context)
     llm.shutdown()
@@ -283,10 +285,18 @@ def throughput_rows(runs: dict, workload, subset, hf_batch_size: int) -> tuple[l
     ours = runs["ours"]
     rows = [row("ours (mini_vllm)", ours["full"], total_out, len(workload)),
             row("ours (mini_vllm)", ours["subset"], subset_out, len(subset))]
-    labels = {"hf-static": f"HF generate, static batch {hf_batch_size}", "hf-cb": "HF continuous batching"}
     summary = {}
+    if "ours-async" in runs:
+        label = "ours (mini_vllm, async scheduling)"
+        run = runs["ours-async"]
+        if run["status"] == "ok":
+            rows.append(row(label, run["full"], total_out, len(workload)))
+            summary["async_over_sync_throughput"] = round(ours["full"] / run["full"], 3)
+        else:
+            rows.append(dict(name=label, status="failed", num_seqs=len(workload), error=run["error"]))
+    labels = {"hf-static": f"HF generate, static batch {hf_batch_size}", "hf-cb": "HF continuous batching"}
     for name, run in runs.items():
-        if name == "ours":
+        if name in ("ours", "ours-async"):
             continue
         if run["status"] == "ok":
             rows.append(row(labels[name], run["seconds"], subset_out, len(subset)))
@@ -308,6 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the peers run the first N sequences of the workload (ours is timed on them too)")
     ap.add_argument("--no-cb", action="store_true")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-async", action="store_true", help="skip our engine with async scheduling")
     ap.add_argument("--decode-batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
     ap.add_argument("--decode-context", type=int, default=1024)
     ap.add_argument("--profile-batch", type=int, default=0, help="profile pure decode steps at this batch size")
@@ -336,8 +347,8 @@ def main(argv: list[str] | None = None) -> dict:
     subset = workload[:args.hf_num_seqs]
 
     if args.child is not None:                         # one contender, in this (fresh) process
-        if args.child == "ours":
-            out = child_ours(args, args.model_dir, workload, subset, device, dtype)
+        if args.child in ("ours", "ours-async"):
+            out = child_ours(args, args.model_dir, workload, subset, device, dtype, args.child == "ours-async")
         else:
             out = child_hf(args, args.child, args.model_dir, subset, device, dtype)
         args.result.write_text(json.dumps(out))
@@ -346,7 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = tempfile.TemporaryDirectory()
     model_dir = make_model_dir(Path(tmp.name), shape, dtype)
     child_argv = [a for a in (argv if argv is not None else sys.argv[1:])] + ["--model-dir", str(model_dir)]
-    names = ["ours"] + ([] if args.no_hf else ["hf-static"] + ([] if args.no_cb else ["hf-cb"]))
+    names = ["ours"] + ([] if args.no_async else ["ours-async"]) + ([] if args.no_hf else ["hf-static"] + ([] if args.no_cb else ["hf-cb"]))
     runs = {name: run_child(name, child_argv, Path(tmp.name) / f"{name}.json", args.child_timeout) for name in names}
     ours = runs["ours"]
     if ours["status"] != "ok":
@@ -358,9 +369,11 @@ def main(argv: list[str] | None = None) -> dict:
         shown = f"{r['seconds']:8.1f} s {r['output_tokens_per_s']:10.1f} output tok/s" if r["status"] == "ok" \
             else "FAILED: " + r["error"].splitlines()[-1]
         print(f"{r['name']:<34} {r['num_seqs']:4d} seqs {shown}", flush=True)
-    for d in ours["decode"]:
+    decode_async = runs.get("ours-async", {}).get("decode")
+    for i, d in enumerate(ours["decode"]):
         print(f"decode batch {d['batch_size']:4d}: {d['decode_step_ms']:8.2f} ms/step, limit "
-              f"{d['bandwidth_limit_ms']:.2f} ms ({d['fraction_of_limit']:.0%})")
+              f"{d['bandwidth_limit_ms']:.2f} ms ({d['fraction_of_limit']:.0%})"
+              + (f"; async scheduling {decode_async[i]['decode_step_ms']:8.2f} ms/step" if decode_async else ""))
     print(summary)
     name = "engine_gpu_smoke" if args.smoke else "engine_gpu"
     workload_info = dict(model="random Qwen3-0.6B-shaped" if not args.smoke else "random tiny Qwen3", dtype=str(dtype),
@@ -369,6 +382,7 @@ def main(argv: list[str] | None = None) -> dict:
                          temperature=args.temperature, ignore_eos=True, total_output_tokens=total_out,
                          attention_backend=ours["attention_backend"], cuda_graphs=ours["cuda_graphs"],
                          copy_bandwidth=ours["copy_bandwidth"], summary=summary, decode=ours["decode"],
+                         decode_async_scheduling=decode_async,
                          command="python -m benchmarks.bench_engine_gpu " + " ".join(argv if argv is not None else sys.argv[1:]))
     path = write_result(name, workload_info, throughput, args.out_dir)
     result = dict(throughput=throughput, decode=ours["decode"], summary=summary)

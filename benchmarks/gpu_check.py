@@ -7,8 +7,9 @@
 
 Steps, each a subprocess with its own time limit, in this order (benchmarks first: a test run
 compiles kernels on every core and would disturb the timings):
-  1. bench_engine_gpu --profile-batch 256 : nano-vllm's workload vs HF (each in its own process),
-     the decode sweep against the measured copy bandwidth, a profiled decode step
+  1. bench_engine_gpu --profile-batch 256 : nano-vllm's workload, ours (synchronous and with async
+     scheduling) vs HF, each in its own process; the decode sweep against the measured copy
+     bandwidth, a profiled decode step
   2. bench_paged_attention --quick : decode attention rungs (SDPA, Triton v1/v2, CUDA v1/v2/v3)
   3. pytest -m gpu -n N : every gpu test, in parallel (the CUDA extensions build once, cached)
 Writes gpu_check.json (device, versions, date, each step's status / seconds / output tail, the
@@ -53,7 +54,7 @@ def steps(out_dir: Path, smoke: bool, workers: int, no_cb: bool = False,
         # inside the lease, and ours is timed on the same 32 for the ratio.
         "bench_engine_gpu": ([py, "-m", "benchmarks.bench_engine_gpu", "--profile-batch", "256", "--hf-num-seqs", "32",
                               "--child-timeout", "150", *(["--no-cb"] if no_cb else []), "--out-dir", str(out_dir)],
-                             330),
+                             420),
         "bench_paged_attention": ([py, "-m", "benchmarks.bench_paged_attention", "--quick", "--out-dir", str(out_dir)],
                                   150),
         "tests": ([py, "-m", "pytest", *(test_paths or ["tests"]), "-m", "gpu", "-q", "-p", "no:cacheprovider",

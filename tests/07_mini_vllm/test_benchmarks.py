@@ -57,7 +57,10 @@ def test_gpu_benchmark_smoke(tmp_path):
 
     result = bench_engine_gpu.main(["--smoke", "--no-cb", "--profile-batch", "4", "--out-dir", str(tmp_path)])
     assert (tmp_path / "engine_gpu_smoke.json").exists() and (tmp_path / "engine_gpu_smoke.png").exists()
-    assert [r["status"] for r in result["throughput"]] == ["ok", "ok", "ok"]      # ours x2, HF static
+    # ours x2, ours with async scheduling, HF static
+    assert [r["status"] for r in result["throughput"]] == ["ok", "ok", "ok", "ok"]
+    assert result["throughput"][2]["name"] == "ours (mini_vllm, async scheduling)"
+    assert result["summary"]["async_over_sync_throughput"] > 0
     assert [r["batch_size"] for r in result["decode"]] == [1, 4]
     assert all(r["decode_step_ms"] > 0 and r["bytes_read"] > r["weight_bytes"] and r["bandwidth_limit_ms"] > 0
                for r in result["decode"])
