@@ -250,23 +250,3 @@ def test_what_async_scheduling_cannot_do_is_refused(pair):
         engine.add_request("beam", {"prompt_token_ids": [5, 6, 7]}, BeamSearchParams(beam_width=2, max_tokens=3))
     assert not engine.has_unfinished_requests()
 
-
-# ------------------------------------------------------------------------------ real weights
-@pytest.mark.model
-def test_smollm2_async_greedy_matches_hf(smollm2_dir, smollm2_hf, make_llm, traced, hf_oracle):
-    """SmolLM2 under async scheduling, with a pool small enough to preempt, against HF greedy."""
-    hf_greedy, assert_same_greedy = hf_oracle
-    llm = make_llm(smollm2_dir, block_size=4, async_scheduling=True, num_gpu_blocks_override=18, max_model_len=64)
-    tokenizer = llm.get_tokenizer()
-    texts = ["The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-             "Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker"]
-    prompts = [tokenizer(t).input_ids for t in texts] + [tokenizer(texts[0]).input_ids + [11]]
-    MAX_NEW = 12
-    outputs, steps = traced(llm, prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
-    eos = llm.llm_engine.model_config.eos_token_ids
-    for prompt, out in zip(prompts, outputs):
-        assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == MAX_NEW
-        assert_same_greedy(out.outputs[0].token_ids, hf_greedy(smollm2_hf, prompt, MAX_NEW), MAX_NEW, eos,
-                           f"async: {prompt[:6]}...")
-    assert llm.llm_engine.engine_core.num_batches_overlapped > 0
-    assert any(s.scheduler_output.preempted_req_ids for s in steps), "the small pool was supposed to preempt"

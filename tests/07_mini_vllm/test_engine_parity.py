@@ -3,7 +3,7 @@ sampler) against HF transformers' greedy `generate` on the same weights, token f
 
 Every configuration that changes the path a token takes is covered: prefix caching on/off,
 chunked prefill on/off (and chunks small enough to split every prompt), and forced preemption
-through a tiny KV pool, by recompute and by swap. The same prompts must give the same tokens in
+through a tiny KV pool, by recompute and by swap, and with async scheduling. The same prompts must give the same tokens in
 all of them: a KV write to a wrong slot, a stale prefix hit, a chunk boundary off by one, or a
 resumed request missing a token would all change a greedy continuation.
 
@@ -31,6 +31,8 @@ CONFIGS = {
     "small-chunks": dict(max_num_batched_tokens=8, max_num_seqs=4),
     "preempt-recompute": dict(num_gpu_blocks_override=14, max_model_len=64),
     "preempt-swap": dict(num_gpu_blocks_override=14, max_model_len=64, preemption_mode="swap", swap_space=0.01),
+    # Async scheduling (step N+1 planned while N runs, placeholders for N's tokens), through preemption.
+    "preempt-async": dict(num_gpu_blocks_override=14, max_model_len=64, async_scheduling=True),
 }
 
 
@@ -52,6 +54,8 @@ def check_engine_matches_hf(make_llm, traced, hf_oracle, model_dir, hf_model, co
     so = [s.scheduler_output for s in steps]
     if config_name.startswith("preempt"):
         assert any(s.preempted_req_ids for s in so), "the tiny pool was supposed to force a preemption"
+    if config_name == "preempt-async":
+        assert llm.llm_engine.engine_core.num_batches_overlapped > 0, "async scheduling never had two batches in flight"
     if config_name == "preempt-swap":
         assert any(s.blocks_to_swap_out for s in so) and any(s.blocks_to_swap_in for s in so)
     if config_name == "small-chunks":
