@@ -72,23 +72,38 @@ def check_prefill(device, dtype, lens, num_heads, num_kv_heads, head_dim, block_
 
 # ----------------------------------------------------------------------------- CPU (interpreter)
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [1, 5, 12, 16, 256])
+# Every block size once, every dtype at least once, every rung in every case (so each rung meets
+# each dtype and each block size): a covering set, not the 15-case product, because the
+# interpreter's cost is per program launched. What each block size exercises: 1 one block id per
+# row (default v1); 5 blocks padded 5 -> 8 rows (default v1); 12 padded 12 -> 16 rows (fp32's
+# default: v2 with 2 blocks a tile); 16 a power of two (16-bit's default: v2 tile 64); 256 tiles
+# that slice one block (fp32's default: slices of 32). test_decode_rungs_llama_head_dims... runs
+# fp16 and bf16 at blocks 12 and 16.
+@pytest.mark.parametrize("dtype,block_size", [(torch.float16, 1), (torch.bfloat16, 5), (torch.float32, 12),
+                                              (torch.bfloat16, 16), (torch.float32, 256)],
+                         ids=["fp16-1", "bf16-5", "fp32-12", "bf16-16", "fp32-256"])
 def test_decode_block_sizes(dtype, block_size):
     # GQA 6/2, ragged lengths, partial last blocks, a seq_len-0 padding row; split-KV and not;
     # every rung (v1 tiles 16/64, v2 tiles of whole blocks or block slices, the default).
     check_decode("cpu", dtype, [37, 1, 0, 70], 6, 2, 32, block_size, [1, 3])
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("block_size", [12, 16])
+# dtype x head_dim x block_size as a pairwise covering set (every pair of values once, 4 cases
+# instead of the 8 of the product): each dtype meets each head dim and each block size.
+@pytest.mark.parametrize("dtype,head_dim,block_size", [(torch.float16, 64, 12), (torch.float16, 128, 16),
+                                                       (torch.bfloat16, 64, 16), (torch.bfloat16, 128, 12)],
+                         ids=["fp16-64-12", "fp16-128-16", "bf16-64-16", "bf16-128-12"])
 def test_decode_rungs_llama_head_dims_and_block_boundaries(dtype, head_dim, block_size):
     """Head dims 64/128 (GQA 4), lengths on and around block and tile boundaries (tiles of
     2 and 4 blocks: 32/64 tokens at block 16, 24/48 at block 12), a 0 and a 1."""
+    from paged_attention.triton_ops import choose_decode_config
     lens = [0, 1, block_size - 1, block_size, block_size + 1, 4 * block_size, 4 * block_size + 1]
+    # The default launch here IS the v2 tile of 4 blocks (the interpreter ignores warps and
+    # stages), so that launch covers it; the default's dispatch runs in the tests above and below.
+    default = choose_decode_config(len(lens), 2, max(lens), head_dim, dtype, block_size)
+    assert (default.version, default.tile) == ("v2", 4 * block_size)
     check_decode("cpu", dtype, lens, 8, 2, head_dim, block_size, [1, 2],
-                 launches=[{}, dict(version="v1", tile=32), dict(version="v2", tile=2 * block_size),
+                 launches=[dict(version="v1", tile=32), dict(version="v2", tile=2 * block_size),
                            dict(version="v2", tile=4 * block_size)])
 
 
@@ -146,7 +161,7 @@ def test_choose_decode_config():
     assert choose_decode_config(4, 8, 100, 64, bf16, 1).version == "v1"
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 1), (8, 2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 1), (8, 2)])
 def test_decode_mha_mqa_gqa(num_heads, num_kv_heads):
     check_decode("cpu", torch.float16, [19, 50], num_heads, num_kv_heads, 64, 16, [1, 2])
 
