@@ -44,8 +44,8 @@ def chat(tokenizer, system: str, question: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def layer_config(layer: str, address: str, role: str) -> dict:
-    extra = {"model": "SmolLM2-135M-Instruct", "load_timeout_s": 60.0, "send_capacity_blocks": 64}
+def layer_config(layer: str, address: str, role: str, model: str) -> dict:
+    extra = {"model": Path(model).name, "load_timeout_s": 60.0, "send_capacity_blocks": 64}
     if layer == "scratch":
         return {"kv_connector": "GlobalKVPoolConnector", "kv_role": role,
                 "kv_connector_extra_config": {**extra, "metadata_server": address, "pool_capacity_blocks": 256}}
@@ -68,9 +68,9 @@ def run_layer(layer: str, tokenizer, sessions: int, repeat_system: int, max_toke
         server = MooncakeMaster()
     a = b = None
     try:
-        a = EngineProcess(kv_transfer_config=layer_config(layer, server.address, "kv_producer"),
+        a = EngineProcess(kv_transfer_config=layer_config(layer, server.address, "kv_producer", model),
                           num_threads=torch.get_num_threads(), model=model, **ENGINE_KW)
-        b = LLMEngine(kv_transfer_config=layer_config(layer, server.address, "kv_consumer"), model=model, **ENGINE_KW)
+        b = LLMEngine(kv_transfer_config=layer_config(layer, server.address, "kv_consumer", model), model=model, **ENGINE_KW)
         c = LLMEngine(model=model, **ENGINE_KW)                        # the same engine, no pool
         rows = []
         for i in range(sessions + 1):                                  # session 0 warms both engines up
