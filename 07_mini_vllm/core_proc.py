@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 import traceback
 
@@ -181,6 +182,14 @@ def run_engine_core(conn, kwargs: dict) -> None:
     """The child's entry point (ChildProcess target): build the core, report ("ok", info) on the
     pipe, then loop. A fault in the loop is sent as EngineDead before the process exits, so the
     front end fails its requests at once instead of waiting for a timeout."""
+    # Ctrl-C reaches the whole process group, and `close()` sends SIGTERM: either one ends the core
+    # through SystemExit (vLLM's `signal_handler` in run_engine_core), so the sockets close in
+    # `finally` and the process exits 0 without a KeyboardInterrupt traceback on the terminal.
+    def _exit_quietly(signum, frame):
+        raise SystemExit()
+
+    signal.signal(signal.SIGINT, _exit_quietly)
+    signal.signal(signal.SIGTERM, _exit_quietly)
     proc = None
     try:
         if kwargs.get("num_threads"):

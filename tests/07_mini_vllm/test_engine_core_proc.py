@@ -161,3 +161,21 @@ def test_core_process_runs_on_this_process_torch_threads(tiny_llama, monkeypatch
         assert llm.llm_engine.engine_core.call_utility("cpu_time")["torch_threads"] == wanted
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_core_process_exits_cleanly_on_interrupt(tiny_llama, monkeypatch, signum):
+    """Ctrl-C on `serve` sends SIGINT to the whole process group, core included; `close()` sends
+    SIGTERM. Either way the core leaves through SystemExit: exit code 0, no KeyboardInterrupt
+    traceback (Python's default SIGINT handling would exit 1 and print one), and the front end
+    then reports the engine dead instead of waiting on it."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    llm = _mp_llm(tiny_llama)
+    try:
+        client = llm.llm_engine.engine_core
+        os.kill(client.pid, signum)
+        client.proc.proc.join(30)
+        assert client.proc.proc.exitcode == 0
+        assert client.is_dead
+    finally:
+        llm.shutdown()
