@@ -1,14 +1,15 @@
 """The GEMM kernel's tuning story, re-run: every version of csrc/gemm.cpp built, checked against
 F.linear, and timed on a SmolLM2 decode step's linears (30 layers of qkv 576->960, o 576->576,
 gate_up 576->3072, down 1536->576, and the lm_head 576->49152: 538 MB of fp32 weights, streamed
-from DRAM as in the engine), at decode batch sizes.
+from DRAM as in the engine), at decode batch sizes and one 512-token prefill chunk.
 
     python -m kernels_cpu.dev.gemm                 # build (first time: tens of seconds a version), check, time
     python -m kernels_cpu.dev.gemm --smoke         # tiny shapes, validation only
 
 The versions are one source built with -DVFS_CPU_GEMM_VERSION=N (the .cpp's top comment says
 why each step): a decode step's linears read every weight once, so how that stream reaches
-memory is the cost.
+memory is the cost; a prefill chunk re-reads each weight once per block of rows, so how many rows
+a block holds is (version 3).
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from kernels_cpu.dev.common import ColdCaches, arguments, best_times, load_versi
 
 VERSIONS = {
     1: "column panels streamed, a 4-row x 3-vector tile of the output in registers",
-    2: "+ each row tile prefetches a share of its thread's next panel: the engine's build",
+    2: "+ each row tile prefetches a share of its thread's next panel",
+    3: "+ row blocks sized by K to half the L2: a prefill chunk passes over the weights fewer times: the engine's build",
 }
 # (in, out) per layer, and the lm_head's: SmolLM2-135M
 LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     del weights                                                    # only the panels are streamed
     flush = ColdCaches(enabled=not args.smoke)
     results = []
-    for rows_per_step in ([1, 5] if args.smoke else [1, 8, 32, 64]):
+    for rows_per_step in ([1, 5, 130] if args.smoke else [1, 8, 32, 64, 512]):
         x = {k: torch.randn(rows_per_step, k) for k in {p.panels.shape[1] for p in packed}}    # [rows, in] per in
 
         def step(module):                                          # every linear of the step on this build
