@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from mini_vllm.sampler import NONFINITE_LOGITS
+
 if TYPE_CHECKING:
     from mini_vllm.input_batch import CachedRequestState
 
@@ -43,11 +45,12 @@ class SampledTokens:
     token_ids: torch.Tensor                  # [S] int64, on the device: the next step's input ids
     host_token_ids: torch.Tensor             # [S] int64, on the host once `event` has completed
     host_logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None   # [S, 1+k] ids, [S, 1+k], [S]
+    host_nonfinite: torch.Tensor | None      # [S] bool: rows whose logits were not finite (their requests fail)
     event: "torch.cuda.Event | None"         # None on a CPU: the copy is done when it returns
 
     @classmethod
     def copy_to_host(cls, token_ids: torch.Tensor, logprobs, rows: list[int], states: list[CachedRequestState],
-                     output_index: list[int]) -> "SampledTokens":
+                     output_index: list[int], nonfinite: torch.Tensor | None = None) -> "SampledTokens":
         """Start the device-to-host copies (non_blocking into pinned memory on a GPU) and record an
         event after them; nothing here waits for the forward pass."""
         lp = None
@@ -55,12 +58,13 @@ class SampledTokens:
             lp = tuple(_to_host(t) for t in (logprobs.logprob_token_ids, logprobs.logprobs,
                                              logprobs.selected_token_ranks))
         host = _to_host(token_ids)
+        host_nonfinite = _to_host(nonfinite) if nonfinite is not None else None
         event = None
         if token_ids.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
         return cls(rows, [s.req_id for s in states], states, output_index,
-                   [s.sampling_params.logprobs for s in states], token_ids, host, lp, event)
+                   [s.sampling_params.logprobs for s in states], token_ids, host, lp, host_nonfinite, event)
 
     def wait(self) -> None:
         if self.event is not None:
@@ -93,12 +97,16 @@ class AsyncModelRunnerOutput:
         for sampled in self._sampled:
             sampled.wait()
             tokens = sampled.host_token_ids.tolist()
-            for row, token in zip(sampled.rows, tokens):
-                output.sampled_token_ids[row].append(token)
+            failed = sampled.host_nonfinite.tolist() if sampled.host_nonfinite is not None else [False] * len(tokens)
+            for row, req_id, token, bad in zip(sampled.rows, sampled.req_ids, tokens, failed):
+                if bad:                                   # its token was drawn from neutral logits: not sent
+                    output.failed[req_id] = NONFINITE_LOGITS
+                else:
+                    output.sampled_token_ids[row].append(token)
             if sampled.host_logprobs is not None:
                 ids, values, ranks = (t.tolist() for t in sampled.host_logprobs)
                 for j, (req_id, k) in enumerate(zip(sampled.req_ids, sampled.num_logprobs)):
-                    if k is not None:
+                    if k is not None and not failed[j]:
                         output.logprobs[req_id] = [(ids[j][:k + 1], values[j][:k + 1], ranks[j])]
         self._done = True
         return output

@@ -72,7 +72,7 @@ from mini_vllm.models.loader import get_model
 from mini_vllm.input_batch import CachedRequestState, InputBatch
 from mini_vllm.logits_processors import OutputTokens, apply_logits_processors
 from mini_vllm.parallel_sampling import child_request_id
-from mini_vllm.sampler import (Sampler, SamplerOutput, SamplingMetadata, compute_logprobs, nonfinite_rows,
+from mini_vllm.sampler import (NONFINITE_LOGITS, Sampler, SamplerOutput, SamplingMetadata, compute_logprobs, nonfinite_rows,
                               request_generator)
 from mini_vllm.sampling_params import SamplingParams
 from mini_vllm.spec_decode_worker import SpecDecodeStepStats, SpecDecodeWorker
@@ -80,8 +80,6 @@ from mini_vllm.spec_decode_worker import SpecDecodeStepStats, SpecDecodeWorker
 logger = logging.getLogger(__name__)
 
 
-NONFINITE_LOGITS = ("non-finite logits (NaN or +inf, or no finite value): the model's output overflowed "
-                    "or its weights are corrupt (fp16 overflow? try bfloat16 or float32)")
 
 
 @dataclass
@@ -484,6 +482,14 @@ class ModelRunner:
             return
         logits = self.model.compute_logits(hidden[logits_indices])                 # [S, vocab] fp32
         rows = sample_rows
+        if self.async_scheduling:
+            # Reading the flags here would make the host wait for this forward pass (on a GPU: the
+            # very wait async scheduling removes). The rows sample from neutral logits instead, and
+            # their requests fail when the step's output is read (AsyncModelRunnerOutput.get_output);
+            # the step already scheduled for them computes a token the scheduler then drops.
+            nonfinite = nonfinite_rows(logits)                                     # [S] bool, on the device
+            self._sample_rows(logits.masked_fill(nonfinite[:, None], 0.0), rows, output, nonfinite)
+            return
         bad = nonfinite_rows(logits).cpu().numpy()                                  # [S]
         if bad.any():
             # Fail only the offending rows (before drawing anything, so no random stream has
@@ -493,6 +499,12 @@ class ModelRunner:
             rows, logits = rows[~bad], logits[torch.from_numpy(~bad).to(logits.device)]
             if len(rows) == 0:
                 return
+        self._sample_rows(logits, rows, output)
+
+    def _sample_rows(self, logits: torch.Tensor, rows: np.ndarray, output: ModelRunnerOutput,
+                     nonfinite: torch.Tensor | None = None) -> None:
+        """One token for each of `rows` from its logits row [len(rows), V]; `nonfinite` [len(rows)]
+        (async scheduling): device flags of rows whose request fails once the flags are on the host."""
         self._beam_candidates(logits, rows, output)
         md = self._sampling_metadata_for(rows)
         outputs = None
@@ -501,7 +513,7 @@ class ModelRunner:
             outputs = self.input_batch.output_tokens(rows, device=self.device)
         result = self.sampler(logits, md, outputs)
         if self.async_scheduling:
-            self._record_async(result, rows)
+            self._record_async(result, rows, nonfinite)
         else:
             self._record(result, rows, output)
 
@@ -649,7 +661,7 @@ class ModelRunner:
         output.logprobs.update(logprobs)
 
     # ================================================================== async scheduling (async_output.py)
-    def _record_async(self, result: SamplerOutput, rows: np.ndarray) -> None:
+    def _record_async(self, result: SamplerOutput, rows: np.ndarray, nonfinite: torch.Tensor | None) -> None:
         """`_record` without reading the tokens: a placeholder goes where each token belongs (the
         batch row, the state's output list), the tokens and logprobs start their copy to the host,
         and the step's AsyncModelRunnerOutput fills them in when the engine core asks."""
@@ -661,7 +673,7 @@ class ModelRunner:
             output_index.append(len(state.output_token_ids))
             state.output_token_ids.append(PLACEHOLDER_TOKEN_ID)
         self._step_sampled.append(SampledTokens.copy_to_host(result.sampled_token_ids, result.logprobs_tensors,
-                                                             rows.tolist(), states, output_index))
+                                                             rows.tolist(), states, output_index, nonfinite))
 
     def _write_back_sampled(self, keep_last: bool) -> None:
         """Write sampled values over their placeholders, in each request's state and — if it still

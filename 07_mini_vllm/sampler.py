@@ -276,6 +276,11 @@ def check_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
                                  "or its weights are corrupt (fp16 overflow? try bfloat16 or float32)")
 
 
+# What a request whose logits row is non-finite fails with (the engine fails that request alone).
+NONFINITE_LOGITS = ("non-finite logits (NaN or +inf, or no finite value): the model's output overflowed "
+                    "or its weights are corrupt (fp16 overflow? try bfloat16 or float32)")
+
+
 def nonfinite_rows(logits: torch.Tensor) -> torch.Tensor:
     """[N, V] -> [N] bool: rows holding a NaN or +inf, or no finite value at all. The engine uses it
     to fail only the offending requests and keep sampling the others.

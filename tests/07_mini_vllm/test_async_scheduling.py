@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from mini_vllm import EngineConfig, SamplingParams
-from mini_vllm.async_output import PLACEHOLDER_TOKEN_ID
+from mini_vllm.async_output import PLACEHOLDER_TOKEN_ID, AsyncModelRunnerOutput
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -208,9 +208,21 @@ def test_a_request_that_fails_mid_decoding_fails_alone(pair, monkeypatch):
                 logits[row] = float("nan")
             return logits
         monkeypatch.setattr(runner.model, "compute_logits", poisoned)
+    # The async runner leaves the non-finite flags on the device until the step's output is read
+    # (on a GPU, reading them while sampling would wait for the forward pass): no output knows of
+    # the failure before get_output().
+    known_before = []
+    get_output = AsyncModelRunnerOutput.get_output
+
+    def spying(self):
+        if not self._done:
+            known_before.append("bad" in self._output.failed)
+        return get_output(self)
+    monkeypatch.setattr(AsyncModelRunnerOutput, "get_output", spying)
     requests = [(f"g{i}", ids, GREEDY) for i, ids in enumerate(prompts(3, start=600))]
     requests.insert(1, ("bad", prompts(1, start=650)[0], GREEDY))
     results, _, _ = assert_same(pair, requests)
+    assert known_before and not any(known_before)
     assert results["bad"][2] == "error" and "non-finite" in str(results["bad"][3])
     assert len(results["bad"][0]) == 3
     assert all(results[f"g{i}"][2] == "length" for i in range(3))
