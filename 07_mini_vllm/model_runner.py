@@ -488,7 +488,7 @@ class ModelRunner:
             # their requests fail when the step's output is read (AsyncModelRunnerOutput.get_output);
             # the step already scheduled for them computes a token the scheduler then drops.
             nonfinite = nonfinite_rows(logits)                                     # [S] bool, on the device
-            self._sample_rows(logits.masked_fill(nonfinite[:, None], 0.0), rows, output, nonfinite)
+            self._sample_rows(logits.masked_fill_(nonfinite[:, None], 0.0), rows, output, nonfinite)   # in place: no [S, V] copy
             return
         bad = nonfinite_rows(logits).cpu().numpy()                                  # [S]
         if bad.any():
