@@ -16,7 +16,7 @@
 // The micro-kernel keeps a kMaxRows x NR tile of C in registers (4 x 3 vectors = 12 of the 16
 // AVX2 registers), and per k loads 3 vectors of the panel and broadcasts 4 values of x: 12
 // FMAs per 7 loads. Threads split the panels (each streams its own contiguous share of the
-// weights); rows go in blocks that keep x's block in L2 too (rows_per_pass).
+// weights); rows go in blocks of kRowBlock so a prefill chunk's x block stays in L2 too.
 //
 // While a panel's row tiles compute (from L2, after the first tile brought it in), each tile
 // also prefetches a share of the thread's NEXT panel, one cache line per k step: the DRAM
@@ -56,15 +56,12 @@ constexpr int64_t kRowBlock = 96;           // rows of x per pass over a thread'
 constexpr int64_t kMinWeightsPerThread = 1 << 15;   // a second thread only for >= 128 KB of weights
 constexpr int64_t kCacheLine = 64;                   // bytes
 // The tuning story, each step a build of this file (`python -m kernels_cpu.dev.gemm` builds, checks
-// and times them; the engine builds the last): 1 = the register tile alone, 2 = + each tile
-// prefetches a share of its thread's next panel (see the top), 3 = + row blocks sized by K, so
-// prefill chunks pass over the panels fewer times (rows_per_pass).
+// and times both; the engine builds the last): 1 = the register tile alone, 2 = + each tile
+// prefetches a share of its thread's next panel (see the top).
 #ifndef VFS_CPU_GEMM_VERSION
-#define VFS_CPU_GEMM_VERSION 3
+#define VFS_CPU_GEMM_VERSION 2
 #endif
 constexpr bool kPrefetchNextPanel = VFS_CPU_GEMM_VERSION >= 2;
-constexpr bool kSizedRowBlock = VFS_CPU_GEMM_VERSION >= 3;
-constexpr int64_t kRowBlockBytes = 1 << 20; // version 3: x's block up to half a 2 MB L2 (the panel takes 110-300 KB)
 
 // The part of the thread's next panel not yet prefetched, handed out to the tiles in shares.
 struct NextPanel {
@@ -112,18 +109,6 @@ inline void tile(const float* A, int64_t lda, const float* panel, int64_t K, flo
     for (int v = 0; v < kVectorsPerPanel; ++v) store(last + v * W, acc[r][v], all);
     std::copy(last, last + n_valid, C + r * ldc);
   }
-}
-
-// How many rows of x go through the thread's panels per pass. Versions 1-2: kRowBlock (96), sized
-// for the widest K (1536: 590 KB of x), so a 2,048-token prefill chunk makes 22 passes, each
-// reading every panel of the thread again. Version 3: as many rows as fit kRowBlockBytes at this
-// K (455 at K = 576, 170 at 1536), at least kRowBlock, split into passes of equal size (463 rows
-// at K = 576: 2 passes of 232, not 4 of 96 and one of 79). Decode steps (<= 96 rows) are unchanged.
-int64_t rows_per_pass(int64_t M, int64_t K) {
-  if (!kSizedRowBlock) return kRowBlock;
-  const int64_t cap = std::max<int64_t>(kRowBlock, kRowBlockBytes / (K * int64_t(sizeof(float))));
-  const int64_t passes = (M + cap - 1) / cap;
-  return (M + passes - 1) / passes;
 }
 
 // All `rows` rows against one panel: tiles of kMaxRows, then one smaller tile for the rest;
@@ -186,13 +171,10 @@ at::Tensor panel_gemm(const at::Tensor& x, const at::Tensor& packed, const std::
   const float* B = packed.data_ptr<float>();
   float* C = y.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, kMinWeightsPerThread / (K * NR));
-  // Rows per pass over the thread's panels: each pass re-reads every panel, so a prefill chunk
-  // wants few passes, and x's block should stay in L2 while the panels go by (version 3 sizes it).
-  const int64_t row_block = rows_per_pass(M, K);
   at::parallel_for(0, P, grain, [&](int64_t p_begin, int64_t p_end) {    // this thread's panels
     const int64_t panel_lines = K * NR * int64_t(sizeof(float)) / kCacheLine;
-    for (int64_t m0 = 0; m0 < M; m0 += row_block) {
-      const int64_t rows = std::min(row_block, M - m0);
+    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, M - m0);
       const int64_t tiles = (rows + kMaxRows - 1) / kMaxRows;
       for (int64_t p = p_begin; p < p_end; ++p) {
         const int n_valid = int(std::min<int64_t>(NR, N - p * NR));

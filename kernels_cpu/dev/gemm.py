@@ -8,8 +8,8 @@ from DRAM as in the engine), at decode batch sizes and one 512-token prefill chu
 
 The versions are one source built with -DVFS_CPU_GEMM_VERSION=N (the .cpp's top comment says
 why each step): a decode step's linears read every weight once, so how that stream reaches
-memory is the cost; a prefill chunk re-reads each weight once per block of rows, so how many rows
-a block holds is (version 3).
+memory is the cost. The 512-row chunk shows the same builds on a prefill: there each weight is
+read once per block of 96 rows and the arithmetic, not the stream, is the cost.
 """
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ from kernels_cpu.dev.common import ColdCaches, arguments, best_times, load_versi
 
 VERSIONS = {
     1: "column panels streamed, a 4-row x 3-vector tile of the output in registers",
-    2: "+ each row tile prefetches a share of its thread's next panel",
-    3: "+ row blocks sized by K to half the L2: a prefill chunk passes over the weights fewer times: the engine's build",
+    2: "+ each row tile prefetches a share of its thread's next panel: the engine's build",
 }
 # (in, out) per layer, and the lm_head's: SmolLM2-135M
 LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]

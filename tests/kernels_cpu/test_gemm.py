@@ -60,15 +60,16 @@ def test_panel_linear_equals_f_linear(rows, bias):
 @needs_kernel
 @pytest.mark.parametrize("rows", [171, 513])
 def test_prefill_row_passes_change_no_bit(rows):
-    """At K = 1536 a pass holds at most 170 rows (1 MB of x, csrc/gemm.cpp rows_per_pass): 171 rows
-    make 2 passes (86 + 85), 513 make 4 (129 x 3 + 126). Each output is the same FMA chain over k
-    whatever pass its row falls in, so every row equals that row computed alone, bit for bit."""
+    """Rows go through a thread's panels 96 at a time (csrc/gemm.cpp kRowBlock): 171 rows make 2
+    passes (96 + 75), 513 make 6 (96 x 5 + 33), at SmolLM2's widest K (1536). Each output is the same
+    FMA chain over k whatever pass its row falls in, so every row equals that row computed alone,
+    bit for bit."""
     torch.manual_seed(rows)
     w, x = torch.randn(100, 1536) / 1536 ** 0.5, torch.randn(rows, 1536)      # outputs O(1), like a layer
     packed = cpu_gemm.pack_panels(w)
     out = cpu_gemm.panel_linear(x, packed, None)
     assert_close(out, F.linear(x, w), dtype=torch.float32)
-    for r in (0, 85, 86, 128, 129, rows - 1):
+    for r in (0, 95, 96, 191, 192, 480, rows - 1):
         if r < rows:
             assert torch.equal(cpu_gemm.panel_linear(x[r:r + 1], packed, None), out[r:r + 1]), r
 
