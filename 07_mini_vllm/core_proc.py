@@ -36,6 +36,7 @@ from scheduler import RequestStatus
 from mini_vllm.core import EngineCore, EngineCoreStep
 from mini_vllm.engine_messages import (EngineCoreOutputs, EngineCoreRequestType, EngineDead, SchedulerStats,
                                        UtilityOutput, decode, encode)
+from mini_vllm.gc_utils import freeze_gc_heap
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +202,8 @@ def run_engine_core(conn, kwargs: dict) -> None:
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         conn.close()
         return
-    conn.send(("ok", {"pid": os.getpid(), "kv_cache_report": core.kv_cache_report}))
+    frozen = freeze_gc_heap()        # the start-up heap, out of the collector's walks (gc_utils.py)
+    conn.send(("ok", {"pid": os.getpid(), "kv_cache_report": core.kv_cache_report, "gc_frozen_objects": frozen}))
     try:
         proc.run_busy_loop()
     except Exception as e:                            # noqa: BLE001 - the engine is broken: tell the front end

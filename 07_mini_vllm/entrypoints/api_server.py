@@ -34,6 +34,7 @@ from mini_vllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequ
 from mini_vllm.entrypoints.serving_chat import OpenAIServingChat
 from mini_vllm.entrypoints.serving_completion import OpenAIServingCompletion
 from mini_vllm.entrypoints.serving_engine import OpenAIError, error_response, parse_body, with_cancellation
+from mini_vllm.gc_utils import freeze_gc_heap
 
 logger = logging.getLogger("mini_vllm.api_server")
 
@@ -130,6 +131,7 @@ def run_server(args, engine_config) -> None:
                       router=getattr(args, "dp_router", "cache_aware"))
     names = args.served_model_name or [engine.served_model_name]
     app = build_app(engine, names, args.api_key)
+    freeze_gc_heap()                         # this process's start-up heap too (gc_utils.py)
     logger.info("serving %s on http://%s:%d (engine core pid(s) %s%s)", names, args.host, args.port,
                 [client.pid for client in engine.core_clients],
                 f", {type(engine.router).__name__}" if engine.data_parallel_size > 1 else "")

@@ -54,6 +54,9 @@ def test_multiprocess_llm_matches_in_process(tiny_llama, make_llm, monkeypatch):
         from mini_vllm.core_client import EngineDeadError, SyncMPClient
         assert isinstance(llm.llm_engine.engine_core, SyncMPClient)
         assert llm.llm_engine.engine_core.pid != os.getpid()
+        # The core froze its start-up heap (gc_utils.py): torch, transformers and the model's
+        # modules are out of the collector's walks in that process.
+        assert llm.llm_engine.engine_core.proc.info["gc_frozen_objects"] > 50_000
         assert _summary(llm.generate(PROMPTS, _params(), use_tqdm=False)) == expected
         assert llm.reset_prefix_cache() is True
         # Abort mid-way: the core frees the request's blocks (checked in the core process).

@@ -565,3 +565,26 @@ def test_smollm2_chat_through_the_server_equals_llm_chat(smollm2_dir, make_llm):
         s.wait_idle()
     finally:
         s.stop()
+
+
+def test_the_server_process_freezes_its_start_up_heap(tiny_llama, monkeypatch):
+    """`serve` (run_server) freezes the garbage collector's view of its process once the engine and
+    the app are built, before uvicorn serves (vLLM's server does the same): the objects of start-up
+    are never walked by a collection while requests stream. uvicorn.run is replaced by a probe."""
+    import gc
+
+    import uvicorn
+
+    from mini_vllm.cli import build_parser, engine_config
+    from mini_vllm.entrypoints.api_server import run_server
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.setdefault("frozen", gc.get_freeze_count()))
+    args = build_parser().parse_args(["serve", str(tiny_llama), "--max-model-len", "64", "--kv-cache-memory", "0.01",
+                                      "--disable-log-stats"])
+    gc.unfreeze()
+    try:
+        run_server(args, engine_config(args))
+    finally:
+        gc.unfreeze()            # this is the test process: leave its collector as it was
+    assert seen["frozen"] > 50_000
