@@ -9,6 +9,12 @@ And one rule for every engine a test builds (chapter 07, integration): it regist
 `engine_registry`, and after EVERY test each registered engine must be idle with all its KV
 blocks free (device and CPU tier) and consistent bookkeeping.
 
+Engines built by tests leave malloc alone by default ($VFS_CPU_KEEP_FREED_MEMORY=0, the default of
+EngineConfig.cpu_keep_freed_memory): that setting is process-wide and cannot be undone, so this one
+pytest process would keep the high-water mark of every engine the suite builds (19 GB RSS). The
+tests of the setting itself run their engines in fresh processes with it on
+(tests/07_mini_vllm/test_cpu_kernels.py, benchmarks/bench_cpu_malloc.py).
+
 The CPU kernels' own set-up (what they were tested on, their per-ISA builds started in the
 background) lives in tests/kernels_cpu/conftest.py: it runs only when that folder is collected.
 """
@@ -21,6 +27,8 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     # Must be set before `import triton` anywhere: triton reads it when a kernel is decorated.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Read when an EngineConfig is made (and inherited by the processes tests start: servers, notebooks).
+os.environ.setdefault("VFS_CPU_KEEP_FREED_MEMORY", "0")
 
 
 def pytest_report_header(config):
