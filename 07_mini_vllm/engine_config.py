@@ -15,7 +15,8 @@ against, so `kv_cache_memory` bytes are given explicitly (vLLM's CPU backend: VL
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,19 @@ GiB = 1 << 30
 # (vLLM's CPU attention) when it builds here and cpu_kernels allows it, else the vectorized torch path.
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "cuda", "reference")
 CPU_KERNELS = ("auto", "off")             # EngineConfig.cpu_kernels
+
+# The default of EngineConfig.cpu_keep_freed_memory, for a process that builds many engines: the
+# test suite sets it to 0 (tests/conftest.py), since malloc's setting is process-wide and kept,
+# so one pytest process would otherwise hold on to the high-water mark of every engine it ran.
+KEEP_FREED_MEMORY_ENV = "VFS_CPU_KEEP_FREED_MEMORY"
+
+
+def keep_freed_memory_default() -> bool:
+    """True unless $VFS_CPU_KEEP_FREED_MEMORY is 0 / false (a field given explicitly wins)."""
+    value = os.environ.get(KEEP_FREED_MEMORY_ENV, "1").strip().lower()
+    if value not in ("0", "1", "false", "true"):
+        raise ValueError(f"{KEEP_FREED_MEMORY_ENV} must be 0 or 1, got {value!r}")
+    return value in ("1", "true")
 
 
 def _positive_int(name: str, value, allow_none: bool = False) -> None:
@@ -132,10 +146,11 @@ class EngineConfig:
     when the model is on a GPU with the triton or cuda attention backend) | triton (insist: the model
     must be on a GPU) | torch (each layer's PyTorch forward: the readable oracle, for debugging)."""
 
-    cpu_keep_freed_memory: bool = True
+    cpu_keep_freed_memory: bool = field(default_factory=keep_freed_memory_default)
     """CPU: configure malloc to keep what it frees for reuse (kernels_cpu/malloc.py; vLLM preloads
     tcmalloc for the same reason) instead of unmapping big buffers and page-faulting them back in every
-    prefill step. Process-wide: once an engine has set it, it stays for the process."""
+    prefill step. Process-wide: once an engine has set it, it stays for the process. Default True
+    ($VFS_CPU_KEEP_FREED_MEMORY=0 makes it False: what the test suite does)."""
 
     cpu_warm_up: bool = False
     """CPU: at start-up, run one forward at the largest step the scheduler may ask for (`profile_run`:

@@ -48,15 +48,16 @@ def sides_for(weights: dict[str, torch.Tensor]) -> dict[str, dict]:
     return sides
 
 
-def time_one_layer(sides: dict, weights: dict, m: int, repeats: int) -> dict:
-    """Median seconds per side and shape (the weights stay in cache between calls)."""
+def time_one_layer(sides: dict, weights: dict, m: int, repeats: int, inner: int | None = None) -> dict:
+    """Median seconds per side and shape (the weights stay in cache between calls); each sample
+    times `inner` calls (default: 64 for decode row counts, fewer for prefill ones)."""
     xs = {name: torch.randn(m, w.shape[1]) for name, w in weights.items()}
     for name, w in weights.items():                        # same numbers first, within fp32 rounding
         ref = F.linear(xs[name], w)
         for side in sides.values():
             assert torch.allclose(side[name](xs[name]), ref, rtol=1e-4, atol=1e-4)
     samples = {side: {n: [] for n in weights} for side in sides}
-    inner = max(1, 64 // max(1, m // 32))
+    inner = inner or max(1, 64 // max(1, m // 32))
     for _ in range(repeats):                               # interleaved: every side sees the same machine state
         for name in weights:
             for side, fns in sides.items():
@@ -96,8 +97,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
+    # --smoke runs every code path once, not the numbers: one call per sample (a 64-row lm_head call
+    # alone is ~20 ms on 2 cores; 32 per sample x 4 sides x 2 repeats was most of the smoke run).
+    inner = None
     if args.smoke:
-        args.rows, args.streamed_rows, args.repeats = [1, 64], [], 2
+        args.rows, args.streamed_rows, args.repeats, inner = [1, 64], [], 2, 1
 
     torch.manual_seed(0)
     weights = {name: torch.randn(n_out, n_in) / n_in ** 0.5 for name, (n_in, n_out) in SHAPES.items()}
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit("neither oneDNN nor the C++ kernel runs here: nothing to compare")
     rows_out = []
     for m in args.rows:
-        med = time_one_layer(sides, weights, m, args.repeats)
+        med = time_one_layer(sides, weights, m, args.repeats, inner)
         layer = {side: sum(v for n, v in d.items() if n != "lm_head") for side, d in med.items()}
         row = dict(rows=m, **{f"{side} layer ms": round(1e3 * layer[side], 3) for side in layer},
                    **{f"{side} lm_head ms": round(1e3 * med[side]["lm_head"], 3) for side in med})

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.bench_engine import make_workload, tiny_model_dir
+from benchmarks.bench_engine import SMOKE_KV_CACHE_MEMORY, make_workload, tiny_model_dir
 from benchmarks.common import RESULTS_DIR, write_result
 
 CONFIGS = {"1 request": dict(num_requests=1, prompt_len=(64, 64), output_len=(48, 48)),
@@ -96,18 +96,18 @@ def _timed_pass(llm, prompts, params, multiprocess: bool) -> dict:
     return row
 
 
-def make_llm(model_dir, workload, multiprocess: bool):
+def make_llm(model_dir, workload, multiprocess: bool, kv_cache_memory: int | None = None):
     from mini_vllm import LLM
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     try:
         max_len = max(len(p) + n for p, n in workload) + 8
-        return LLM(str(model_dir), max_model_len=max_len, max_num_seqs=64)
+        return LLM(str(model_dir), max_model_len=max_len, max_num_seqs=64, kv_cache_memory=kv_cache_memory)
     finally:
         os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
 
 
-def run_interleaved(model_dir, workload, repeats: int) -> tuple[dict, dict]:
+def run_interleaved(model_dir, workload, repeats: int, kv_cache_memory: int | None = None) -> tuple[dict, dict]:
     """Both engines built side by side, warmed up, then timed passes alternating in-process,
     split, in-process, ... (a shared machine drifts within minutes: neighbours in time compare
     fairly); returns the median of each number per mode."""
@@ -115,7 +115,7 @@ def run_interleaved(model_dir, workload, repeats: int) -> tuple[dict, dict]:
 
     prompts = [{"prompt_token_ids": p} for p, _ in workload]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
-    llms = {False: make_llm(model_dir, workload, False), True: make_llm(model_dir, workload, True)}
+    llms = {mp: make_llm(model_dir, workload, mp, kv_cache_memory) for mp in (False, True)}
     try:
         for llm in llms.values():
             llm.generate(prompts, params, use_tqdm=False)          # warm-up (kernels, allocator)
@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name, shape in (SMOKE if args.smoke else CONFIGS).items():
         workload = make_workload(tokenizer, shape["num_requests"], shape["prompt_len"], shape["output_len"])
         repeats = 1 if args.smoke else args.repeats
-        inproc, mp = run_interleaved(model_dir, workload, repeats)
+        # --smoke: bench_engine's small pool (the CPU default, 2 GiB, costs each engine seconds)
+        inproc, mp = run_interleaved(model_dir, workload, repeats, SMOKE_KV_CACHE_MEMORY if args.smoke else None)
         same = inproc.pop("output_token_ids") == mp.pop("output_token_ids")
         for row in (inproc, mp):
             row.update(config=name, same_tokens_as_in_process=same)

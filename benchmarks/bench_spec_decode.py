@@ -115,17 +115,19 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         if args.quick:
+            from benchmarks.bench_engine import SMOKE_KV_CACHE_MEMORY
             model_dir, args.max_tokens, args.repeats = tiny_setup(Path(tmp)), 16, 1
             args.methods = ["none", "ngram", "layer_skip"]
             methods = dict(METHODS, layer_skip={"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3})
+            pool = dict(kv_cache_memory=SMOKE_KV_CACHE_MEMORY)      # the CPU default's 2 GiB: seconds per engine
         else:
-            model_dir, methods = default_model_path(), METHODS
+            model_dir, methods, pool = default_model_path(), METHODS, {}
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         prompt_sets = {"grounded": chat_prompts(tokenizer, GROUNDED), "open": chat_prompts(tokenizer, OPEN)}
         engines = {}
         for name in args.methods:
             kwargs = {} if methods[name] is None else {"speculative_config": methods[name]}
-            engines[name] = LLM(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=16, **kwargs)
+            engines[name] = LLM(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=16, **kwargs, **pool)
             run(engines[name], prompt_sets["open"][:1], 8)                      # warm-up
         rows = []
         for set_name, prompts in prompt_sets.items():

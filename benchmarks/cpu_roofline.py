@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_engine import (MAX_NUM_BATCHED_TOKENS, NUM_REQUESTS, OUTPUT_LEN, PROMPT_LEN, make_workload,
-                                    tiny_model_dir)
+from benchmarks.bench_engine import (MAX_NUM_BATCHED_TOKENS, NUM_REQUESTS, OUTPUT_LEN, PROMPT_LEN,
+                                    SMOKE_KV_CACHE_MEMORY, make_workload, tiny_model_dir)
 from benchmarks.common import RESULTS_DIR, environment, time_fn
 
 
@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
         workload = make_workload(AutoTokenizer.from_pretrained(model_dir), args.num_requests, tuple(args.prompt_len),
                                  tuple(args.output_len))
         llm = LLM(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=len(workload),
-                  max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  kv_cache_memory=SMOKE_KV_CACHE_MEMORY if args.smoke else None)      # None: the CPU default
         shape = model_shape(llm)
         flops_peak = measure_peak_flops(shape["hidden"], llm.llm_engine.model_config.hf_config.intermediate_size,
                                         repeats=2 if args.smoke else 20)

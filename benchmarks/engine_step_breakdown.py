@@ -20,8 +20,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from benchmarks.bench_engine import (MAX_NUM_BATCHED_TOKENS, NUM_REQUESTS, OUTPUT_LEN, PROMPT_LEN, make_workload,
-                                    tiny_model_dir)
+from benchmarks.bench_engine import (MAX_NUM_BATCHED_TOKENS, NUM_REQUESTS, OUTPUT_LEN, PROMPT_LEN,
+                                    SMOKE_KV_CACHE_MEMORY, make_workload, tiny_model_dir)
 from benchmarks.common import RESULTS_DIR, write_result
 
 SMOKE_SHAPE = dict(num_requests=6, prompt_len=(8, 40), output_len=(2, 12))     # with the tiny random model
@@ -33,12 +33,15 @@ def workload_shape(smoke: bool, num_requests: int = NUM_REQUESTS) -> dict:
 
 
 def breakdown_of(model_dir, shape: dict, cpu_gemm_backend: str, max_num_batched_tokens: int, **engine_kwargs) -> dict:
-    """`breakdown` on the workload of `shape` (workload_shape), with bench_engine's engine limits."""
+    """`breakdown` on the workload of `shape` (workload_shape), with bench_engine's engine limits
+    (and with the smoke shape, its --smoke KV pool)."""
     from transformers import AutoTokenizer
 
     workload = make_workload(AutoTokenizer.from_pretrained(model_dir), shape["num_requests"], shape["prompt_len"],
                              shape["output_len"])
     max_model_len = shape["prompt_len"][1] + shape["output_len"][1]
+    if shape == SMOKE_SHAPE:
+        engine_kwargs.setdefault("kv_cache_memory", SMOKE_KV_CACHE_MEMORY)
     return breakdown(model_dir, workload, cpu_gemm_backend, max(max_num_batched_tokens, max_model_len), max_model_len,
                      **engine_kwargs)
 

@@ -134,9 +134,12 @@ def fill_overlay(student: pathlib.Path, tasks: list[Task]) -> tuple[dict[str, st
 
 def grade_tree(student: pathlib.Path, tasks: list[Task], *, fast: bool = False,
                workspace_parent: pathlib.Path | None = None, zygote: ZygoteClient | None = None,
-               manifest: Manifest | None = None, verbose: bool = False) -> tuple[list[TaskGrade], RunResult]:
+               manifest: Manifest | None = None, verbose: bool = False,
+               shrink: bool = True) -> tuple[list[TaskGrade], RunResult]:
     """Grade `tasks` on `student`, one process per task; tasks that build on the same tasks
-    (and use the same stand-ins) share a grading workspace."""
+    (and use the same stand-ins) share a grading workspace. shrink=False: a failing property
+    test reports its first failing example, unshrunk (course/grader_plugin.py) — the same grades,
+    for a caller that needs only pass or fail (the proof)."""
     manifest = manifest or load()
     student = pathlib.Path(student)
     reference = is_reference(student)
@@ -153,7 +156,8 @@ def grade_tree(student: pathlib.Path, tasks: list[Task], *, fast: bool = False,
                 limit = task.fast_timeout_s if fast else task.timeout_s
                 limits = {t: (task.id, limit) for t in test_ids(task, fast)}
                 run = run_tests(ws, list(limits), task_limits=limits, student=student, standins=list(standins),
-                                zygote=zygote, guard=not reference)
+                                zygote=zygote, guard=not reference,
+                                extra_env=None if shrink else {"COURSE_HYPOTHESIS_SHRINK": "0"})
                 runs.append(run)
                 grades[task.id] = score_task(task, run, fast, notes)
                 if verbose:

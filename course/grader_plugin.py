@@ -23,7 +23,12 @@ Jobs:
     collection keeps only the parametrizations it selects;
   * tests marked `gpu` are deselected on a machine without CUDA (as `make test` does): a test
     that cannot run here is no part of a grade here, rather than a skip that counts as a miss;
-  * each failure's one-line summary: the exception line and where it was raised.
+  * each failure's one-line summary: the exception line and where it was raised;
+  * COURSE_HYPOTHESIS_SHRINK=0 (the proof, course/proof.py): a property test that fails reports
+    the first example it failed on instead of shrinking it to a minimal one. Pass or fail is the
+    same either way; only the failure's example differs. The proof needs only pass or fail, and
+    shrinking a test that fails on every example (a stub's NotImplementedError) can take longer
+    than the task's time limit.
 """
 import faulthandler
 import json
@@ -94,6 +99,22 @@ def _install_guard():
 
 
 _install_guard()
+
+
+def _no_shrinking():
+    """Hypothesis without its shrink phase (and explain, which follows it), for every test of this
+    process: loaded before any test module is imported, so each `@settings(...)` inherits it."""
+    try:
+        from hypothesis import Phase, settings
+    except ImportError:             # pragma: no cover — no property test can run then either
+        return
+    settings.register_profile("course-no-shrink",
+                              phases=[p for p in Phase if p not in (Phase.shrink, Phase.explain)])
+    settings.load_profile("course-no-shrink")
+
+
+if os.environ.get("COURSE_HYPOTHESIS_SHRINK") == "0":
+    _no_shrinking()
 
 
 def _task_of(nodeid):

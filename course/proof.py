@@ -23,6 +23,10 @@ and `fast` for the rest; `--full`: every task's full set (what to run before a r
     python -m course proof --full          # every task's full test set: the complete check
     python -m course proof --walk 02       # a student solving chapter 02 task by task
 
+Grading here runs property tests without Hypothesis's shrinking (grade_tree(shrink=False)): a
+grade is the same either way, and a stubbed task's property test, failing on every example, would
+otherwise shrink for up to its whole time limit (ch02_task7's ran out of its 60 s).
+
 Trees differ from the repository only in the stripped regions (course/build.py, minimal=True);
 configurations run in parallel (--jobs), each task's grading in a process forked from a zygote
 that has imported torch & co. once (course/zygote.py; --no-zygote: a fresh interpreter each).
@@ -201,7 +205,8 @@ def run_config(cfg: Config, names: list[str], manifest: Manifest, tmp: pathlib.P
     for full in (True, False):                  # full sets and fast sets: two passes of grade_tree
         tasks = [manifest.by_id(t) for t in cfg.graded if (t in cfg.full) == full]
         if tasks:
-            g, _ = grade_tree(tree, tasks, fast=not full, workspace_parent=tmp, zygote=zygote, manifest=manifest)
+            g, _ = grade_tree(tree, tasks, fast=not full, workspace_parent=tmp, zygote=zygote, manifest=manifest,
+                              shrink=False)
             grades += g
     shutil.rmtree(tree, ignore_errors=True)
     passed = {g.task.id for g in grades if g.passed}
@@ -301,7 +306,8 @@ def walk(chapter: str, *, fast: bool = True, verbose: bool = True, tmp_parent: p
         tasks = [manifest.by_id(t) for t in info["assigned"]]
         with ZygoteClient() if use_zygote else contextlib.nullcontext() as zygote:
             def grade() -> dict:
-                grades, _ = grade_tree(tree, tasks, fast=fast, workspace_parent=tmp, zygote=zygote, manifest=manifest)
+                grades, _ = grade_tree(tree, tasks, fast=fast, workspace_parent=tmp, zygote=zygote, manifest=manifest,
+                                       shrink=False)
                 return {g.task.id: (g.passed, round(g.score, 4)) for g in grades}
 
             before = grade()

@@ -9,10 +9,17 @@ And one rule for every engine a test builds (chapter 07, integration): it regist
 `engine_registry`, and after EVERY test each registered engine must be idle with all its KV
 blocks free (device and CPU tier) and consistent bookkeeping.
 
+Engines built by tests leave malloc alone by default ($VFS_CPU_KEEP_FREED_MEMORY=0, the default of
+EngineConfig.cpu_keep_freed_memory): that setting is process-wide and cannot be undone, so this one
+pytest process would keep the high-water mark of every engine the suite builds. The tests of the
+setting itself run their engines in fresh processes with it on (tests/07_mini_vllm/test_cpu_kernels.py,
+benchmarks/bench_cpu_malloc.py).
+
 The CPU kernels' own set-up (what they were tested on, their per-ISA builds started in the
 background) lives in tests/kernels_cpu/conftest.py: it runs only when that folder is collected.
 """
 import os
+import weakref
 
 import pytest
 import torch
@@ -21,6 +28,8 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     # Must be set before `import triton` anywhere: triton reads it when a kernel is decorated.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Read when an EngineConfig is made (and inherited by the processes tests start: servers, notebooks).
+os.environ.setdefault("VFS_CPU_KEEP_FREED_MEMORY", "0")
 
 
 def pytest_report_header(config):
@@ -42,16 +51,55 @@ def device():
     return torch.device("cuda" if HAS_CUDA else "cpu")
 
 
+class EngineRegistry:
+    """Engines (LLM or LLMEngine) made by tests, checked after every test (`append`, `remove`).
+
+    An engine is held until the end of the test that made it, so it is checked then even when
+    the test (or its function-scoped fixture) has dropped it. After that it is held only weakly:
+    it is still checked after every later test for as long as something else holds it (a module-
+    or session-scoped fixture), and once nothing does it is freed. Holding every engine for the
+    whole session kept all their weights and KV caches in this one process (19 GB by the end)."""
+
+    def __init__(self):
+        self._this_test: list = []             # made since the last check
+        self._earlier: list[weakref.ref] = []  # made by earlier tests
+
+    def append(self, engine) -> None:
+        self._this_test.append(engine)
+
+    def remove(self, engine) -> None:
+        """Stop checking `engine` (a test that shuts it down itself)."""
+        if any(e is engine for e in self._this_test):
+            self._this_test = [e for e in self._this_test if e is not engine]
+        elif any(r() is engine for r in self._earlier):
+            self._earlier = [r for r in self._earlier if r() is not engine]
+        else:
+            raise ValueError("engine_registry.remove: this engine was never registered")
+
+    def __iter__(self):
+        earlier = [r() for r in self._earlier]
+        return iter(self._this_test + [e for e in earlier if e is not None])
+
+    def test_finished(self) -> None:
+        """The check after a test is done: from now on its engines are held only weakly."""
+        self._earlier = [r for r in self._earlier if r() is not None]
+        self._earlier += [weakref.ref(e) for e in self._this_test]
+        self._this_test = []
+
+
 @pytest.fixture(scope="session")
 def engine_registry():
-    """Engines (LLM or LLMEngine) made by tests; checked after every test."""
-    return []
+    """Engines made by tests; checked after every test (EngineRegistry)."""
+    return EngineRegistry()
 
 
 @pytest.fixture(autouse=True)
 def all_kv_blocks_free_after_test(engine_registry):
     yield
-    for llm in engine_registry:
-        engine = getattr(llm, "llm_engine", llm)
-        assert not engine.has_unfinished_requests(), "a test left requests running"
-        engine.engine_core.check_invariants()        # includes: every device and CPU block free
+    try:
+        for llm in engine_registry:
+            engine = getattr(llm, "llm_engine", llm)
+            assert not engine.has_unfinished_requests(), "a test left requests running"
+            engine.engine_core.check_invariants()        # includes: every device and CPU block free
+    finally:
+        engine_registry.test_finished()

@@ -32,7 +32,8 @@ def test_chat_streams_and_keeps_history(tiny_engine_models, capsys, monkeypatch)
                         lambda self, messages, *a, **k: seen.append([m["role"] for m in messages]) or
                         original(self, messages, *a, **k))
     cli.cmd_chat(cli.build_parser().parse_args(["chat", "--model", str(model_dir), "--max-tokens", "4",
-                                                "--system", "Be brief.", "--max-model-len", "256"]),
+                                                "--system", "Be brief.", "--max-model-len", "256",
+                                                "--kv-cache-memory", "0.01"]),
                  stdin=io.StringIO("hello\nand again\n\n"))
     out = capsys.readouterr().out
     assert out.count("model> ") == 2

@@ -12,6 +12,7 @@ The kernels themselves: tests/kernels_cpu/.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -23,7 +24,7 @@ from tolerances import assert_close
 from kernels_cpu import build, malloc
 from mini_vllm import SamplingParams
 from mini_vllm.config import ModelConfig
-from mini_vllm.engine_config import EngineConfig
+from mini_vllm.engine_config import KEEP_FREED_MEMORY_ENV, EngineConfig
 from mini_vllm.models.linear_method import UNQUANTIZED
 from mini_vllm.models.loader import get_model, use_cpu_layer_ops
 from paged_attention.model.custom_op import CustomOp
@@ -80,6 +81,22 @@ def test_the_switches_are_validated():
         EngineConfig(cpu_keep_freed_memory="yes")
 
 
+def test_keep_freed_memory_defaults_to_on_unless_the_environment_says_0(monkeypatch):
+    """On by default; $VFS_CPU_KEEP_FREED_MEMORY=0 (what tests/conftest.py sets for the test
+    process) turns the default off; a field given explicitly wins either way."""
+    monkeypatch.delenv(KEEP_FREED_MEMORY_ENV, raising=False)
+    assert EngineConfig().cpu_keep_freed_memory is True
+    monkeypatch.setenv(KEEP_FREED_MEMORY_ENV, "0")
+    assert EngineConfig().cpu_keep_freed_memory is False
+    assert EngineConfig(cpu_keep_freed_memory=True).cpu_keep_freed_memory is True
+    monkeypatch.setenv(KEEP_FREED_MEMORY_ENV, "1")
+    assert EngineConfig().cpu_keep_freed_memory is True
+    assert EngineConfig(cpu_keep_freed_memory=False).cpu_keep_freed_memory is False
+    monkeypatch.setenv(KEEP_FREED_MEMORY_ENV, "maybe")
+    with pytest.raises(ValueError, match=f"{KEEP_FREED_MEMORY_ENV} must be 0 or 1"):
+        EngineConfig()
+
+
 def test_the_cli_passes_the_switch():
     import argparse
 
@@ -129,8 +146,11 @@ PAGES_IN_64_MIB = (64 << 20) // 4096
 
 
 def probe(mode: str, model_dir) -> dict:
+    # The engine's own default, not the test suite's (tests/conftest.py turns it off for the engines
+    # of the test process; the subprocess would inherit that).
+    env = {k: v for k, v in os.environ.items() if k != KEEP_FREED_MEMORY_ENV}
     proc = subprocess.run([sys.executable, "-c", PROBE, str(model_dir), mode], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -154,6 +174,29 @@ def test_an_engine_on_the_cpu_keeps_freed_memory_for_reuse(tiny_engine_models):
     assert probe("engine, cpu_keep_freed_memory=False", model_dir)["faults"] >= PAGES_IN_64_MIB * 0.9
     # With it, the freed block is handed back: (almost) no page is mapped again.
     assert probe("engine", model_dir)["faults"] < PAGES_IN_64_MIB * 0.05
+
+
+@pytest.mark.skipif(malloc._glibc() is None, reason="keep_freed_memory configures glibc's malloc")
+def test_engines_of_the_test_process_leave_malloc_alone(tiny_engine_models, make_llm):
+    """tests/conftest.py: an engine a test builds in this process does not keep freed memory, so
+    the pytest process gives back what each engine freed (malloc's setting could not be undone).
+    Fails too if any engine built earlier in this process turned the setting on."""
+    import resource
+
+    model_dir, _ = tiny_engine_models["llama"]
+    llm = make_llm(model_dir)
+    assert llm.llm_engine.config.cpu_keep_freed_memory is False
+    assert greedy_tokens(llm)                                   # it ran a step or more
+
+    def faults_of_a_fresh_64_mib_buffer():
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        x = torch.empty(16 << 20, dtype=torch.float32).fill_(1.0)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        del x
+        return after - before
+
+    faults_of_a_fresh_64_mib_buffer()
+    assert min(faults_of_a_fresh_64_mib_buffer() for _ in range(3)) >= PAGES_IN_64_MIB * 0.9
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])

@@ -268,6 +268,18 @@ def test_segfault_in_student_code():
     from kvcache.crash_helper import read_address
     read_address(8)
 ''',
+    "test_fake_property.py": '''import os
+
+from hypothesis import given, settings, strategies as st
+
+
+@settings(max_examples=20, deadline=None, database=None)
+@given(st.lists(st.integers(), min_size=5))
+def test_a_stub_fails_every_example(xs):
+    with open(os.environ["CALLS_FILE"], "a") as f:
+        f.write("call\\n")
+    raise NotImplementedError("a stub")
+''',
 }
 
 CRASH_HELPER = '''import ctypes
@@ -314,6 +326,22 @@ def test_a_hanging_task_is_killed_at_its_limit_and_scores_zero_the_rest_still_ru
     assert r["tests/test_fake.py::test_after_the_crash"].outcome == "passed"      # restarted after the crash
     assert r["tests/test_fake.py::test_after_the_hang_same_task"].outcome in ("not run", "passed")
     assert run.wall_s < 120 and run.processes >= 3
+
+
+def test_without_shrinking_a_failing_property_test_still_fails_and_stops_sooner(tmp_path):
+    """COURSE_HYPOTHESIS_SHRINK=0 (what the proof grades with): the same outcome, without the
+    shrinking that a test failing on every example would otherwise go through."""
+    student = minimal_student(tmp_path)
+    ws = fake_workspace(tmp_path, student)
+    test = "tests/test_fake_property.py::test_a_stub_fails_every_example"
+    calls = {}
+    for shrink in ("1", "0"):
+        calls_file = tmp_path / f"calls-{shrink}"
+        run = run_tests(ws, [test], student=student,
+                        extra_env={"CALLS_FILE": str(calls_file), "COURSE_HYPOTHESIS_SHRINK": shrink})
+        assert run.results[test].outcome == "failed" and "NotImplementedError" in run.results[test].summary
+        calls[shrink] = len(calls_file.read_text().split())
+    assert calls["0"] <= 3 < calls["1"], calls          # the failing example and its replay; shrinking: many more
 
 
 def test_grading_imports_the_student_tree_never_the_reference(tmp_path):
