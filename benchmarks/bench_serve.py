@@ -315,7 +315,26 @@ def plot(rows: list[dict], path: Path, slo) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def command_of(args, ap: argparse.ArgumentParser) -> str:
+    """The command that reproduces the JSON: every flag that changes what is measured and is not
+    its default (not --out-dir: where the files go; a venv is named PATH)."""
+    parts = ["python -m benchmarks.bench_serve"]
+    if args.smoke:                           # its own rates, prompts and server set
+        return parts[0] + " --smoke"
+    if args.skip_vllm:
+        parts.append("--skip-vllm")
+    for flag in ("rates", "num_prompts", "seed", "slo_ttft_ms", "slo_tpot_ms", "vllm_client_rate"):
+        value = getattr(args, flag)
+        if value != ap.get_default(flag):
+            values = value if isinstance(value, list) else [value]
+            parts.append("--" + flag.replace("_", "-") + " " + " ".join(f"{v:g}" if isinstance(v, float) else str(v)
+                                                                          for v in values))
+    if args.vllm_venv != VENV:
+        parts.append("--vllm-venv PATH")
+    return " ".join(parts)
+
+
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0, 8.0])
     ap.add_argument("--num-prompts", type=int, default=40)
@@ -327,6 +346,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--vllm-client-rate", type=float, default=1.0, help="the rate vLLM's own client runs at")
     ap.add_argument("--smoke", action="store_true", help="tiny random model, our server only, a few requests")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = build_parser()
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -390,8 +414,7 @@ def main(argv: list[str] | None = None) -> dict:
         vllm_peer=None if run_vllm else reason,
         vllm_bench_client=dict(dataset="random", input_len=mean_in, output_len=mean_out,
                                num_prompts=args.num_prompts, request_rate=args.vllm_client_rate),
-        command="python -m benchmarks.bench_serve" + (" --smoke" if args.smoke else "")
-                + ("" if args.vllm_venv == VENV else " --vllm-venv PATH"))
+        command=command_of(args, ap))
     path = write_result(name, workload_info, rows, args.out_dir)
     plot(rows, args.out_dir / f"{name}.png", slo)
     print(f"wrote {path}; highest rate meeting the SLO: {max_rate_meeting_slo}", flush=True)

@@ -29,3 +29,17 @@ def test_bench_engine_core_ipc_smoke(tmp_path):
     assert len(rows) == 2 and all(r["same_tokens_as_in_process"] for r in rows)
     split = [r for r in rows if r["mode"] == "core process (ZMQ)"]
     assert all(r["steps"] > 0 and r["message_bytes_per_step"] > 0 and r["core_cpu_ms_per_step"] > 0 for r in split)
+
+
+def test_bench_serve_records_the_command_that_reproduces_it():
+    """serve.json's `command` names every flag that changed what was measured (a run of one rate of
+    our server alone must not read as the full comparison), and not where the files went."""
+    from benchmarks.bench_serve import build_parser, command_of
+
+    ap = build_parser()
+    assert command_of(ap.parse_args([]), ap) == "python -m benchmarks.bench_serve"
+    assert command_of(ap.parse_args(["--skip-vllm", "--rates", "0.5", "--out-dir", "/somewhere"]), ap) == \
+        "python -m benchmarks.bench_serve --skip-vllm --rates 0.5"
+    assert command_of(ap.parse_args(["--num-prompts", "80", "--seed", "3"]), ap) == \
+        "python -m benchmarks.bench_serve --num-prompts 80 --seed 3"
+    assert command_of(ap.parse_args(["--smoke"]), ap) == "python -m benchmarks.bench_serve --smoke"
