@@ -112,29 +112,40 @@ class AsyncModelRunnerOutput:
         return output
 
 
-def scatter_prev_sampled(input_ids: np.ndarray, token_rows: np.ndarray, req_ids: list[str | None],
-                         prev: list[SampledTokens], input_ids_t: torch.Tensor) -> None:
-    """Replace the placeholder input ids in the device tensor `input_ids_t` [T] by the previous
-    step's sampled tokens, on the device (vLLM: GPUModelRunner._prepare_input_ids). `input_ids`
-    [T] is its host copy, `token_rows` [T] the batch row of each token, `req_ids` row -> request.
+def plan_prev_sampled(input_ids: np.ndarray, token_rows: np.ndarray, req_ids: list[str | None],
+                      prev: list[SampledTokens]) -> list[tuple[SampledTokens, np.ndarray, np.ndarray]]:
+    """Where the previous step's sampled tokens go in this step's input ids: for each sampling call
+    with a token in flight for this step, (its SampledTokens, dst [p] positions of placeholders in
+    the input ids, src [p] indices into its token_ids). `input_ids` [T] is the host-side copy,
+    `token_rows` [T] the batch row of each token, `req_ids` row -> request. Host-side only: the
+    index arrays travel to the device with the step's other inputs (input_staging.py).
     Raises if a placeholder has no sampled token (the caller fails that request)."""
     positions = np.flatnonzero(input_ids == PLACEHOLDER_TOKEN_ID)                       # [P]
     if positions.size == 0:
-        return
+        return []
     owners = [req_ids[r] for r in token_rows[positions].tolist()]
     if len(set(owners)) != len(owners):
         raise RuntimeError(f"more than one token in flight for {owners}: scheduler and runner disagree")
     done = np.zeros(len(owners), dtype=bool)
-    device = input_ids_t.device
+    plan = []
     for sampled in prev:
         index = sampled.index_of()
         pick = [(i, index[r]) for i, r in enumerate(owners) if r in index]
         if not pick:
             continue
         dst, src = (np.asarray(x, dtype=np.int64) for x in zip(*pick))                 # [p], [p]
-        input_ids_t[torch.from_numpy(positions[dst]).to(device)] = \
-            sampled.token_ids[torch.from_numpy(src).to(device)]
+        plan.append((sampled, positions[dst], src))
         done[dst] = True
     if not done.all():
         missing = [r for r, d in zip(owners, done) if not d]
         raise RuntimeError(f"no sampled token for the placeholder of {missing}: scheduler and runner disagree")
+    return plan
+
+
+def scatter_prev_sampled(input_ids_t: torch.Tensor, plan: list[SampledTokens],
+                         indices: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Replace the placeholders in the device tensor `input_ids_t` [T] by the previous step's sampled
+    tokens, on the device (vLLM: GPUModelRunner._prepare_input_ids); `indices` are each plan
+    entry's (dst, src) already on the device."""
+    for sampled, (dst, src) in zip(plan, indices):
+        input_ids_t[dst] = sampled.token_ids[src]

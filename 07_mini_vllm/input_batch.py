@@ -38,7 +38,8 @@ import torch
 
 from paged_attention.metadata import AttentionMetadata
 
-from mini_vllm.async_output import SampledTokens, scatter_prev_sampled
+from mini_vllm.async_output import SampledTokens, plan_prev_sampled, scatter_prev_sampled
+from mini_vllm.input_staging import InputStaging
 from mini_vllm.logits_processors import OutputTokens
 from mini_vllm.model_inputs import ModelInputs
 from mini_vllm.sampling_params import SamplingParams
@@ -93,6 +94,9 @@ class InputBatch:
         # Async scheduling (async_output.py): the previous step's sampled tokens, on the device; the
         # rows' placeholder input ids are taken from them. Empty: every input id is on the host.
         self.prev_sampled_token_ids: list[SampledTokens] = []
+        # On a GPU: the pinned buffers and event each step's input copies go through (the runner
+        # sets it). None: the arrays reach torch without a copy (a CPU) or by plain copies.
+        self.staging: InputStaging | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -246,18 +250,30 @@ class InputBatch:
         slot_mapping = table[req_indices, positions // block_size].astype(np.int64) * block_size + positions % block_size
         query_start_loc = np.zeros(n + 1, dtype=np.int32)
         query_start_loc[1:] = cu_num_tokens
+        # Under async scheduling, where the previous step's sampled tokens go (placeholders in
+        # input_ids): index arrays that travel with the others.
+        plan = plan_prev_sampled(input_ids, rows[req_indices], self.req_ids, self.prev_sampled_token_ids) \
+            if self.prev_sampled_token_ids else []
+        scatter_parts = [a for _, dst, src in plan for a in (dst, src)]
         # Three host-to-device copies instead of seven: the int64 arrays in one, the int32 ones in
-        # another, the block table; each tensor is a view of its copy.
-        int64 = torch.from_numpy(np.concatenate((input_ids.astype(np.int64), positions, slot_mapping,
-                                                 logits_indices))).to(device)
-        int32 = torch.from_numpy(np.concatenate((seq_lens.astype(np.int32), query_start_loc))).to(device)
-        input_ids_t, positions_t, slot_mapping_t, logits_indices_t = int64.split(
-            (total, total, total, len(logits_indices)))
-        if self.prev_sampled_token_ids:
-            scatter_prev_sampled(input_ids, rows[req_indices], self.req_ids, self.prev_sampled_token_ids, input_ids_t)
+        # another, the block table; each tensor is a view of its copy. On a GPU they go through
+        # pinned buffers without waiting for the device (input_staging.py).
+        int64_parts = [input_ids, positions, slot_mapping, logits_indices, *scatter_parts]
+        int32_parts = [seq_lens, query_start_loc]
+        if self.staging is not None:
+            int64_views, (seq_lens_t, query_start_loc_t), table_t = self.staging.stage(int64_parts, int32_parts, table)
+        else:
+            int64 = torch.from_numpy(np.concatenate(int64_parts, dtype=np.int64, casting="same_kind")).to(device)
+            int32 = torch.from_numpy(np.concatenate(int32_parts, dtype=np.int32, casting="same_kind")).to(device)
+            int64_views = int64.split([len(p) for p in int64_parts])
+            seq_lens_t, query_start_loc_t = int32.split((n, n + 1))
+            table_t = torch.from_numpy(table).to(device)
+        input_ids_t, positions_t, slot_mapping_t, logits_indices_t = int64_views[:4]
+        scatter_prev_sampled(input_ids_t, [sampled for sampled, _, _ in plan],
+                             list(zip(int64_views[4::2], int64_views[5::2])))
         md = AttentionMetadata(
-            slot_mapping=slot_mapping_t, block_tables=torch.from_numpy(table).to(device),
-            seq_lens=int32[:n], query_start_loc=int32[n:],
+            slot_mapping=slot_mapping_t, block_tables=table_t,
+            seq_lens=seq_lens_t, query_start_loc=query_start_loc_t,
             max_query_len=int(num_scheduled.max()), max_seq_len=int(seq_lens.max()))
         inputs = ModelInputs(input_ids=input_ids_t, positions=positions_t, attn_metadata=md,
                              logits_indices=logits_indices_t)

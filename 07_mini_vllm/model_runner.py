@@ -70,6 +70,7 @@ from mini_vllm.model_inputs import ModelInputs, prepare_inputs
 from mini_vllm.models.attention import ATTENTION_BACKENDS
 from mini_vllm.models.loader import get_model
 from mini_vllm.input_batch import CachedRequestState, InputBatch
+from mini_vllm.input_staging import InputStaging
 from mini_vllm.logits_processors import OutputTokens, apply_logits_processors
 from mini_vllm.parallel_sampling import child_request_id
 from mini_vllm.sampler import (NONFINITE_LOGITS, Sampler, SamplerOutput, SamplingMetadata, compute_logprobs, nonfinite_rows,
@@ -139,6 +140,12 @@ class ModelRunner:
 
         self.requests: dict[str, CachedRequestState] = {}    # every request the runner knows, by id
         self.input_batch = InputBatch(self.max_num_reqs, self.max_model_len, self.max_num_blocks_per_req)
+        if self.device.type == "cuda":
+            # Each step's index arrays reach the GPU from pinned buffers, without waiting for it; one
+            # buffer set per batch that can be in flight, so a step's traced inputs outlive the next.
+            self.input_batch.staging = InputStaging(
+                self.device, self.max_num_batched_tokens, self.max_num_reqs, self.max_num_blocks_per_req,
+                num_sets=max(2, config.parallel_config.max_concurrent_batches))
         self.kv_cache_spec = model_config.kv_cache_spec(self.block_size)
         self.cache_engine: CacheEngine | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -1,7 +1,7 @@
 """Serving benchmark in `vllm bench serve`'s shape: our OpenAI server and real vLLM's, the same
 client, the same model, the same CPU, one after the other.
 
-    python -m benchmarks.bench_serve                       # ours + vLLM's server, ~10 min on 2 cores
+    python -m benchmarks.bench_serve                       # ours + vLLM's server, 3 runs per rate, ~30 min on 2 cores
     python -m benchmarks.bench_serve --smoke               # tiny random model, ours only, seconds
     python -m benchmarks.bench_serve --vllm-venv /path/to/.venv-vllm   # where benchmarks.vllm_peer set it up
 
@@ -14,9 +14,12 @@ tokens median 48 (sigma 0.6, clipped to 8..160).
 
 Arrivals are Poisson at each rate of --rates (exponential gaps, vLLM's `--request-rate` with
 burstiness 1). Per request the client records TTFT (send -> first text chunk), ITL (gaps between
-chunks), TPOT ((latency - TTFT) / (output tokens - 1)) and end-to-end latency; per rate: p50 and
+chunks), TPOT ((latency - TTFT) / (output tokens - 1)) and end-to-end latency; per run: p50 and
 p99 of each, request and output-token throughput, and goodput — requests per second that met
-the SLO (TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms, vLLM's `--goodput`).
+the SLO (TTFT <= --slo-ttft-ms and TPOT <= --slo-tpot-ms, vLLM's `--goodput`). Each rate runs
+--repeats times (fresh prompts and arrivals each time): the p99 of 40 requests moves by hundreds
+of milliseconds from run to run on a shared 2-core machine, so the summary is the median of the
+runs' metrics, with the range of the p99s beside it. Every run keeps its per-request timeline.
 
 Peers: vLLM 0.32's OpenAI server from the side venv (`python -m vllm.entrypoints.openai.api_server`,
 both cores: VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_NUM_OF_RESERVED_CPU=0, 2 GiB KV cache as our
@@ -73,18 +76,20 @@ def make_workload(tokenizer, num_prompts: int, seed: int, prompt_spec=PROMPT_LEN
 
 
 # ------------------------------------------------------------------------------ the client
-async def one_request(session, url: str, prompt: str, max_tokens: int) -> dict:
+async def one_request(session, url: str, prompt: str, max_tokens: int, start: float) -> dict:
+    """One streamed completion; `start` is the rate's clock origin (the record says when it was sent)."""
     import aiohttp
 
     body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
+    sent = t0 - start
     ttft, chunk_times, usage, error = None, [], None, None
     try:
         async with session.post(url + "/v1/completions", json=body,
                                 timeout=aiohttp.ClientTimeout(total=1800)) as r:
             if r.status != 200:
-                return dict(ok=False, error=f"HTTP {r.status}: {(await r.text())[:200]}")
+                return dict(ok=False, sent=sent, error=f"HTTP {r.status}: {(await r.text())[:200]}")
             async for raw in r.content:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -104,9 +109,9 @@ async def one_request(session, url: str, prompt: str, max_tokens: int) -> dict:
         error = repr(e)
     latency = time.perf_counter() - t0
     if error is not None or ttft is None or usage is None:
-        return dict(ok=False, error=str(error or "no tokens or no usage"))
+        return dict(ok=False, sent=sent, error=str(error or "no tokens or no usage"))
     n_out = usage["completion_tokens"]
-    return dict(ok=True, ttft=ttft, latency=latency, output_tokens=n_out, prompt_tokens=usage["prompt_tokens"],
+    return dict(ok=True, sent=sent, ttft=ttft, latency=latency, output_tokens=n_out, prompt_tokens=usage["prompt_tokens"],
                 tpot=(latency - ttft) / (n_out - 1) if n_out > 1 else 0.0,
                 itl=[b - a for a, b in zip(chunk_times, chunk_times[1:])])
 
@@ -120,7 +125,7 @@ async def run_rate(url: str, workload, rate: float, seed: int) -> tuple[list[dic
         t0 = time.perf_counter()
         tasks = []
         for prompt, _, n_out in workload:
-            tasks.append(asyncio.create_task(one_request(session, url, prompt, n_out)))
+            tasks.append(asyncio.create_task(one_request(session, url, prompt, n_out, t0)))
             await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
         return results, time.perf_counter() - t0
@@ -250,12 +255,15 @@ class ServerStartError(RuntimeError):
 
 
 def bench_servers(starters: dict, workloads: list, rates, seed: int, slo, log_dir: Path,
-                  vllm_client=None) -> tuple[list[dict], dict]:
+                  vllm_client=None, repeats: int = 1, cool_down_s: float = 0.0) -> tuple[list[dict], dict]:
     """Start every server (side by side, idle until asked), then at each rate run the same
-    arrivals against each in turn — the order flipping from rate to rate — so that a shared
-    machine's drift falls on both alike. Each rate sends prompts of its own (`workloads[i]`):
-    prompts sent at an earlier rate would be prefix-cache hits on both servers, and the TTFT
-    measured would be a cache's, not a prefill's."""
+    arrivals against each in turn — the order flipping from run to run — so that a shared
+    machine's drift falls on both alike. Each run sends prompts of its own
+    (`workloads[i * repeats + r]` for rate i, repeat r): prompts sent earlier would be
+    prefix-cache hits on both servers, and the TTFT measured would be a cache's, not a prefill's.
+    A repeat also draws its own arrival times (seed + r). Each run starts `cool_down_s` after the
+    previous one ended: a server goes on using the CPU for a moment after its last answer (vLLM's
+    worker kept a core ~1.3 s busy here), and that must not fall on the next server's first requests."""
     procs, urls, info = {}, {}, {}
     try:
         for label, start in starters.items():
@@ -272,12 +280,15 @@ def bench_servers(starters: dict, workloads: list, rates, seed: int, slo, log_di
             asyncio.run(run_rate(urls[label], workloads[-1][:2], 100.0, seed))
         rows = []
         for i, rate in enumerate(rates):
-            order = list(starters) if i % 2 == 0 else list(reversed(starters))
-            for label in order:
-                results, duration = asyncio.run(run_rate(urls[label], workloads[i], rate, seed))
-                row = dict(server=label, request_rate=rate, **summarize(results, duration, *slo))
-                print(row, flush=True)
-                rows.append(row)
+            for r in range(repeats):
+                run = i * repeats + r
+                order = list(starters) if run % 2 == 0 else list(reversed(starters))
+                for label in order:
+                    time.sleep(cool_down_s)
+                    results, duration = asyncio.run(run_rate(urls[label], workloads[run], rate, seed + r))
+                    row = dict(server=label, request_rate=rate, repeat=r, **summarize(results, duration, *slo))
+                    print(row, flush=True)
+                    rows.append(dict(row, requests=timeline(results)))
         if vllm_client is not None:
             for label in starters:
                 info[label]["vllm_bench_client"] = vllm_client(urls[label])
@@ -288,23 +299,98 @@ def bench_servers(starters: dict, workloads: list, rates, seed: int, slo, log_di
             stop(proc)
 
 
-def plot(rows: list[dict], path: Path, slo) -> None:
+TIMELINE_FIELDS = ("sent_s", "ttft_ms", "latency_ms", "prompt_tokens", "output_tokens")
+
+
+def timeline(results: list[dict]) -> list[list | None]:
+    """Every request of a run as [sent_s, ttft_ms, latency_ms, prompt_tokens, output_tokens] (None if it
+    failed), in the order sent: where a p99 came from — one stall, or a queue that kept growing."""
+    return [[round(r["sent"], 3), round(1e3 * r["ttft"], 1), round(1e3 * r["latency"], 1), r["prompt_tokens"],
+             r["output_tokens"]] if r["ok"] else None for r in results]
+
+
+MEDIAN_KEYS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "p99_itl_ms", "p99_e2el_ms",
+               "output_throughput", "goodput", "slo_met_fraction")
+
+
+def median_over_repeats(rows: list[dict]) -> list[dict]:
+    """One row per (server, rate): the median over repeats of each metric, each computed per run
+    (a median of p99s, not a p99 of the pooled requests: each run is one sample of the p99), and the
+    range of the p99s — how far one run's p99 can be from another's on this machine."""
+    out = []
+    for server in dict.fromkeys(r["server"] for r in rows):
+        for rate in dict.fromkeys(r["request_rate"] for r in rows):
+            runs = [r for r in rows if r["server"] == server and r["request_rate"] == rate]
+            if not runs:
+                continue
+            row = dict(server=server, request_rate=rate, repeats=len(runs),
+                       failed=sum(r["failed"] for r in runs))
+            for key in MEDIAN_KEYS:
+                row[key] = round(statistics.median(r[key] for r in runs), 3)
+            for key in ("p99_ttft_ms", "p99_tpot_ms"):
+                row[key + "_range"] = [min(r[key] for r in runs), max(r[key] for r in runs)]
+            out.append(row)
+    return out
+
+
+def paired_ttft(rows: list[dict], ours: str, peer: str) -> list[dict]:
+    """Request by request: both servers got the same prompts at the same offsets in each run, so the
+    ratio of one request's TTFT on ours to its TTFT on the peer compares like with like — far less
+    noisy than two p99s, each set by one request. Per rate: the median over runs of each run's median
+    ratio, and the fraction of requests ours answered first."""
+    out = []
+    for rate in dict.fromkeys(r["request_rate"] for r in rows):
+        per_run = []
+        for rep in sorted({r["repeat"] for r in rows if r["request_rate"] == rate}):
+            pick = {r["server"]: r["requests"] for r in rows if r["request_rate"] == rate and r["repeat"] == rep}
+            if ours not in pick or peer not in pick:
+                continue
+            pairs = [(a[1], b[1]) for a, b in zip(pick[ours], pick[peer]) if a is not None and b is not None]
+            if pairs:
+                per_run.append((statistics.median(a / b for a, b in pairs), sum(a < b for a, b in pairs) / len(pairs)))
+        if per_run:
+            out.append(dict(request_rate=rate, runs=len(per_run),
+                            median_ttft_ratio=round(statistics.median(m for m, _ in per_run), 3),
+                            median_ttft_ratio_per_run=[round(m, 3) for m, _ in per_run],
+                            ours_first_fraction=round(statistics.median(f for _, f in per_run), 3)))
+    return out
+
+
+def plot(summary: list[dict], rows: list[dict], path: Path, slo) -> None:
+    """Latency and goodput against the rate, per server: the medians over repeats, with bars from the
+    lowest to the highest run's p99 when there was more than one run; and, at the highest rate, each
+    request's TTFT against when it was sent (first run): a queue that grows, or one stall."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for server in sorted({r["server"] for r in rows}):
-        rs = [r for r in rows if r["server"] == server]
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
+    top = max(r["request_rate"] for r in rows)
+    for r in rows:
+        if r["request_rate"] == top and r["repeat"] == 0:
+            done = [q for q in r["requests"] if q is not None]
+            axes[3].plot([q[0] for q in done], [q[1] / 1e3 for q in done], "o", ms=3, label=r["server"])
+    axes[3].set_xlabel("sent at (s from the run's first request)")
+    axes[3].set_title(f"TTFT (s) of each request at {top:g} req/s (first run)", fontsize=10)
+    axes[3].grid(alpha=0.3)
+    axes[3].legend(fontsize=8)
+    for server in dict.fromkeys(r["server"] for r in summary):
+        rs = [r for r in summary if r["server"] == server]
         x = [r["request_rate"] for r in rs]
-        axes[0].plot(x, [r["p99_ttft_ms"] / 1e3 for r in rs], "o-", label=f"{server} p99")
-        axes[0].plot(x, [r["p50_ttft_ms"] / 1e3 for r in rs], "o--", label=f"{server} p50")
-        axes[1].plot(x, [r["p99_tpot_ms"] for r in rs], "o-", label=f"{server} p99")
-        axes[1].plot(x, [r["p50_tpot_ms"] for r in rs], "o--", label=f"{server} p50")
+        for ax, key, scale in ((axes[0], "ttft_ms", 1e-3), (axes[1], "tpot_ms", 1.0)):
+            p99 = [r[f"p99_{key}"] * scale for r in rs]
+            spread = [[(m - r[f"p99_{key}_range"][0] * scale) for m, r in zip(p99, rs)],
+                      [(r[f"p99_{key}_range"][1] * scale - m) for m, r in zip(p99, rs)]]
+            line = ax.errorbar(x, p99, yerr=spread, fmt="o-", capsize=3, label=f"{server} p99")
+            ax.plot(x, [r[f"p50_{key}"] * scale for r in rs], "o--", color=line[0].get_color(),
+                    label=f"{server} p50")
         axes[2].plot(x, [r["goodput"] for r in rs], "o-", label=server)
     axes[0].axhline(slo[0] / 1e3, color="grey", lw=0.8)
     axes[1].axhline(slo[1], color="grey", lw=0.8)
-    for ax, title in zip(axes, ("TTFT (s)", "TPOT (ms)", f"goodput (req/s), SLO TTFT<={slo[0]:.0f} ms, TPOT<={slo[1]:.0f} ms")):
+    repeats = max(r["repeats"] for r in summary)
+    runs = f"median of {repeats} runs, bars: their range" if repeats > 1 else "one run"
+    for ax, title in zip(axes, (f"TTFT (s), {runs}", f"TPOT (ms), {runs}",
+                                f"goodput (req/s), SLO TTFT<={slo[0]:.0f} ms, TPOT<={slo[1]:.0f} ms")):
         ax.set_xlabel("request rate (req/s, Poisson)")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
@@ -323,7 +409,8 @@ def command_of(args, ap: argparse.ArgumentParser) -> str:
         return parts[0] + " --smoke"
     if args.skip_vllm:
         parts.append("--skip-vllm")
-    for flag in ("rates", "num_prompts", "seed", "slo_ttft_ms", "slo_tpot_ms", "vllm_client_rate"):
+    for flag in ("rates", "num_prompts", "repeats", "cool_down_s", "seed", "slo_ttft_ms", "slo_tpot_ms",
+                 "vllm_client_rate"):
         value = getattr(args, flag)
         if value != ap.get_default(flag):
             values = value if isinstance(value, list) else [value]
@@ -338,9 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 4.0, 8.0])
     ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs per rate, each with its own prompts and arrivals; the summary is their median")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slo-ttft-ms", type=float, default=2500.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=250.0)
+    ap.add_argument("--cool-down-s", type=float, default=5.0,
+                    help="seconds of quiet before each run (the previous server's last work must not fall on it)")
     ap.add_argument("--vllm-venv", type=Path, default=VENV)
     ap.add_argument("--skip-vllm", action="store_true", help="our server only")
     ap.add_argument("--vllm-client-rate", type=float, default=1.0, help="the rate vLLM's own client runs at")
@@ -360,14 +451,17 @@ def main(argv: list[str] | None = None) -> dict:
     tmp_dir = Path(tmp.name)
     if args.smoke:
         model_dir = tiny_model_dir(tmp_dir)
-        args.rates, args.num_prompts, args.skip_vllm = [4.0, 16.0], 8, True
+        args.rates, args.num_prompts, args.repeats, args.cool_down_s, args.skip_vllm = [4.0, 16.0], 8, 2, 0.0, True
         specs = (SMOKE_PROMPT_LEN, SMOKE_OUTPUT_LEN)
     else:
         model_dir = default_model_path()
         specs = (PROMPT_LEN, OUTPUT_LEN)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    # One set of prompts per rate (and one for the warm-up, the last): no prefix-cache hit across rates.
-    workloads = [make_workload(tokenizer, args.num_prompts, args.seed + i, *specs) for i in range(len(args.rates) + 1)]
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    # One set of prompts per run (and one for the warm-up, the last): no prefix-cache hit across runs.
+    num_runs = len(args.rates) * args.repeats
+    workloads = [make_workload(tokenizer, args.num_prompts, args.seed + i, *specs) for i in range(num_runs + 1)]
     workload = [w for ws in workloads[:-1] for w in ws]
     slo = (args.slo_ttft_ms, args.slo_tpot_ms)
     python = venv_python(args.vllm_venv)
@@ -386,16 +480,17 @@ def main(argv: list[str] | None = None) -> dict:
         starters["vllm"] = lambda port, log: start_vllm(python, model_dir, port, log)
     try:
         rows, servers = bench_servers(starters, workloads, args.rates, args.seed, slo, tmp_dir,
-                                      vllm_client if run_vllm else None)
+                                      vllm_client if run_vllm else None, args.repeats, args.cool_down_s)
     except ServerStartError as e:
         if not run_vllm or e.label != "vllm":
             raise
         reason, run_vllm = f"the vLLM server did not start: {e}", False      # ours alone, and say why
         rows, servers = bench_servers({"mini_vllm": starters["mini_vllm"]}, workloads, args.rates, args.seed, slo,
-                                      tmp_dir)
+                                      tmp_dir, repeats=args.repeats, cool_down_s=args.cool_down_s)
+    summary = median_over_repeats(rows)
     max_rate_meeting_slo = {}
     for server in servers:
-        ok = [r["request_rate"] for r in rows if r["server"] == server and r["slo_met_fraction"] >= 0.9
+        ok = [r["request_rate"] for r in summary if r["server"] == server and r["slo_met_fraction"] >= 0.9
               and r["failed"] == 0]
         max_rate_meeting_slo[server] = max(ok) if ok else 0.0
     name = "serve_smoke" if args.smoke else "serve"
@@ -407,19 +502,26 @@ def main(argv: list[str] | None = None) -> dict:
         model=Path(model_dir).name, dtype="float32", device="cpu", num_prompts=args.num_prompts, rates=args.rates,
         prompt_len=specs[0], output_len=specs[1], mean_prompt_tokens=mean_in, mean_output_tokens=mean_out,
         text="windows of the Python documentation (pydoc_data.topics), sent as text", arrivals="Poisson",
-        prompts_per_rate="drawn afresh at each rate (seed + rate index): no prefix-cache hit across rates",
-        greedy=True, ignore_eos=True, max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
-        slo=dict(ttft_ms=slo[0], tpot_ms=slo[1], met_when="at least 90% of requests meet both"),
+        repeats=args.repeats,
+        prompts_per_run="drawn afresh for each run of each rate (seed + run index), arrivals by seed + repeat: "
+                        "no prefix-cache hit across runs",
+        greedy=True, ignore_eos=True, max_model_len=MAX_MODEL_LEN, max_num_seqs=64, cool_down_s=args.cool_down_s,
+        slo=dict(ttft_ms=slo[0], tpot_ms=slo[1],
+                 met_when="at least 90% of requests meet both (the median over repeats), none failed"),
+        timeline_fields=TIMELINE_FIELDS,
         servers=servers, max_rate_meeting_slo=max_rate_meeting_slo, vllm=vllm_version,
         vllm_peer=None if run_vllm else reason,
         vllm_bench_client=dict(dataset="random", input_len=mean_in, output_len=mean_out,
                                num_prompts=args.num_prompts, request_rate=args.vllm_client_rate),
         command=command_of(args, ap))
-    path = write_result(name, workload_info, rows, args.out_dir)
-    plot(rows, args.out_dir / f"{name}.png", slo)
+    paired = paired_ttft(rows, "mini_vllm", "vllm") if run_vllm else []
+    if paired:
+        print("TTFT ours / vLLM, request by request:", paired, flush=True)
+    path = write_result(name, workload_info, rows, args.out_dir, median_over_repeats=summary, paired_ttft=paired)
+    plot(summary, rows, args.out_dir / f"{name}.png", slo)
     print(f"wrote {path}; highest rate meeting the SLO: {max_rate_meeting_slo}", flush=True)
     tmp.cleanup()
-    return dict(rows=rows, workload=workload_info)
+    return dict(rows=rows, summary=summary, paired_ttft=paired, workload=workload_info)
 
 
 if __name__ == "__main__":

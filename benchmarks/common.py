@@ -68,12 +68,15 @@ def time_fn(fn: Callable[[], object], warmup: int = 3, iters: int = 10,
     return reduce(samples)
 
 
-def write_result(name: str, workload: dict, rows: list[dict], out_dir: str | pathlib.Path | None = None) -> pathlib.Path:
-    """benchmarks/results/<name>.json = {environment, workload, rows}."""
+def write_result(name: str, workload: dict, rows: list[dict], out_dir: str | pathlib.Path | None = None,
+                 **sections) -> pathlib.Path:
+    """benchmarks/results/<name>.json = {environment, workload, rows, **sections} (sections: what a
+    benchmark derives from its rows, e.g. bench_serve's medians over repeated runs)."""
     out = pathlib.Path(out_dir or RESULTS_DIR)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    path.write_text(json.dumps({"environment": environment(), "workload": workload, "rows": rows}, indent=2))
+    path.write_text(json.dumps({"environment": environment(), "workload": workload, "rows": rows, **sections},
+                               indent=2))
     return path
 
 

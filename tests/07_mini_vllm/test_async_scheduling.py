@@ -246,6 +246,54 @@ def test_the_runner_reads_the_placeholder_from_the_device_tensor(pair):
     core.check_invariants()
 
 
+def test_staged_input_copies_change_nothing(tiny, make_llm, pair):
+    """On a GPU each step's inputs reach the device through pinned buffers used in turn, without
+    waiting for the step in flight (input_staging.py). Forced onto a CPU engine (plain copies into
+    separate buffers, made too small so that they must grow): the sync engine's tokens and logprobs,
+    and every traced step's inputs are its own although the next step was prepared after it (one
+    buffer set would fail that: the trace would show the next step's positions)."""
+    from mini_vllm.input_staging import InputStaging
+
+    staged = make_llm(tiny[0], **ENGINE, async_scheduling=True)
+    batch = staged.llm_engine.engine_core.model_runner.input_batch
+    batch.staging = InputStaging("cpu", max_num_tokens=2, max_num_reqs=1, max_num_blocks_per_req=1, pin_memory=False)
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)]
+    requests = [(f"st{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts(3, length=11, start=1100), params))]
+    assert_same((pair[0], staged), requests)
+    assert batch.staging.num_staged > 10
+    assert all(s.int64.size > 3 * 2 + 1 and s.block_table.size > 1 for s in batch.staging.sets)    # they grew
+
+
+@pytest.mark.gpu
+def test_staged_input_copies_do_not_wait_for_the_gpu(offline_engine_models, make_llm, monkeypatch):
+    """On CUDA with async scheduling, preparing a step's inputs (while the previous step may still
+    run) makes no synchronizing CUDA call: every prepare_inputs runs under torch's sync debug mode
+    "error", which raises on one (a copy from pageable memory is one) — the runner would then fail
+    the request. The tokens are those of the synchronous engine."""
+    import torch
+
+    model_dir, _ = offline_engine_models["llama"]
+    kw = dict(device="cuda", max_num_seqs=4, kv_cache_memory=64 << 20)
+    sync, async_ = make_llm(model_dir, **kw), make_llm(model_dir, **kw, async_scheduling=True)
+    batch = async_.llm_engine.engine_core.model_runner.input_batch
+    assert batch.staging is not None
+    prepare, placeholders = batch.prepare_inputs, []
+
+    def without_syncs(*args, **kwargs):
+        placeholders.append(bool(batch.prev_sampled_token_ids))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return prepare(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    monkeypatch.setattr(batch, "prepare_inputs", without_syncs)
+    requests = [(f"g{i}", ids, GREEDY) for i, ids in enumerate(prompts(3, length=7, start=40))]
+    assert_same((sync, async_), requests)
+    assert any(placeholders), "no step was prepared with a token in flight"
+
+
 # ------------------------------------------------------------------------------ what is refused
 def test_what_async_scheduling_cannot_do_is_refused(pair):
     for bad in (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
