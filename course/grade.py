@@ -99,6 +99,13 @@ def score_task(task: Task, run: RunResult, fast: bool, notes: list[str]) -> Task
             results.append(TestResult(test_id, "missing", 0.0, "not collected (import error, or renamed?)",
                                       summary="not collected: an import error in the test file, or the test was renamed"))
         results += matched
+    # What this machine cannot run (an instruction set the CPU lacks) is no part of the grade here,
+    # as a gpu test is not on a CPU machine (grader_plugin.py: "not_here").
+    not_here = [r for r in results if r.outcome == "not_here"]
+    if not_here:
+        results = [r for r in results if r.outcome != "not_here"]
+        notes.append(f"{task.id}: {len(not_here)} test(s) cannot run on this machine and are not graded here: "
+                     + "; ".join(f"{r.nodeid} ({r.message.removeprefix('Skipped: ')})" for r in not_here))
     if run.reference_modules:         # never trust a run that reached the reference
         results.append(TestResult("<reference guard>", "error", 0.0,
                                   f"reference modules imported: {run.reference_modules}",

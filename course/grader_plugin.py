@@ -23,6 +23,10 @@ Jobs:
     collection keeps only the parametrizations it selects;
   * tests marked `gpu` are deselected on a machine without CUDA (as `make test` does): a test
     that cannot run here is no part of a grade here, rather than a skip that counts as a miss;
+    likewise a test the tests' own conftest skips at collection for this machine (an instruction
+    set this CPU cannot run): it reports "not_here" with the reason, and the grade leaves it out.
+    Only a skip marker set at collection counts: a test that calls pytest.skip() while it runs
+    (what a student's code could provoke) is still a skip, and a miss;
   * each failure's one-line summary: the exception line and where it was raised;
   * COURSE_HYPOTHESIS_SHRINK=0 (the proof, course/proof.py): a property test that fails reports
     the first example it failed on instead of shrinking it to a minimal one. Pass or fail is the
@@ -187,9 +191,18 @@ def _runnable_here(item) -> bool:
     return torch.cuda.is_available()
 
 
+_not_here: dict = {}             # test node id -> why this machine cannot run it (a collection-time skip marker)
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Selectors (`file::func[torch]`) reached pytest as their function: keep only the
-    parametrizations they select (course/runner.py: pytest_args), and only what can run here."""
+    parametrizations they select (course/runner.py: pytest_args), and only what can run here.
+    Last of the hooks, so the tests' conftests have marked what this machine cannot run."""
+    for item in items:
+        marker = item.get_closest_marker("skip")
+        if marker is not None:
+            _not_here[item.nodeid] = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
     keep, drop = [], []
     for item in items:
         selected = _SELECT is None or any(_matches(item.nodeid, s) for s in _SELECT)
@@ -232,7 +245,7 @@ def pytest_runtest_logreport(report):
             state["message"] = "\n".join(lines[-6:])[-1500:]
             state["summary"] = _summary(report, lines)
     elif report.skipped and state["outcome"] == "passed":
-        state["outcome"] = "skipped"
+        state["outcome"] = "not_here" if nodeid in _not_here else "skipped"
         state["message"] = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else ""
 
 

@@ -54,7 +54,7 @@ BIG = 512 * 1024          # files above this are linked even in a copied folder
 @dataclasses.dataclass
 class TestResult:
     nodeid: str
-    outcome: str            # passed / failed / error / skipped / crashed / timeout / not run
+    outcome: str            # passed / failed / error / skipped / not_here / crashed / timeout / not run
     duration: float = 0.0
     message: str = ""       # the end of the failure report
     hits: list[str] | None = None
