@@ -142,10 +142,10 @@ def plan_prev_sampled(input_ids: np.ndarray, token_rows: np.ndarray, req_ids: li
     return plan
 
 
-def scatter_prev_sampled(input_ids_t: torch.Tensor, plan: list[SampledTokens],
+def scatter_prev_sampled(input_ids_t: torch.Tensor, sources: list[SampledTokens],
                          indices: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Replace the placeholders in the device tensor `input_ids_t` [T] by the previous step's sampled
-    tokens, on the device (vLLM: GPUModelRunner._prepare_input_ids); `indices` are each plan
-    entry's (dst, src) already on the device."""
-    for sampled, (dst, src) in zip(plan, indices):
-        input_ids_t[dst] = sampled.token_ids[src]
+    tokens, on the device (vLLM: GPUModelRunner._prepare_input_ids): for each of `sources` (the plan's
+    SampledTokens), its (dst [p], src [p]) of `plan_prev_sampled`, already on the device."""
+    for sampled, (dst, src) in zip(sources, indices):
+        input_ids_t[dst] = sampled.token_ids[src]                                       # [p]
