@@ -1,6 +1,6 @@
 # vllm-from-scratch — the README's commands. Everything installs itself into .venv.
 #   make demo           run the engine on the default model (SmolLM2-135M-Instruct)
-#   make test           the whole CPU suite (what CI runs); make test CH=02 for one chapter
+#   make test           the whole CPU suite (what CI runs), one process per core; make test CH=02 for one chapter
 #   make test-gpu       CUDA kernels + native Triton, on a machine with a GPU
 #   make gpu-check      the prepared device check: GPU benchmarks + every gpu test, offline, < 8 min
 #   make bench          the side-by-side benchmarks (ours vs a peer, one run)
@@ -18,6 +18,11 @@ PY         := $(VENV)/bin/python
 TORCH_CPU  ?= torch==2.13.0
 CH         ?=
 PYTEST_ARGS ?=
+# `make test` runs one pytest process per core, up to 4 (pytest-xdist, a test file at a time), each
+# with one OpenMP/torch thread: two processes of two threads on two cores spin against each
+# other (a notebook took 6x its time). TEST_JOBS=1: one process, torch's own thread count.
+TEST_JOBS  ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+XDIST      := $(if $(filter-out 0 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile)
 TEST_PATHS := $(if $(CH),$(wildcard tests/$(CH)_*) $(wildcard tests/$(CH)),tests)
 
 .PHONY: setup model demo test test-gpu gpu-check bench assignments grade proof notebooks clean check-ch
@@ -46,7 +51,7 @@ demo: setup model
 
 test: setup check-ch
 	@if [ -d 07_mini_vllm ] && [ -f 07_mini_vllm/default_model.py ]; then $(MAKE) --no-print-directory model; fi
-	$(PY) -m pytest $(TEST_PATHS) -m "not gpu" $(PYTEST_ARGS)
+	$(if $(XDIST),OMP_NUM_THREADS=1 )$(PY) -m pytest $(TEST_PATHS) -m "not gpu" $(XDIST) $(PYTEST_ARGS)
 
 # `make test CH=04` with no tests/04_* folder must fail, not silently run the whole suite.
 check-ch:

@@ -36,7 +36,26 @@ def pytest_report_header(config):
     return f"CUDA: {HAS_CUDA}"
 
 
+# The longest test files, longest first (seconds on a 2-core CPU). `make test` runs the suite in
+# one process per core, handing out a test file at a time (pytest-xdist, --dist loadfile) in
+# collection order: started first, these cannot be the one file a process runs alone at the end.
+LONGEST_FILES = ("course/test_proof.py", "07_mini_vllm/test_spec_decode_engine.py",
+                 "07_mini_vllm/test_parallel_engine.py", "course/test_build_and_grade.py",
+                 "07_mini_vllm/test_benchmarks.py", "07_mini_vllm/test_engine_parity.py",
+                 "07_mini_vllm/test_notebook.py")
+
+
+def _longest_first(items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+
+    def key(item):
+        rel = item.nodeid.split("::")[0].removeprefix("tests/")
+        return rank.get(rel, len(rank))
+    items.sort(key=key)                  # stable: every file keeps its own order
+
+
 def pytest_collection_modifyitems(config, items):
+    _longest_first(items)
     if HAS_CUDA:
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA: run with `make test-gpu` on a GPU machine")
