@@ -36,7 +36,7 @@ def pytest_report_header(config):
     return f"CUDA: {HAS_CUDA}"
 
 
-# The longest test files, longest first (seconds on a 2-core CPU). `make test` runs the suite in
+# The longest test files, longest first (`pytest --durations` on a 2-core CPU). `make test` runs the suite in
 # one process per core, handing out a test file at a time (pytest-xdist, --dist loadfile) in
 # collection order: started first, these cannot be the one file a process runs alone at the end.
 LONGEST_FILES = ("course/test_proof.py", "07_mini_vllm/test_spec_decode_engine.py",
