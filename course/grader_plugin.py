@@ -34,8 +34,8 @@ Jobs:
     shrinking a test that fails on every example (a stub's NotImplementedError) can take longer
     than the task's time limit.
 """
-import functools
 import faulthandler
+import functools
 import json
 import os
 import pathlib
