@@ -44,11 +44,19 @@ from global_prefix_cache.rpc import die_with_parent, free_port, parse_address
 _HEADER = 8      # a stored block = crc32 (8 bytes, little endian) + the block's packed bytes
 
 
-def _quiet_glog() -> None:
-    # Mooncake logs through glog at INFO by default, benign errors included ("Local segment
-    # descriptor not found" at every setup). Every failure reaches us as a return code.
-    # MC_LOG_LEVEL (INFO / WARNING / ERROR) is read when its library loads: set it before.
+def _import_transfer_engine():
+    """mooncake.engine.TransferEngine, its library loaded quietly. Mooncake logs through glog at
+    INFO by default, benign errors included ("Local segment descriptor not found" at every set-up);
+    every failure reaches us as a return code. MC_LOG_LEVEL (INFO / WARNING / ERROR) is read once,
+    when the library loads: set for the import only, so the process's environment stays its own."""
+    saved = os.environ.get("MC_LOG_LEVEL")
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    try:
+        from mooncake.engine import TransferEngine
+    finally:
+        if saved is None:
+            os.environ.pop("MC_LOG_LEVEL", None)
+    return TransferEngine
 
 
 def mooncake_master_binary() -> str:
@@ -117,9 +125,7 @@ class MooncakeEngine:
     MAX_BATCH = 1024
 
     def __init__(self, protocol: str = "tcp", hostname: str = "127.0.0.1") -> None:
-        _quiet_glog()
-        from mooncake.engine import TransferEngine as _TE
-        self._te = _TE()
+        self._te = _import_transfer_engine()()
         rc = self._te.initialize(hostname, "P2PHANDSHAKE", protocol, "")
         if rc != 0:
             raise RuntimeError(f"mooncake TransferEngine.initialize({hostname!r}, 'P2PHANDSHAKE', {protocol!r}) = {rc}")

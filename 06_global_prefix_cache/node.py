@@ -328,6 +328,16 @@ _COMMANDS = {"run": _cmd_run, "set_faults": _cmd_set_faults, "stats": _cmd_stats
 _PRELOAD = ["global_prefix_cache.node"]
 
 
+def _run_with_environ(target, environ: dict[str, str], conn, kwargs: dict) -> None:
+    """The child's entry point: the environment its parent has NOW, then the target. The forkserver
+    forks every child from its own copy of the environment, taken when the first child started; a
+    child of a later parent whose environment changed since (a test's monkeypatch, a config
+    variable set after start-up) would otherwise see the stale one."""
+    os.environ.clear()
+    os.environ.update(environ)
+    target(conn, kwargs)
+
+
 def _mp_context():
     # forkserver: one clean server process imports torch once; each node is then a fast
     # fork of it (spawn would re-import torch in every node process).
@@ -344,7 +354,10 @@ class ChildProcess:
     `preload`: modules a subclass's children need, imported once by the forkserver so that each
     child forks with them loaded (chapter 07's engine process saves seconds of torch-model and
     transformers imports per engine). They are registered when the subclass is DEFINED: a
-    process has one forkserver, started with the list as it is at the first child."""
+    process has one forkserver, started with the list as it is at the first child.
+
+    The forkserver also keeps the environment of that first start; each child is therefore handed
+    its parent's environment as it is when the child starts (`_run_with_environ`)."""
 
     preload: tuple[str, ...] = ()
 
@@ -355,7 +368,7 @@ class ChildProcess:
     def __init__(self, target, kwargs: dict, start_timeout: float, wait: bool = True) -> None:
         ctx = _mp_context()
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child, kwargs), daemon=True)
+        self.proc = ctx.Process(target=_run_with_environ, args=(target, dict(os.environ), child, kwargs), daemon=True)
         self.proc.start()
         child.close()
         self.pid = self.proc.pid

@@ -43,9 +43,10 @@ def _as_prompt_list(prompts) -> list[PromptType]:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **kwargs):
-        """kwargs: any EngineConfig field (dtype, max_model_len, max_num_seqs, enable_prefix_caching, ...)."""
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+    def __init__(self, model: str | None = None, *, multiprocess_mode: bool | None = None, **kwargs):
+        """kwargs: any EngineConfig field (dtype, max_model_len, max_num_seqs, enable_prefix_caching, ...).
+        multiprocess_mode: the engine core in its own process; None reads VLLM_ENABLE_V1_MULTIPROCESSING."""
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs), multiprocess_mode=multiprocess_mode)
         self._request_counter = itertools.count()
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -99,12 +99,9 @@ def _timed_pass(llm, prompts, params, multiprocess: bool) -> dict:
 def make_llm(model_dir, workload, multiprocess: bool, kv_cache_memory: int | None = None):
     from mini_vllm import LLM
 
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
-    try:
-        max_len = max(len(p) + n for p, n in workload) + 8
-        return LLM(str(model_dir), max_model_len=max_len, max_num_seqs=64, kv_cache_memory=kv_cache_memory)
-    finally:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    max_len = max(len(p) + n for p, n in workload) + 8
+    return LLM(str(model_dir), max_model_len=max_len, max_num_seqs=64, kv_cache_memory=kv_cache_memory,
+               multiprocess_mode=multiprocess)
 
 
 def run_interleaved(model_dir, workload, repeats: int, kv_cache_memory: int | None = None) -> tuple[dict, dict]:

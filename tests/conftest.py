@@ -106,6 +106,45 @@ class EngineRegistry:
         self._this_test = []
 
 
+_PYTEST_OWN_ENVIRON = {"PYTEST_CURRENT_TEST"}      # pytest sets it for each phase of each test
+
+
+def _environ() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _PYTEST_OWN_ENVIRON}
+
+
+def _check_environ_restored(before: dict[str, str], what: str) -> None:
+    """Fail (after putting it back) when os.environ differs from `before`: a test that changes the
+    environment changes it for every later test in this process, and for every process they start."""
+    after = _environ()
+    if after == before:
+        return
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    for k in changed:
+        if k in before:
+            os.environ[k] = before[k]
+        else:
+            del os.environ[k]
+    pytest.fail(f"{what} left os.environ changed: {', '.join(changed)} (restore it, e.g. with monkeypatch)",
+                pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def environ_restored_after_test():
+    """Every test leaves os.environ as it found it."""
+    before = _environ()
+    yield
+    _check_environ_restored(before, "this test")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def environ_restored_after_module():
+    """... and so does every module's fixtures (a server started once per module, say)."""
+    before = _environ()
+    yield
+    _check_environ_restored(before, "this module's fixtures")
+
+
 @pytest.fixture(scope="session")
 def engine_registry():
     """Engines made by tests; checked after every test (EngineRegistry)."""

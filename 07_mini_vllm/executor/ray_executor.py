@@ -29,10 +29,22 @@ from mini_vllm.executor.multiproc_executor import STARTUP_TIMEOUT_S, _free_port
 logger = logging.getLogger(__name__)
 
 
+def _import_ray():
+    """`import ray`, leaving this process's environment as it was: ray sets RAY_CLIENT_MODE when it is
+    imported, and every process started later would inherit it."""
+    saved = dict(os.environ)
+    try:
+        import ray
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return ray
+
+
 def ray_available() -> str | None:
     """None if `ray` imports, else why not (the message a refused config carries)."""
     try:
-        import ray  # noqa: F401
+        _import_ray()
     except ImportError as e:
         return f"distributed_executor_backend='ray' needs the ray package (pip install ray): {e}"
     return None
@@ -54,7 +66,7 @@ class RayWorkerWrapper:
 
 class RayDistributedExecutor(Executor):
     def _init_executor(self) -> None:
-        import ray
+        ray = _import_ray()
         from mini_vllm.model_runner import ModelRunner
         self.attn_backend = ModelRunner._attention_backend(self.config, self.model_config)
         self.world_size = self.parallel_config.world_size
@@ -62,9 +74,18 @@ class RayDistributedExecutor(Executor):
         self.failure: str | None = None
         self.started_ray = not ray.is_initialized()
         if self.started_ray:
-            # A local instance for this engine: no dashboard, and no auth token written to the home directory.
+            # A local instance for this engine: no dashboard, and no auth token written to the home
+            # directory. RAY_AUTH_MODE is read by the processes ray.init starts, and ray.init itself sets
+            # variables of its own (PYTHONBREAKPOINT, RAY_USAGE_STATS_ENABLED, ...): this process's
+            # environment is put back as it was, so nothing started later inherits them.
+            saved = dict(os.environ)
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(os.cpu_count() or 1, self.world_size))
+            try:
+                ray.init(include_dashboard=False, log_to_driver=False,
+                         num_cpus=max(os.cpu_count() or 1, self.world_size))
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
         self.init_method = f"tcp://127.0.0.1:{_free_port()}"
         actor_cls = ray.remote(num_cpus=0)(RayWorkerWrapper)
         self.actors = [actor_cls.remote(self.config, self.model_config, rank, self.init_method)
