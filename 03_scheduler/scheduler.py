@@ -90,12 +90,15 @@ class Scheduler:
         """Abort one request (client went away). Returns False if it was unknown/finished."""
         return bool(self.finish_requests(request_id, RequestStatus.FINISHED_ABORTED))
 
-    def finish_requests(self, request_ids: str | Iterable[str], finished_status: RequestStatus) -> list[str]:
+    def finish_requests(self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus) -> list[str]:
         """Finish requests from outside the scheduler (abort, stop strings found by the
-        detokenizer). Unknown or already finished ids are ignored. Returns those finished."""
+        detokenizer); None: every request. Unknown or already finished ids are ignored. Returns
+        those finished."""
         if not RequestStatus.is_finished(finished_status):
             raise ValueError(f"{finished_status.name} is not a finished status")
-        if isinstance(request_ids, str):
+        if request_ids is None:
+            request_ids = list(self.requests)
+        elif isinstance(request_ids, str):
             request_ids = (request_ids,)
         finished: list[Request] = []
         for req_id in dict.fromkeys(request_ids):     # de-duplicated, order kept
@@ -130,6 +133,11 @@ class Scheduler:
     def get_request_counts(self) -> tuple[int, int]:
         """(num_running, num_waiting)."""
         return len(self.running), len(self.waiting)
+
+    def get_known_request_ids(self) -> set[str]:
+        """Unfinished requests, and those finished since the last schedule(): the ids whose state a
+        model runner may hold (it drops a finished request when the next output says so)."""
+        return set(self.requests) | self.finished_req_ids
 
     # ================================================================== schedule
     def schedule(self) -> SchedulerOutput:

@@ -77,19 +77,24 @@ class KVConnectorBase:
 
 
 class KVConnectorScheduler(Scheduler):
-    """Chapter 03's scheduler, with K/V that may come from another machine through `connector`."""
+    """Chapter 03's scheduler, with K/V that may come from another machine through `connector`.
+    Without a connector (None) it is chapter 03's scheduler: the engine composes this layer always
+    and gives it the connector its config names, if any."""
 
     WAITING_STATUSES = Scheduler.WAITING_STATUSES + (RequestStatus.WAITING_FOR_REMOTE_KVS,)
 
-    def __init__(self, config, kv_cache_manager, *, connector: KVConnectorBase, **kwargs) -> None:
-        if connector is None:
-            raise ValueError("KVConnectorScheduler needs a connector (chapter 03's Scheduler runs without one)")
+    def __init__(self, config, kv_cache_manager, *, connector: KVConnectorBase | None = None, **kwargs) -> None:
         super().__init__(config, kv_cache_manager, **kwargs)
         self.connector = connector
         # Requests whose remote KV finished loading (reported by the model runner), and finished
         # requests whose blocks the connector is still sending (freed when it is done).
         self.finished_recving_kv_req_ids: set[str] = set()
         self._delayed_free: dict[str, Request] = {}
+
+    def get_num_waiting_for_remote_kvs(self) -> int:
+        """Waiting requests whose K/V is still on its way: the engine may step with nothing to
+        compute while they wait, and that is not a stuck scheduler."""
+        return sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting)
 
     # ================================================================== admission
     def _schedule_waiting(self, step: ScheduledStep) -> None:
@@ -113,6 +118,8 @@ class KVConnectorScheduler(Scheduler):
         """Chapter 03's admission with the connector asked after the local prefix-cache hit: a
         synchronous load is allocated with Δ and admitted now; an asynchronous one is allocated
         alone and the request waits in WAITING_FOR_REMOTE_KVS, owning its blocks."""
+        if self.connector is None:
+            return super()._try_admit(request, step)
         if request.num_computed_tokens > 0:       # its remote KV landed in blocks it owns
             num_new_tokens, outcome = self._allocate_waiting(request, step, 0, None)
             if outcome is None:
@@ -232,7 +239,8 @@ class KVConnectorScheduler(Scheduler):
     # ================================================================== the output
     def _build_output(self, step: ScheduledStep) -> SchedulerOutput:
         output = super()._build_output(step)
-        output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
         return output
 
     # ================================================================== after the forward pass
@@ -297,6 +305,8 @@ class KVConnectorScheduler(Scheduler):
         """The connector is told of every finished request; one whose blocks another machine is
         still reading (a prefill node pushing its K/V) is freed when `finished_sending` says so."""
         self.finished_recving_kv_req_ids.discard(request.request_id)
+        if self.connector is None:
+            return super()._free_kv(request, owns_kv)
         on_device = owns_kv and not request.kv_swapped_out
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id) if on_device else []
         if self.connector.request_finished(request, block_ids) and on_device:

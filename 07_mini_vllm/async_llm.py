@@ -25,16 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 
+from mini_vllm.beam_search import BeamSearch, BeamSearchParams
 from mini_vllm.core_client import AsyncMPClient, EngineDeadError, step_from_outputs
 from mini_vllm.engine_config import EngineConfig
 from mini_vllm.engine_messages import EngineCoreOutputs, EngineCoreRequest
 from mini_vllm.llm_engine import LLMEngine
 from mini_vllm.metrics import IterationStats, LoggingStatLogger, PrometheusStatLogger
-from mini_vllm.outputs import RequestOutput
+from mini_vllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mini_vllm.processor import PromptType
 from mini_vllm.router import CacheAwareRouter, LeastLoadedRouter, ReplicaView, RoundRobinRouter, Router
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -148,8 +151,9 @@ class AsyncLLM:
         return len(self.core_clients)
 
     def _route(self, request: EngineCoreRequest) -> int:
-        """Which replica runs this request (one replica: 0). Logged, and counted per replica in
-        /metrics (mini_vllm:dp_requests_routed_total{engine=...}), so the router's choices show."""
+        """Which replica runs this request (one replica: 0; n > 1: all children, where the prefix
+        cache shares their prompt). Logged, and counted per replica in /metrics
+        (mini_vllm:dp_requests_routed_total{engine=...}), so the router's choices show."""
         if len(self.core_clients) == 1:
             index = 0
         else:
@@ -164,21 +168,11 @@ class AsyncLLM:
         self.prometheus.record_routed(index)
         return index
 
-    def _unroute(self, request_ids) -> None:
+    def _unroute(self, request_id: str) -> None:
         """Finished or aborted: no longer counted in its replica's load."""
-        for request_id in request_ids:
-            index = self.replica_of.pop(request_id, None)
-            if index is not None:
-                self.replicas[index].num_unfinished -= 1
-
-    def _by_replica(self, request_ids) -> dict[int, list[str]]:
-        """Group request ids (n > 1: children "{i}_{id}" go where their parent went) by replica."""
-        groups: dict[int, list[str]] = {}
-        for request_id in request_ids:
-            parent = self.output_processor.parents.get(request_id)
-            index = self.replica_of.get(request_id, self.replica_of.get(getattr(parent, "request_id", None), 0))
-            groups.setdefault(index, []).append(request_id)
-        return groups
+        index = self.replica_of.pop(request_id, None)
+        if index is not None:
+            self.replicas[index].num_unfinished -= 1
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.engine.get_default_sampling_params()
@@ -210,14 +204,17 @@ class AsyncLLM:
         else:
             prompt_text, request = self.process_request(request_id, prompt, sampling_params,
                                                         prompt_token_ids=prompt_token_ids, priority=priority)
-        params = request.sampling_params
-        collector = RequestOutputCollector(params.output_kind)
+        collector = RequestOutputCollector(request.sampling_params.output_kind)
         self.collectors[request_id] = collector
-        self.output_processor.add_request(request_id, prompt_text, request.prompt_token_ids, params,
-                                          request.arrival_time)
+        children = LLMEngine.fan_out(request)
+        for child, parent, index in children:
+            self.output_processor.add_request(child.request_id, prompt_text, child.prompt_token_ids,
+                                              child.sampling_params, child.arrival_time, parent, index)
         finished = False
         try:
-            await self.core_clients[self._route(request)].add_request_async(request)
+            client = self.core_clients[self._route(request)]
+            for child, _, _ in children:
+                await client.add_request_async(child)
             while not finished:
                 output = await collector.get()
                 finished = output.finished
@@ -228,16 +225,48 @@ class AsyncLLM:
             self.collectors.pop(request_id, None)
             if not finished:
                 await asyncio.shield(self.abort(request_id))
-            self._unroute([request_id])
+            self._unroute(request_id)
+
+    async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams, *,
+                          prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """vLLM's online beam search (`vllm/entrypoints/generate/beam_search/online.py`): the rounds of
+        beam_search.py, each round's one-token requests through `generate` at once; yields one finished
+        RequestOutput whose completions are the best beams, best first (their generated tokens). Bad
+        input raises before anything is queued; a round that fails ends the search with its error."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        prompt_text, probe = self.process_request(request_id, prompt, SamplingParams(max_tokens=1),
+                                                  prompt_token_ids=prompt_token_ids)
+        metrics = RequestMetrics(probe.arrival_time)
+        search = BeamSearch(params, probe.prompt_token_ids, self.model_config.max_model_len,
+                            frozenset(self.model_config.eos_token_ids))
+        for round_index in itertools.count():
+            if search.done:
+                break
+            finals = await asyncio.gather(*(self._final_output(f"{request_id}-beam{round_index}.{i}", ids,
+                                                               search.request_params)
+                                            for i, ids in enumerate(search.requests())))
+            search.advance([out.outputs[0] for out in finals])
+        metrics.finished_time = time.monotonic()
+        prompt_len = len(probe.prompt_token_ids)
+        completions = [CompletionOutput(i, seq.text, seq.tokens[prompt_len:], seq.cum_logprob, None, seq.finish_reason,
+                                        seq.stop_reason) for i, seq in enumerate(search.output(self.tokenizer).sequences)]
+        yield RequestOutput(request_id, prompt_text, probe.prompt_token_ids, completions, True, metrics)
+
+    async def _final_output(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestOutput:
+        async for output in self.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
+            if output.finished:
+                return output
+        raise RuntimeError(f"request {request_id} ended without a final output")
 
     async def abort(self, request_id: str) -> None:
-        ids = self.output_processor.child_ids(request_id)
-        self.output_processor.abort_requests(ids)
+        """Stop a request now (n > 1: every child); the core frees its KV blocks."""
+        core_ids = self.output_processor.child_ids(request_id)
+        self.output_processor.abort_requests([request_id])
         self.collectors.pop(request_id, None)
         if not self.errored:
             try:
-                for index, group in self._by_replica(ids).items():
-                    await self.core_clients[index].abort_requests_async(group)
+                await self.core_clients[self.replica_of.get(request_id, 0)].abort_requests_async(core_ids)
             except (EngineDeadError, TimeoutError):
                 pass                          # the core is gone: its blocks went with it
 
@@ -297,13 +326,11 @@ class AsyncLLM:
 
     def _process(self, outputs: EngineCoreOutputs, index: int = 0) -> None:
         states = self.output_processor.request_states
-        parents = self.output_processor.parents
         before = {}
         for core_output in outputs.outputs:
             state = states.get(core_output.request_id)
             if state is not None:
-                parent = parents.get(core_output.request_id)
-                is_child = parent is not None and parent.request_id != core_output.request_id
+                is_child = state.index > 0          # n > 1: the prompt and the request count once, for child 0
                 before[core_output.request_id] = (state, state.metrics.last_token_time, is_child,
                                                   len(core_output.new_token_ids))
         request_outputs, self._reqs_to_stop = self.output_processor.process_outputs(step_from_outputs(outputs))

@@ -1,25 +1,35 @@
-"""Async scheduling's scheduler layer: plan step N+1 while step N is still running.
+"""Batches in flight: the engine core schedules the next batch before the last one's output is back.
 
-Mirrors vLLM v1's `vllm/v1/core/sched/async_scheduler.py: AsyncScheduler` and
-`Request.num_output_placeholders`.
+Mirrors vLLM v1's `vllm/v1/core/sched/async_scheduler.py: AsyncScheduler` (`Request.num_output_placeholders`,
+`_update_after_schedule`) and what its base `Scheduler` does for pipeline parallelism
+(`EngineCore.step_with_batch_queue`, `max_concurrent_batches`, `CachedRequestData.new_token_ids`).
 
-Why: a synchronous engine does schedule -> forward -> update_from_output -> output processing,
-one after the other, and the device waits during the host's parts. With async scheduling the
-engine core schedules step N+1 BEFORE step N's tokens are back (core.py: a queue of two
-batches). For a request that samples in step N, step N+1 must compute the position of a token
-whose value nobody on the host knows yet: a *placeholder*. The model runner reads that input id
-from step N's sampled-token tensor on the device (model_runner.py), so the schedule only needs
-to know that the token exists, not what it is.
+Why: a synchronous engine does schedule -> forward -> update_from_output, one after the other,
+and whatever does not run meanwhile waits. With up to `max_concurrent_batches` batches in flight
+(core.py: the batch queue), two things overlap:
 
-In the two-counter view ([Kwon 2025, Table 4.1]) a placeholder is a token counted in the target
-before it exists: the scheduler plans as if `num_tokens + num_output_placeholders` tokens were
-known. What it changes, hook by hook (the chain of engine_scheduler.py, leftmost):
+  * pipeline micro-batches (`placeholders=False`): while the last stage runs batch A, stage 0 runs
+    batch B — of OTHER requests. A request in flight has nothing to compute until its token is back
+    (chapter 03 gives it Δ = 0: its counters were advanced when it was scheduled), and each batch
+    takes at most a 1 / max_concurrent_batches share of the requests (else the first batch takes
+    everyone, the next is empty, and the stages run one at a time again). Only the last stage
+    samples; the others learn a request's tokens with its next schedule (`new_token_ids`).
+  * async scheduling (`placeholders=True`): batch N+1 holds the SAME requests as batch N, scheduled
+    with a *placeholder* for each token N is still computing. The model runner reads that input
+    id from N's sampled-token tensor on the device (model_runner.py), so the schedule only needs to
+    know that the token exists, not what it is. In the two-counter view ([Kwon 2025, Table 4.1]) a
+    placeholder is a token counted in the target before it exists: the scheduler plans as if
+    `num_tokens + num_output_placeholders` tokens were known.
 
-  * `_update_after_schedule`: a request whose Δ reaches the end of what it has (it will sample)
-    gets one more placeholder;
+What changes, hook by hook (leftmost in the composed class, engine_scheduler.py):
+
+  * `_update_after_schedule`: every scheduled request is one batch more in flight; with
+    placeholders, a request whose Δ reaches the end of what it has (it will sample) gets one more;
   * `_num_new_tokens`: Δ counts the placeholders as known tokens — and is 0 for a request that
     is sure to stop at a token in flight (max_tokens, max_model_len: known without the token's
-    value), so no step is wasted on it (vLLM does the same);
+    value), so no step is wasted on it (vLLM does the same); 0 once a micro-batch has its share;
+  * `_try_schedule_waiting`: a waiting request with a batch in flight (preempted after it was sent)
+    waits for that batch's token before it is recomputed;
   * `update_from_output`: each token that comes back replaces a placeholder. A request stopped
     by a token's VALUE (EOS, a stop id) was already scheduled for one more step: that step's
     work is discarded (its output finds the request finished). Its blocks are freed now, while
@@ -36,15 +46,33 @@ from __future__ import annotations
 
 import dataclasses
 
-from scheduler import EngineCoreOutput, Request, RequestStatus, Scheduler, SchedulerOutput, SchedulingBudget
+from scheduler import EngineCoreOutput, Request, RequestStatus, SchedulerOutput, SchedulingBudget
 from scheduler import ScheduledStep, check_stop
 
+from mini_vllm.engine_scheduler import EngineScheduler
 
-class AsyncScheduler(Scheduler):
-    """The engine's scheduler with placeholders for in-flight tokens (leftmost in the composed class)."""
 
-    # ---- scheduling: the tokens in flight count as known ------------------------------------
+class AsyncScheduler(EngineScheduler):
+    """The engine's scheduler with batches in flight (see the module docstring)."""
+
+    def __init__(self, config, kv_cache_manager, *, connector=None, placeholders: bool = True,
+                 max_concurrent_batches: int = 2) -> None:
+        super().__init__(config, kv_cache_manager, connector=connector)
+        self.placeholders = placeholders
+        self.max_concurrent_batches = max_concurrent_batches
+        self._in_flight: dict[str, int] = {}       # request id -> batches in flight that schedule it
+        self._share_left: int | None = None        # micro-batches: requests this batch may still take
+        self._num_tokens_sent: dict[str, int] = {}  # micro-batches: num_tokens when last scheduled
+
+    # ---- scheduling ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        if not self.placeholders:                  # a micro-batch: its share of the requests
+            self._share_left = -(-len(self.requests) // self.max_concurrent_batches)
+        return super().schedule()
+
     def _num_new_tokens(self, request: Request, num_computed_tokens: int, budget: SchedulingBudget) -> int:
+        if self._share_left == 0:
+            return 0
         placeholders = request.num_output_placeholders
         if placeholders == 0:
             return super()._num_new_tokens(request, num_computed_tokens, budget)
@@ -59,30 +87,71 @@ class AsyncScheduler(Scheduler):
         return (request.num_output_tokens + placeholders >= request.max_tokens
                 or request.num_tokens + placeholders >= self.max_model_len)
 
+    def _on_scheduled(self, request: Request, num_new_tokens: int, step: ScheduledStep) -> None:
+        super()._on_scheduled(request, num_new_tokens, step)
+        self._take_share()
+
+    def _on_admitted(self, request: Request, num_computed_tokens: int, num_new_tokens: int,
+                     budget: SchedulingBudget) -> None:
+        super()._on_admitted(request, num_computed_tokens, num_new_tokens, budget)
+        self._take_share()
+
+    def _take_share(self) -> None:
+        if self._share_left is not None:
+            self._share_left -= 1
+
     def _try_schedule_waiting(self, request: Request, step: ScheduledStep) -> str:
-        """A request preempted while its last batch was in flight cannot be recomputed (or swapped
-        in) before that token's value is known. It never is: chapter 03 admits nothing in a step
-        that preempts, and the engine core applies the in-flight batch's output before the next
-        schedule. Asserted, because a silent skip would hide a broken order."""
-        assert request.num_output_placeholders == 0, \
-            f"{request.request_id} is waiting with a token in flight: its batch's output was not applied first"
+        """A request preempted after a batch that schedules it was sent is recomputed (or swapped in)
+        only once that batch's token is known: until then it is passed over, not a blocker."""
+        if self._in_flight.get(request.request_id):
+            return "skipped"
         return super()._try_schedule_waiting(request, step)
 
     def _update_after_schedule(self, step: ScheduledStep) -> None:
-        """Before the counters advance: every scheduled request whose Δ reaches the end of its
-        tokens (placeholders included) will sample one token — one more placeholder."""
-        requests = self.requests
+        """Before the counters advance: every scheduled request is in one more batch; with
+        placeholders, one whose Δ reaches the end of its tokens (placeholders included) will sample
+        one token — one more placeholder."""
+        requests, in_flight = self.requests, self._in_flight
         for req_id, num_new_tokens in step.num_scheduled_tokens.items():
+            in_flight[req_id] = in_flight.get(req_id, 0) + 1
             request = requests[req_id]
-            if request.num_computed_tokens + num_new_tokens >= request.num_tokens + request.num_output_placeholders:
+            if self.placeholders and (request.num_computed_tokens + num_new_tokens
+                                      >= request.num_tokens + request.num_output_placeholders):
                 request.num_output_placeholders += 1
+        self._share_left = None
         super()._update_after_schedule(step)
 
-    # ---- a batch's output comes back ----------------------------------------------------------
+    def _build_output(self, step: ScheduledStep) -> SchedulerOutput:
+        """Micro-batches: the stages that do not sample learn a running request's tokens sampled
+        since it was last scheduled (vLLM: CachedRequestData.new_token_ids, "used in PP only"); a
+        new or resumed request carries all of its tokens already."""
+        output = super()._build_output(step)
+        if not self.placeholders:
+            sent, requests = self._num_tokens_sent, self.requests
+            for new in output.scheduled_new_reqs:
+                sent[new.req_id] = requests[new.req_id].num_tokens
+            cached = output.scheduled_cached_reqs
+            for req_id, resumed in zip(cached.req_ids, cached.resumed_from_preemption):
+                request = requests[req_id]
+                if not resumed and request.num_tokens > sent[req_id]:
+                    cached.new_token_ids[req_id] = list(request.all_token_ids[sent[req_id]:])
+                sent[req_id] = request.num_tokens
+        return output
+
+    def _free_request(self, request: Request, finished_status: RequestStatus, owns_kv: bool,
+                      message: str | None = None) -> None:
+        self._num_tokens_sent.pop(request.request_id, None)
+        super()._free_request(request, finished_status, owns_kv, message)
+
+    # ---- a batch's output comes back -------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output) -> list[EngineCoreOutput]:
         """Chapter 03's update for the requests still running; the ones preempted since this batch
         was sent are handled here (chapter 03 expects a running request's blocks). Every token that
         came back replaces one placeholder."""
+        for req_id in scheduler_output.num_scheduled_tokens:
+            left = self._in_flight.pop(req_id, 1) - 1
+            if left:
+                self._in_flight[req_id] = left
         late = [r for r in scheduler_output.num_scheduled_tokens
                 if (req := self.requests.get(r)) is not None and req.status == RequestStatus.PREEMPTED]
         outputs = [out for out in (self._update_preempted(self.requests[r], model_runner_output) for r in late)

@@ -1,10 +1,4 @@
-"""Beam search: the W most likely continuations, kept as W beams that fork and die on shared blocks.
-
-Why here: beam search is where PagedAttention's block sharing pays most ([Kwon 2025, §3.4.4]):
-the W beams of one prompt share the prompt and most of their past, and each step some beams
-spawn several continuations while others are dropped. With a contiguous cache every fork is a
-copy of the whole sequence; with blocks it is a reference count, plus at most one partly filled
-block copied when two forks write different tokens into it.
+"""Beam search: the W most likely continuations, as a loop in the front end over one-token requests.
 
 What it computes — Hugging Face's beam search (`GenerationMixin._beam_search`, transformers 5),
 so the best beam equals `generate(num_beams=W, do_sample=False, length_penalty=..., early_stopping=...)`.
@@ -20,13 +14,18 @@ Per prompt, with K = max(2, 1 + #EOS ids) * W candidates per step:
    "never" — judged at max_tokens when length_penalty > 0, the canonical search), or at max_tokens.
    Width 1 is greedy search (HF's generate runs greedy search for num_beams=1).
 
-vLLM v1 runs beam search in the front end (`vllm/entrypoints/llm.py: LLM.beam_search`: one
-single-token request per beam per step, sharing through the prefix cache, scored by vLLM's own
-`get_beam_search_score`, which normalises by the length *including* the prompt and has no early
-stopping). This engine does it inside, as vLLM v0 did with `SequenceGroup.fork` and
-`BeamSearchScorer`: the running beams are W requests ("slots") whose block tables are re-pointed
-after every step (`beam_search_scheduler.py`), and the scores follow HF so that HF is the oracle.
-The API is vLLM's: `LLM.beam_search(prompts, BeamSearchParams(...)) -> [BeamSearchOutput]`.
+How, as vLLM v1 does it (`vllm/entrypoints/generate/beam_search/offline.py:
+BeamSearchOfflineMixin.beam_search`, `online.py` for the server): the engine knows nothing of
+beams. Each round, every running beam is an ordinary request — the prompt and the beam's tokens,
+`max_tokens=1`, greedy, `logprobs=K` — and its K most likely next tokens come back as that token's
+logprobs; `BeamSearchState.step` picks the next W beams. The beams of a search share the prompt
+and most of their past: the prefix cache makes re-submitting them cheap (each round computes only
+the tokens after the last full cached block of each beam). vLLM v0 kept the beams inside the
+engine instead, forking block tables with copy-on-write (chapter 02's `BlockSpaceManager.fork`);
+the front-end loop needs nothing from the scheduler or the model runner, so beam search composes
+with every engine feature. vLLM scores with its own `get_beam_search_score`; the scores here
+follow HF so that HF is the oracle. The API is vLLM's: `LLM.beam_search(prompts,
+BeamSearchParams(...)) -> [BeamSearchOutput]`, and `AsyncLLM.beam_search` for the server.
 """
 from __future__ import annotations
 
@@ -34,7 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mini_vllm.sampling_params import SamplingParams, _is_int, _is_real
+from mini_vllm.outputs import CompletionOutput
+from mini_vllm.sampling_params import RequestOutputKind, SamplingParams, _is_int, _is_real
 
 EARLY_STOPPING = (True, False, "never")
 
@@ -63,30 +63,6 @@ class BeamSearchParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-
-
-@dataclass
-class BeamSearchSamplingParams(SamplingParams):
-    """What each beam of a beam search runs with inside the engine: greedy (its sampled token is
-    never used — the beam search picks the next tokens), EOS handled by the search, not by the
-    scheduler's stop check, and the search's own parameters."""
-    beam_search: BeamSearchParams | None = None
-
-    @classmethod
-    def from_beam_search(cls, params: BeamSearchParams) -> "BeamSearchSamplingParams":
-        return cls(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True, beam_search=params)
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        """The ids that finish a beam: the model's EOS ids (filled in by the engine's Processor);
-        none with ignore_eos."""
-        return frozenset() if self.beam_search.ignore_eos else self._all_stop_token_ids
-
-    @property
-    def num_beam_candidates(self) -> int:
-        """K: the candidates each beam proposes per step (HF keeps enough that W survive even if
-        the best W all end in EOS)."""
-        return max(2, 1 + len(self.eos_token_ids)) * self.beam_search.beam_width
 
 
 @dataclass
@@ -152,7 +128,7 @@ class BeamSearchState:
 
     def step(self, candidates: list[tuple[list[int], list[float]]]) -> Selection:
         """candidates[b] = (token ids, log-probabilities) of running beam b's K most likely tokens."""
-        W, K = self.params.beam_width, max(2, 1 + len(self.eos_token_ids)) * self.params.beam_width
+        W, K = self.params.beam_width, num_candidates(self.params.beam_width, self.eos_token_ids)
         # 1. the K best candidates over all beams
         ### BEGIN SOLUTION
         beam_of = torch.tensor([b for b, (ids, _) in enumerate(candidates) for _ in ids])          # [B*K]
@@ -203,3 +179,68 @@ class BeamSearchState:
         search stopped with fewer — it cannot, max_length finishes every running beam — the
         running beams would fill up the list)."""
         return list(self.finished)
+
+
+def num_candidates(beam_width: int, eos_token_ids: frozenset[int]) -> int:
+    """K: the candidates each beam proposes per step (HF keeps enough that W survive even if the
+    best W all end in EOS)."""
+    return max(2, 1 + len(eos_token_ids)) * beam_width
+
+
+class BeamSearch:
+    """One prompt's search, driven by an engine a round at a time (LLM.beam_search, AsyncLLM.beam_search):
+
+        search = BeamSearch(params, prompt_token_ids, max_model_len, eos_token_ids)
+        while not search.done:
+            outputs = [<run one request: token_ids, search.request_params> for token_ids in search.requests()]
+            search.advance(outputs)          # each request's CompletionOutput (its one token's logprobs)
+        search.output(tokenizer)
+
+    A round whose request failed (finish_reason "error") ends the search with that error."""
+
+    def __init__(self, params: BeamSearchParams, prompt_token_ids: list[int], max_model_len: int,
+                 eos_token_ids: frozenset[int]) -> None:
+        self.prompt_token_ids = list(prompt_token_ids)
+        eos = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        self.state = BeamSearchState(params, len(prompt_token_ids),
+                                     min(len(prompt_token_ids) + params.max_tokens, max_model_len), eos)
+        self.k = num_candidates(params.beam_width, eos)
+        # Each beam's request: its next token's K most likely tokens, nothing else (no text, no stop).
+        self.request_params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=self.k, ignore_eos=True,
+                                             detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        self.done = False
+        self.error: str | None = None
+
+    def requests(self) -> list[list[int]]:
+        """This round's requests: the prompt + each running beam's tokens."""
+        return [self.prompt_token_ids + beam.tokens for beam in self.state.running]
+
+    def advance(self, outputs: list[CompletionOutput]) -> None:
+        """The round's outputs, one per request of `requests()`, in that order."""
+        failed = next((o for o in outputs if o.finish_reason == "error"), None)
+        if failed is not None:
+            self.done, self.error = True, str(failed.stop_reason)
+            return
+        candidates = []
+        for output in outputs:
+            ranked = sorted(output.logprobs[0].items(), key=lambda item: item[1].rank)[:self.k]   # rank 1..K
+            candidates.append(([token for token, _ in ranked], [lp.logprob for _, lp in ranked]))
+        self.done = self.state.step(candidates).done
+
+    def output(self, tokenizer) -> BeamSearchOutput:
+        """The best hypotheses, best first (vLLM's BeamSearchOutput): the prompt and the generated
+        tokens; "stop" for a beam that ended in an EOS id (its text without it, unless
+        include_stop_str_in_output), else "length"."""
+        if self.error is not None:
+            return BeamSearchOutput([BeamSearchSequence(list(self.prompt_token_ids), [], 0.0, float("-inf"),
+                                                        "", "error", self.error)])
+        params, eos = self.state.params, self.state.eos_token_ids
+        sequences = []
+        for score, beam in self.state.result():
+            ended = bool(beam.tokens) and beam.tokens[-1] in eos
+            shown = beam.tokens[:-1] if ended and not params.include_stop_str_in_output else beam.tokens
+            text = tokenizer.decode(shown, skip_special_tokens=not params.include_stop_str_in_output)
+            sequences.append(BeamSearchSequence(self.prompt_token_ids + beam.tokens, list(beam.logprobs),
+                                                beam.cum_logprob, score, text, "stop" if ended else "length",
+                                                beam.tokens[-1] if ended else None))
+        return BeamSearchOutput(sequences)

@@ -61,6 +61,9 @@ class EngineCoreStep:
     model_inputs: ModelInputs | None = None
     start_time: float = 0.0                                   # time.monotonic() when the step began
     spec_decode: SpecDecodeStepStats | None = None            # speculative decoding: drafts verified, times
+    # What requests that finished this step produced for another engine (a prefill node's: where
+    # its K/V waits for the decode node); the RequestOutput carries it (vLLM: EngineCoreOutput's).
+    kv_transfer_params: dict[str, dict] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -100,16 +103,16 @@ class EngineCore:
             self.kv_cache_report.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
             num_cpu_blocks=self.kv_cache_report.num_cpu_blocks)
         self.kv_connector = self._make_kv_connector()
-        self.scheduler = make_scheduler(config.scheduler_config(model_config.max_model_len), self.kv_cache_manager,
-                                        self.kv_connector, async_scheduling=config.async_scheduling)
-        logger.info("%s", self.kv_cache_report)
         # Pipeline micro-batches and async scheduling (vLLM: EngineCore.batch_queue,
         # step_with_batch_queue): up to this many scheduled batches in flight, oldest first; 1 = one
         # step at a time.
         self.batch_queue_size = self.model_executor.max_concurrent_batches
         self.batch_queue: deque[tuple[SchedulerOutput, FutureOutput, float]] = deque()
-        self._num_output_tokens_sent: dict[str, int] = {}     # per request: output tokens the stages were told
         self.num_batches_overlapped = 0                          # batches sent while another was in flight
+        self.scheduler = make_scheduler(config.scheduler_config(model_config.max_model_len), self.kv_cache_manager,
+                                        self.kv_connector, async_scheduling=config.async_scheduling,
+                                        max_concurrent_batches=self.batch_queue_size)
+        logger.info("%s", self.kv_cache_report)
 
     # ------------------------------------------------------------------ KV connector (chapter 06)
     def _make_kv_connector(self):
@@ -143,12 +146,13 @@ class EngineCore:
                              "(LLM(..., kv_transfer_config={'kv_connector': ..., 'kv_role': ...}))")
         return self.kv_connector.validate_kv_transfer_params(params)
 
-    def take_kv_transfer_params(self, request_id: str) -> dict | None:
-        """What a finished request produced for another engine (a prefill node's: where its K/V
-        waits for the decode node), once."""
+    def _take_kv_transfer_params(self, outputs: list[EngineCoreOutput]) -> dict[str, dict]:
+        """What the requests that finished in `outputs` produced for another engine, taken once."""
         if self.kv_connector is None:
-            return None
-        return self.kv_connector.take_kv_transfer_params(request_id)
+            return {}
+        taken = ((o.request_id, self.kv_connector.take_kv_transfer_params(o.request_id))
+                 for o in outputs if o.finish_reason is not None)
+        return {req_id: params for req_id, params in taken if params is not None}
 
     def shutdown(self) -> None:
         """Stop the connector's servers and threads (leaves the pool) and the executor's workers;
@@ -197,7 +201,11 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[str]:
+        """Finish requests from outside (abort, a stop string the front end found)."""
         finished = self.scheduler.finish_requests(request_ids, status)
+        if self.kv_connector is not None:
+            for req_id in finished:
+                self.kv_connector.take_kv_transfer_params(req_id)     # nobody will ask for them
         self._release_drafter_state(finished)
         if not self.scheduler.has_unfinished_requests():
             self._drain_if_idle()                 # async scheduling: nothing stays in flight for no request
@@ -240,7 +248,7 @@ class EngineCore:
         self.scheduler.check_invariants()
         self.kv_cache_manager.check_invariants()
         self.model_executor.wait_in_flight()    # the runner's state is the worker thread's until then
-        known = set(self.scheduler.requests) | self.scheduler.finished_req_ids
+        known = self.scheduler.get_known_request_ids()
         stale = set(self.model_runner.requests) - known if self.model_runner is not None else set()
         assert not stale, f"the model runner still holds requests the scheduler does not know: {sorted(stale)}"
         if not self.scheduler.has_unfinished_requests():
@@ -272,25 +280,14 @@ class EngineCore:
     # ------------------------------------------------------------------ batches in flight
     def step_with_batch_queue(self) -> EngineCoreStep:
         """Up to batch_queue_size batches in flight (vLLM: step_with_batch_queue). Fill the queue:
-        schedule a batch, send it (the executor returns at once), repeat while there is room; then
-        wait for the OLDEST batch and apply its output. One call returns one batch's step.
-
-        Two uses of the same loop:
-        * pipeline micro-batches: each batch holds requests NOT in flight, so while the last stage
-          runs batch A, stage 0 already runs batch B;
-        * async scheduling (async_scheduler.py): the SAME requests are in consecutive batches — batch
-          N+1 is scheduled with placeholders for batch N's tokens, so the host plans and sends N+1
-          while N runs, then applies N's output."""
+        schedule a batch, send it (the executor returns at once), repeat while there is room and the
+        batch was not empty; then wait for the OLDEST batch and apply its output. One call returns
+        one batch's step. Which requests a batch holds is the scheduler's business
+        (async_scheduler.py): other requests than the batches in flight (pipeline micro-batches), or
+        the same ones with placeholders for their tokens in flight (async scheduling)."""
         while len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
             start = time.monotonic()
-            if self.config.async_scheduling:
-                scheduler_output = self.scheduler.schedule()        # the requests in flight too
-            else:
-                scheduler_output = self._schedule_micro_batch()
-            if self.batch_queue and self._defer_if_empty(scheduler_output):
-                break                                    # everyone schedulable is in flight already
-            if not self.config.async_scheduling:
-                self._attach_new_token_ids(scheduler_output)
+            scheduler_output = self.scheduler.schedule()
             try:
                 future = self.model_executor.execute_model_async(scheduler_output)
             except ExecutorError as e:
@@ -298,7 +295,7 @@ class EngineCore:
             self.num_batches_overlapped += bool(self.batch_queue)
             self.batch_queue.append((scheduler_output, future, start))
             if scheduler_output.is_empty:
-                break
+                break                                    # everyone schedulable is in flight already
         if not self.batch_queue:                         # nothing left at all: an empty step
             start = time.monotonic()
             scheduler_output = self.scheduler.schedule()
@@ -313,70 +310,18 @@ class EngineCore:
         return step
 
     def _drain_if_idle(self) -> list[EngineCoreOutput]:
-        """Async scheduling: when the last request has just finished, the batches still in flight
-        hold only finished requests (their work is discarded). Take their outputs now, so that an
-        idle engine has nothing in flight — nothing left for shutdown, check_invariants or the next
-        request to trip over."""
+        """When the last request has just finished, the batches still in flight hold only finished
+        requests (their work is discarded). Take their outputs now, so that an idle engine has
+        nothing in flight — nothing left for shutdown, check_invariants or the next request to trip
+        over."""
         outputs: list[EngineCoreOutput] = []
-        while self.config.async_scheduling and self.batch_queue and not self.scheduler.has_unfinished_requests():
+        while self.batch_queue and not self.scheduler.has_unfinished_requests():
             scheduler_output, future, start = self.batch_queue.popleft()
             try:
                 outputs += self.scheduler.update_from_output(scheduler_output, future.result())
             except ExecutorError as e:
                 outputs += self._fail_in_flight(str(e), scheduler_output, start).outputs
         return outputs
-
-    def _schedule_micro_batch(self) -> SchedulerOutput:
-        """schedule(), seeing only the running requests that are not in flight, and at most a
-        1 / batch_queue_size share of all requests — else the first batch takes everyone, the next
-        is empty, and the stages run one batch at a time again. The requests held out are put
-        back in their order after (the scheduler can neither schedule nor preempt them: a request
-        in flight has K/V being written and a token on its way)."""
-        sched = self.scheduler
-        in_flight = {req_id for so, _, _ in self.batch_queue for req_id in so.num_scheduled_tokens}
-        running = list(sched.running)
-        cap = max(1, -(-len(sched.requests) // self.batch_queue_size))
-        visible = [r for r in running if r.request_id not in in_flight][:cap]
-        visible_ids = {id(r) for r in visible}
-        held = [r for r in running if id(r) not in visible_ids]
-        max_running = sched.max_num_running_reqs
-        sched.running = visible
-        sched.max_num_running_reqs = min(max_running - len(held), cap)
-        try:
-            scheduler_output = sched.schedule()
-        finally:
-            after = sched.running
-            after_ids, before_ids = {id(r) for r in after}, {id(r) for r in running}
-            sched.running = ([r for r in running if id(r) in after_ids or id(r) not in visible_ids]
-                             + [r for r in after if id(r) not in before_ids])
-            sched.max_num_running_reqs = max_running
-        return scheduler_output
-
-    def _defer_if_empty(self, so: SchedulerOutput) -> bool:
-        """A batch without tokens while another is in flight is not sent (a batch in flight when the
-        last request finishes would leave a reply nobody reads): the finished ids it carries go back
-        to the scheduler for the next batch, and a preempted request needs nothing sent (the runner
-        drops the row of any request a step does not schedule). Block moves must go now."""
-        if not so.is_empty or so.blocks_to_swap_out or so.blocks_to_swap_in or so.blocks_to_copy:
-            return False
-        self.scheduler.finished_req_ids |= so.finished_req_ids
-        return True
-
-    def _attach_new_token_ids(self, so: SchedulerOutput) -> None:
-        """The stages that do not sample learn each request's tokens when it is next scheduled
-        (vLLM: CachedRequestData.new_token_ids): those sampled since it was last scheduled. A new
-        or resumed request carries all of its tokens already."""
-        sent = self._num_output_tokens_sent
-        for req_id in so.finished_req_ids:
-            sent.pop(req_id, None)
-        cached = so.scheduled_cached_reqs
-        for new in so.scheduled_new_reqs:
-            sent[new.req_id] = len(self.scheduler.requests[new.req_id].output_token_ids)
-        for req_id, resumed in zip(cached.req_ids, cached.resumed_from_preemption):
-            output = self.scheduler.requests[req_id].output_token_ids
-            if not resumed and len(output) > sent.get(req_id, 0):
-                cached.new_token_ids[req_id] = list(output[sent.get(req_id, 0):])
-            sent[req_id] = len(output)
 
     def _fail_in_flight(self, message: str, scheduler_output: SchedulerOutput, start: float) -> EngineCoreStep:
         """The executor failed: the batches still queued are dropped with it, every request fails."""
@@ -399,15 +344,15 @@ class EngineCore:
                     output.finish_reason == FinishReason.LENGTH and isinstance(output.stop_reason, str)):
                 errors[output.request_id] = output.stop_reason
         if (scheduler_output.is_empty and not scheduler_output.preempted_req_ids and not outputs
-                and not self.scheduler.running and self.scheduler.has_unfinished_requests()
-                and not any(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.scheduler.waiting)
+                and self.scheduler.get_request_counts()[0] == 0 and self.scheduler.has_unfinished_requests()
+                and not self.scheduler.get_num_waiting_for_remote_kvs()
                 and not runner_output.invalid_block_ids):     # a failed remote load just went back to waiting
             raise RuntimeError(f"the scheduler could schedule none of {self.scheduler.get_num_unfinished_requests()} "
                                "waiting requests with an idle engine: this is a bug, not a full cache")
         return EngineCoreStep(scheduler_output, outputs, runner_output.logprobs, errors,
                               runner_output.prompt_logprobs,
                               self.model_executor.last_inputs if not scheduler_output.is_empty else None, start,
-                              runner_output.spec_decode)
+                              runner_output.spec_decode, self._take_kv_transfer_params(outputs))
 
     def _fail_all_requests(self, message: str, scheduler_output: SchedulerOutput, start: float) -> EngineCoreStep:
         """The executor cannot step any more: finish every request with `message` — the scheduled
@@ -417,7 +362,7 @@ class EngineCore:
         scheduled = list(scheduler_output.num_scheduled_tokens)
         failed_output = ModelRunnerOutput(scheduled, [[] for _ in scheduled], failed=dict.fromkeys(scheduled, message))
         outputs = self.scheduler.update_from_output(scheduler_output, failed_output)
-        rest = self.scheduler.finish_requests(list(self.scheduler.requests), RequestStatus.FINISHED_ERROR)
+        rest = self.scheduler.finish_requests(None, RequestStatus.FINISHED_ERROR)
         outputs += [EngineCoreOutput(req_id, [], FinishReason.ERROR, message, 0) for req_id in rest]
         errors = {o.request_id: message for o in outputs if o.finish_reason == FinishReason.ERROR}
         return EngineCoreStep(scheduler_output, outputs, errors=errors, start_time=start)

@@ -94,7 +94,7 @@ def step_from_outputs(outputs: EngineCoreOutputs) -> EngineCoreStep:
     view = SchedulerOutputView([_NewRequestView(r) for r in outputs.scheduled_new_req_ids],
                                outputs.num_scheduled_tokens)
     return EngineCoreStep(view, outputs.outputs, outputs.logprobs, outputs.errors, outputs.prompt_logprobs,
-                          None, outputs.start_time, outputs.spec_decode)
+                          None, outputs.start_time, outputs.spec_decode, outputs.kv_transfer_params)
 
 
 class EngineCoreProcHandle(ChildProcess):
@@ -175,7 +175,6 @@ class MPClient:
 class SyncMPClient(MPClient):
     def __init__(self, config, model_config, num_threads: int | None = None) -> None:
         super().__init__(config, model_config, asyncio_mode=False, num_threads=num_threads)
-        self._kv_transfer_params: dict[str, dict] = {}
         self._utility_results: dict[int, UtilityOutput] = {}
         self._pending: list[EngineCoreOutputs] = []       # outputs read while waiting for a utility answer
 
@@ -193,13 +192,8 @@ class SyncMPClient(MPClient):
         self._send(kind, list(request_ids))
         return list(request_ids)
 
-    def take_kv_transfer_params(self, request_id: str) -> dict | None:
-        return self._kv_transfer_params.pop(request_id, None)
-
     def get_output(self) -> EngineCoreStep:
-        outputs = self._pending.pop(0) if self._pending else self._recv_outputs()
-        self._kv_transfer_params.update(outputs.kv_transfer_params)
-        return step_from_outputs(outputs)
+        return step_from_outputs(self._pending.pop(0) if self._pending else self._recv_outputs())
 
     def call_utility(self, method: str, *args, timeout: float = 60.0):
         call_id = next(self._call_ids)

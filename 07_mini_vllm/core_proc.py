@@ -109,8 +109,6 @@ class EngineCoreProc:
         if kind in (EngineCoreRequestType.ABORT, EngineCoreRequestType.FINISH):
             status = RequestStatus.FINISHED_ABORTED if kind == EngineCoreRequestType.ABORT else RequestStatus.FINISHED_STOPPED
             core.finish_requests(payload, status)
-            for request_id in payload:
-                core.take_kv_transfer_params(request_id)      # nobody will ask for them
             return True
         call_id, method, args = payload
         try:
@@ -132,21 +130,14 @@ class EngineCoreProc:
 
     def _make_outputs(self, step: EngineCoreStep) -> EngineCoreOutputs:
         so = step.scheduler_output
-        kv_params = {}
-        for out in step.outputs:
-            if out.finish_reason is not None:
-                params = self.core.take_kv_transfer_params(out.request_id)
-                if params is not None:
-                    kv_params[out.request_id] = params
         return EngineCoreOutputs(step.outputs, step.logprobs, step.errors, step.prompt_logprobs,
                                  [r.req_id for r in so.scheduled_new_reqs], dict(so.num_scheduled_tokens),
-                                 step.start_time, step.spec_decode, kv_params, self._scheduler_stats())
+                                 step.start_time, step.spec_decode, step.kv_transfer_params, self._scheduler_stats())
 
     def _scheduler_stats(self) -> SchedulerStats:
-        sched, kv = self.core.scheduler, self.core.kv_cache_manager
-        prefix = kv.stats
-        return SchedulerStats(len(sched.running), len(sched.waiting), kv.usage, prefix.queries, prefix.hits,
-                              self.num_preemptions)
+        kv = self.core.kv_cache_manager
+        num_running, num_waiting = self.core.scheduler.get_request_counts()
+        return SchedulerStats(num_running, num_waiting, kv.usage, kv.stats.queries, kv.stats.hits, self.num_preemptions)
 
     def _send(self, message) -> None:
         self.output_socket.send(encode(message), copy=False)

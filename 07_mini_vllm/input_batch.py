@@ -61,7 +61,6 @@ class CachedRequestState:
     # the prompt is computed (chunk by chunk), handed out once when the prompt is complete.
     prompt_logprobs: list[tuple[list[int], list[float], int] | None] | None = None
     prompt_logprobs_sent: bool = False
-    forked: bool = False      # parallel sampling (n > 1): its children exist, or it is one
     # Unique per state object, never reused: a request id that finishes and comes back is a NEW
     # request (new sampling params, new seed), and per-row caches must see the difference.
     serial: int = field(default_factory=lambda: next(_state_serials))
@@ -82,8 +81,6 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)                       # valid entries of token_ids
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)                # outputs start there
         self.num_prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)           # k, or -1: not wanted
-        self.num_children = np.zeros(max_num_reqs, dtype=np.int64)                     # n - 1 until forked
-        self.num_beam_candidates = np.zeros(max_num_reqs, dtype=np.int64)              # K: a beam search's slot
         self.num_draft_tokens = np.zeros(max_num_reqs, dtype=np.int64)                 # drafts after them, this step
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_num_blocks_per_req), dtype=np.int32)
@@ -128,8 +125,6 @@ class InputBatch:
         self.num_prompt_tokens[row] = n_prompt
         k = state.sampling_params.prompt_logprobs
         self.num_prompt_logprobs[row] = -1 if k is None or state.prompt_logprobs_sent else k
-        self.num_children[row] = 0 if state.forked else state.sampling_params.n - 1
-        self.num_beam_candidates[row] = getattr(state.sampling_params, "num_beam_candidates", 0)
         self.num_draft_tokens[row] = 0
         self.num_computed_tokens[row] = state.num_computed_tokens
         self.num_blocks[row] = len(state.block_ids)
@@ -164,8 +159,8 @@ class InputBatch:
         n, nb = self.num_tokens[src] + self.num_draft_tokens[src], self.num_blocks[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         self.block_table[dst, :nb] = self.block_table[src, :nb]
-        for array in (self.num_tokens, self.num_prompt_tokens, self.num_prompt_logprobs, self.num_children,
-                      self.num_beam_candidates, self.num_draft_tokens, self.num_computed_tokens, self.num_blocks):
+        for array in (self.num_tokens, self.num_prompt_tokens, self.num_prompt_logprobs, self.num_draft_tokens,
+                      self.num_computed_tokens, self.num_blocks):
             array[dst] = array[src]
         self.req_ids[dst], self.states[dst] = req_id, self.states[src]
         self.req_ids[src], self.states[src] = None, None

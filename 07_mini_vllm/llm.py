@@ -20,8 +20,7 @@ import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 
-from mini_vllm.beam_search import (BeamSearchOutput, BeamSearchParams, BeamSearchSamplingParams, BeamSearchSequence,
-                                   beam_score)
+from mini_vllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from mini_vllm.engine_config import EngineConfig
 from mini_vllm.llm_engine import LLMEngine
 from mini_vllm.outputs import RequestOutput
@@ -74,34 +73,24 @@ class LLM:
 
     def beam_search(self, prompts, params: BeamSearchParams, *, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """The beam_width most likely continuations of each prompt (vLLM's LLM.beam_search; the
-        search itself is HF's, see beam_search.py). Sequences hold the prompt and the generated
-        tokens, best first. A search the engine failed comes back with one sequence whose
+        search itself is HF's, see beam_search.py): a loop of rounds, each one request of one token
+        per running beam of every search, through `generate`. Sequences hold the prompt and the
+        generated tokens, best first. A search the engine failed comes back with one sequence whose
         finish_reason is "error" and whose stop_reason says why; the others are unaffected."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         engine = self.llm_engine
-        inner = BeamSearchSamplingParams.from_beam_search(params)
-        requests = [engine.processor.process_inputs(p, inner) for p in _as_prompt_list(prompts)]   # all first
-        added: list[str] = []
-        try:
-            for text, ids in requests:
-                request_id = f"{next(self._request_counter)}"
-                engine.add_request(request_id, text, params, prompt_token_ids=ids)
-                added.append(request_id)
-        except BaseException:
-            engine.abort_request(added)
-            raise
-        return [BeamSearchOutput([self._beam_sequence(output.prompt_token_ids, c, params.length_penalty)
-                                  for c in output.outputs])
-                for output in self._run_engine(added, use_tqdm)]
-
-    @staticmethod
-    def _beam_sequence(prompt_token_ids: list[int], c, length_penalty: float) -> BeamSearchSequence:
-        logprobs = [next(iter(entry.values())).logprob for entry in c.logprobs or []]
-        cum = c.cumulative_logprob or 0.0
-        score = beam_score(cum, len(c.token_ids), length_penalty) if c.token_ids else float("-inf")
-        return BeamSearchSequence(list(prompt_token_ids) + list(c.token_ids), logprobs, cum, score, c.text,
-                                  c.finish_reason, c.stop_reason)
+        probe = SamplingParams(max_tokens=1)
+        prompt_ids = [engine.processor.process_inputs(p, probe)[1] for p in _as_prompt_list(prompts)]   # all first
+        eos = frozenset(engine.model_config.eos_token_ids)
+        searches = [BeamSearch(params, ids, engine.model_config.max_model_len, eos) for ids in prompt_ids]
+        while running := [s for s in searches if not s.done]:
+            rounds = [(s, s.requests()) for s in running]
+            outputs = iter(self._run([None] * sum(len(r) for _, r in rounds), [ids for _, r in rounds for ids in r],
+                                     [s.request_params for s, r in rounds for _ in r], use_tqdm=False, priority=None))
+            for search, requests in rounds:
+                search.advance([next(outputs).outputs[0] for _ in requests])
+        return [s.output(engine.tokenizer) for s in searches]
 
     def shutdown(self) -> None:
         """Stop the engine's KV connector (servers, threads) and its executor's worker processes."""

@@ -24,6 +24,7 @@ finish_reason "error" while the others continue.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -31,7 +32,6 @@ from pathlib import Path
 
 from scheduler import RequestStatus
 
-from mini_vllm.beam_search import BeamSearchParams, BeamSearchSamplingParams
 from mini_vllm.config import ModelConfig, read_default_sampling_params
 from mini_vllm.core import EngineCoreStep
 from mini_vllm.core_client import make_client, multiprocessing_enabled
@@ -39,7 +39,7 @@ from mini_vllm.engine_config import EngineConfig
 from mini_vllm.engine_messages import EngineCoreRequest
 from mini_vllm.output_processor import OutputProcessor
 from mini_vllm.outputs import RequestOutput
-from mini_vllm.parallel_sampling import child_request_id
+from mini_vllm.parallel_sampling import ParentRequest
 from mini_vllm.processor import Processor, PromptType
 from mini_vllm.sampling_params import SamplingParams
 
@@ -102,57 +102,70 @@ class LLMEngine:
         return self.engine_core.kv_cache_report
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: PromptType,
-                    params: SamplingParams | BeamSearchParams | None = None, *,
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
                     arrival_time: float | None = None, priority: int = 0,
                     prompt_token_ids: list[int] | None = None, kv_transfer_params: dict | None = None) -> None:
         """Validate, tokenize and queue one request. Raises (changing nothing) on bad input.
 
         prompt_token_ids: the ids of `prompt` when the caller tokenized it already (LLM.generate
         tokenizes a whole batch before adding any of it); they are validated again here.
-        BeamSearchParams: a beam search (beam_search.py), whose one RequestOutput holds the best
-        beams, best first."""
+        n > 1: the request goes to the engine core as n child requests (parallel_sampling.py)."""
         prompt, request = self.process_request(request_id, prompt, params, arrival_time=arrival_time,
                                                priority=priority, prompt_token_ids=prompt_token_ids,
                                                kv_transfer_params=kv_transfer_params)
-        self.engine_core.add_request(request)
-        self.output_processor.add_request(request_id, prompt, request.prompt_token_ids, request.sampling_params,
-                                          request.arrival_time)
+        for child, parent, index in self.fan_out(request):
+            self.output_processor.add_request(child.request_id, prompt, child.prompt_token_ids,
+                                              child.sampling_params, child.arrival_time, parent, index)
+            self.engine_core.add_request(child)
 
-    def process_request(self, request_id: str, prompt: PromptType,
-                        params: SamplingParams | BeamSearchParams | None = None, *,
+    @staticmethod
+    def fan_out(request: EngineCoreRequest) -> list[tuple[EngineCoreRequest, ParentRequest | None, int]]:
+        """The engine core's requests for one user request: itself, or with n > 1 its n children
+        (vLLM's LLMEngine.add_request: ParentRequest.get_child_info) -> [(request, parent, index)]."""
+        params = request.sampling_params
+        if params.n == 1:
+            return [(request, None, 0)]
+        parent = ParentRequest(request.request_id, params)
+        children = []
+        for index in range(params.n):
+            child_id, child_params = parent.get_child_info(index)
+            children.append((dataclasses.replace(request, request_id=child_id, sampling_params=child_params),
+                             parent, index))
+        return children
+
+    def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
                         arrival_time: float | None = None, priority: int = 0,
                         prompt_token_ids: list[int] | None = None,
                         kv_transfer_params: dict | None = None) -> tuple[str | None, EngineCoreRequest]:
         """Every check of add_request, nothing queued -> (the prompt text or None, the core's
         message). AsyncLLM validates through here too, so both front ends refuse the same input."""
         params = params if params is not None else self.get_default_sampling_params()
-        if isinstance(params, BeamSearchParams):
-            params = BeamSearchSamplingParams.from_beam_search(params)
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.output_processor.request_states or request_id in self.output_processor.beam_slots:
+        running = self.output_processor.request_states
+        if request_id in self.output_processor.parents or request_id in running:
             raise ValueError(f"request id {request_id!r} is already running")
+        taken = [i for i in self._core_ids(request_id, params) if i in running]
+        if taken:
+            raise ValueError(f"request id {request_id!r}: its children's ids {taken[:3]} are in use")
         if prompt_token_ids is None:
             prompt, prompt_token_ids = self.processor.process_inputs(prompt, params)
         else:   # ids from a caller: validated like any other prompt (one bad id would fail every step)
             prompt_token_ids = self.processor.validate(prompt_token_ids, params)
         params = self.processor.prepare_params(params)
         kv_transfer_params = self.engine_core.validate_kv_transfer_params(kv_transfer_params)
-        if params.n > 1:
-            self._check_fan_out(request_id, "n > 1", "children's", params.n, kv_transfer_params,
-                                "a forked child would need its own drafter state (an EAGLE head's hidden "
-                                "states of the prompt)")
-        if isinstance(params, BeamSearchSamplingParams):
-            self._check_fan_out(request_id, "beam search", "beams'", params.beam_search.beam_width,
-                                kv_transfer_params, "each beam would need its own drafter state, and drafts "
-                                "are verified against one sampled token, not K")
         if kv_transfer_params is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs cannot be combined with kv_transfer_params: K/V loaded from another "
                              "engine comes without the logits the prompt's logprobs need")
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         return prompt if isinstance(prompt, str) else None, self.make_core_request(
             request_id, prompt_token_ids, params, arrival_time, priority, kv_transfer_params)
+
+    @staticmethod
+    def _core_ids(request_id: str, params) -> list[str]:
+        """The ids the engine core would know this request by."""
+        n = getattr(params, "n", 1)
+        return [request_id] if n == 1 else ParentRequest(request_id, params).child_ids
 
     def make_core_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           arrival_time: float, priority: int = 0,
@@ -168,34 +181,12 @@ class LLMEngine:
             stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_ids[1:])),
             kv_transfer_params=kv_transfer_params)
 
-    def _check_fan_out(self, request_id: str, what: str, ids_name: str, count: int, kv_transfer_params,
-                       why_not_speculative: str) -> None:
-        """n > 1 and beam search run one request as `count` requests ("{i}_{id}"): on this engine
-        alone, without drafts, and with those ids free (not running, not a beam search's slots)."""
-        if kv_transfer_params is not None:
-            raise ValueError(f"{what} cannot be combined with kv_transfer_params (remote K/V is per request)")
-        if self.config.speculative_config is not None:
-            raise ValueError(f"{what} is not supported with speculative decoding here: {why_not_speculative}")
-        if self.config.async_scheduling:
-            raise ValueError(f"{what} is not supported with async_scheduling: the {ids_name} blocks are forked "
-                             "from the step's sampled tokens, which the next step must not have planned past")
-        if self.config.parallel_config.pipeline_micro_batches:
-            raise ValueError(f"{what} is not supported with pipeline micro-batches: the children are forked where "
-                             "the tokens are sampled, and only the last stage samples; use max_concurrent_batches=1")
-        ids = [child_request_id(request_id, i) for i in range(1, count)]
-        states, reserved = self.output_processor.request_states, self.output_processor.beam_slots
-        taken = [i for i in ids if i in states or i in reserved]
-        if taken:
-            raise ValueError(f"request id {request_id!r}: its {ids_name} ids {taken[:3]} are in use")
-
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Stop requests now (with n > 1: every child); their KV blocks are freed at once."""
         request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        request_ids = [c for r in request_ids for c in self.output_processor.child_ids(r)]
-        self.engine_core.abort_requests(request_ids)
+        core_ids = [c for r in request_ids for c in self.output_processor.child_ids(r)]
+        self.engine_core.abort_requests(core_ids)
         self.output_processor.abort_requests(request_ids)
-        for request_id in request_ids:
-            self.engine_core.take_kv_transfer_params(request_id)     # nobody will ask for them
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
@@ -212,9 +203,6 @@ class LLMEngine:
         outputs, reqs_to_stop = self.output_processor.process_outputs(step)
         if reqs_to_stop:                                     # stop strings: the scheduler frees them now
             self.engine_core.finish_requests(reqs_to_stop, RequestStatus.FINISHED_STOPPED)
-        for output in outputs:
-            if output.finished:
-                output.kv_transfer_params = self.engine_core.take_kv_transfer_params(output.request_id)
         return outputs
 
     def reset_prefix_cache(self) -> bool:

@@ -43,7 +43,6 @@ the sampler refuses such rows, the runner samples the other rows and reports the
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import time
@@ -71,8 +70,7 @@ from mini_vllm.models.attention import ATTENTION_BACKENDS
 from mini_vllm.models.loader import get_model
 from mini_vllm.input_batch import CachedRequestState, InputBatch
 from mini_vllm.input_staging import InputStaging
-from mini_vllm.logits_processors import OutputTokens, apply_logits_processors
-from mini_vllm.parallel_sampling import child_request_id
+from mini_vllm.logits_processors import apply_logits_processors
 from mini_vllm.sampler import (NONFINITE_LOGITS, Sampler, SamplerOutput, SamplingMetadata, compute_logprobs, nonfinite_rows,
                               request_generator)
 from mini_vllm.sampling_params import SamplingParams
@@ -93,10 +91,6 @@ class ModelRunnerOutput(SchedulerModelRunnerOutput):
     logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
     # req_id -> its prompt's logprobs (positions 1..L-1, same tuples), once, when the prompt is complete
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
-    # parallel sampling: parent req_id -> [(child req_id, its first token)] forked this step
-    forked: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
-    # beam search: slot req_id -> its K most likely next tokens and their log-probabilities
-    beam_candidates: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
     spec_decode: SpecDecodeStepStats | None = None      # what speculation did this step (chapter 04)
 
 
@@ -309,10 +303,8 @@ class ModelRunner:
                 self._sample_with_drafts(hidden, inputs, sample_rows, output)
                 self._keep_hidden_for_drafter(hidden, rows, num_scheduled, output)
             ### END SOLUTION
-            # What only some requests ask for, from the same step's hidden [T, hidden], inputs and
-            # sample_rows: their prompts' logprobs, and parallel sampling's children.
+            # What only some requests ask for, from the same step's hidden [T, hidden]: their prompts' logprobs.
             self._prompt_logprobs(hidden, rows, num_scheduled, sample_rows, output)
-            self._fork_rows(hidden, inputs.logits_indices, sample_rows, output)
         except Exception as error:      # noqa: BLE001 — isolating per-request faults is the point
             if len(rows) == 1:
                 req_id = self.input_batch.req_ids[rows[0]]
@@ -402,7 +394,7 @@ class ModelRunner:
     def _apply_new_token_ids(self, so: SchedulerOutput) -> None:
         """Pipeline micro-batches: a stage that does not sample appends the tokens the last stage
         sampled for a request since it was last scheduled; the last stage, which appended them when it
-        sampled, checks that the scheduler agrees (a mismatch fails the request, never goes unseen)."""
+        sampled, checks that the scheduler agrees (a mismatch fails the step, never goes unseen)."""
         batch = self.input_batch
         for req_id, tokens in so.scheduled_cached_reqs.new_token_ids.items():
             state = self.requests.get(req_id)
@@ -512,7 +504,6 @@ class ModelRunner:
                      nonfinite: torch.Tensor | None = None) -> None:
         """One token for each of `rows` from its logits row [len(rows), V]; `nonfinite` [len(rows)]
         (async scheduling): device flags of rows whose request fails once the flags are on the host."""
-        self._beam_candidates(logits, rows, output)
         md = self._sampling_metadata_for(rows)
         outputs = None
         if md.logits_processors is not None and md.logits_processors.needs_output_tokens:
@@ -560,83 +551,6 @@ class ModelRunner:
             output.prompt_logprobs[state.req_id] = list(state.prompt_logprobs or [])
             state.prompt_logprobs_sent = True
             batch.num_prompt_logprobs[row] = -1
-
-    def _fork_rows(self, hidden: torch.Tensor, logits_indices: torch.Tensor, sample_rows: np.ndarray,
-                   output: ModelRunnerOutput) -> None:
-        """Parallel sampling (n > 1): a request that just completed its prompt has sampled child 0's
-        first token; draw children 1..n-1's from the same logits row, each with its own params
-        (seed + i) and generator, and keep their states for when the scheduler sends them
-        (parallel_sampling.py: the scheduler forks their blocks). Prompt rows carry no drafts,
-        so logits_indices[j] is sample row j's last token in either sampling path."""
-        if not self.samples:
-            return                                   # a pipeline stage before the last (micro-batches)
-        batch = self.input_batch
-        num_children = batch.num_children[sample_rows]                                  # [S]
-        pos = [j for j in np.flatnonzero(num_children > 0).tolist()
-               if batch.req_ids[sample_rows[j]] not in output.failed]
-        if not pos:
-            return
-        parents = [batch.states[sample_rows[j]] for j in pos]
-        families = [[self._child_state(parent, i) for i in range(1, parent.sampling_params.n)] for parent in parents]
-        children = [c for family in families for c in family]
-        logits = self.model.compute_logits(hidden[logits_indices[pos]])                 # [F, V]
-        logits = logits.repeat_interleave(torch.tensor([p.sampling_params.n - 1 for p in parents],
-                                                       device=logits.device), dim=0)    # [C, V]
-        md = SamplingMetadata.from_params([c.sampling_params for c in children], [c.generator for c in children],
-                                          req_ids=[c.req_id for c in children], device=self.device,
-                                          prompt_token_ids=[c.prompt_token_ids for c in children])
-        no_outputs = None          # penalties & co. see an empty output: this is each child's first token
-        if md.logits_processors is not None:
-            no_outputs = OutputTokens.from_lists([[] for _ in children], device=self.device)
-        result = self.sampler(logits, md, no_outputs)
-        lp = result.logprobs_tensors
-        for j, (child, token) in enumerate(zip(children, result.sampled_token_ids.tolist())):
-            child.output_token_ids.append(token)
-            self.requests[child.req_id] = child
-            k = child.sampling_params.logprobs
-            if k is not None:
-                output.logprobs[child.req_id] = [(lp.logprob_token_ids[j, :k + 1].tolist(),
-                                                  lp.logprobs[j, :k + 1].tolist(), int(lp.selected_token_ranks[j]))]
-        for j, parent, family in zip(pos, parents, families):
-            parent.forked = True
-            batch.num_children[sample_rows[j]] = 0
-            output.forked[parent.req_id] = [(c.req_id, c.output_token_ids[0]) for c in family]
-
-    def _beam_candidates(self, logits: torch.Tensor, rows: np.ndarray, output: ModelRunnerOutput) -> None:
-        """Beam search's slots (beam_search_scheduler.py): each row's K most likely next tokens,
-        log_softmax of the raw fp32 logits as HF's beam search scores them. A slot that just
-        completed its search's prompt also brings the search's other slots into being here
-        (runner-side states the scheduler will send as resumed requests)."""
-        batch = self.input_batch
-        k = batch.num_beam_candidates[rows]                                             # [S]
-        pos = np.flatnonzero(k > 0)
-        if pos.size == 0:
-            return
-        logprobs = torch.log_softmax(logits[torch.from_numpy(pos).to(logits.device)].float(), dim=-1)   # [B, V]
-        top_logprobs, top_ids = torch.topk(logprobs, int(k[pos].max()), dim=-1)         # [B, K]
-        top_logprobs, top_ids = top_logprobs.tolist(), top_ids.tolist()
-        for j, p in enumerate(pos.tolist()):
-            state, kk = batch.states[rows[p]], int(k[p])
-            output.beam_candidates[state.req_id] = (top_ids[j][:kk], top_logprobs[j][:kk])
-            if not state.forked:
-                state.forked = True
-                for i in range(1, state.sampling_params.beam_search.beam_width):
-                    slot = CachedRequestState(child_request_id(state.req_id, i), list(state.prompt_token_ids),
-                                              state.sampling_params, None, [], len(state.prompt_token_ids))
-                    slot.forked = slot.prompt_logprobs_sent = True
-                    self.requests[slot.req_id] = slot
-
-    def _child_state(self, parent: CachedRequestState, index: int) -> CachedRequestState:
-        """Child `index` of a parallel-sampling request: the parent's prompt (its K/V is the
-        parent's, shared), its own params — seed + index, as vLLM's ParentRequest — and generator."""
-        params = copy.copy(parent.sampling_params)     # keeps what the Processor filled in
-        params.n = 1
-        if params.seed is not None:
-            params.seed += index
-        state = CachedRequestState(child_request_id(parent.req_id, index), list(parent.prompt_token_ids), params,
-                                   request_generator(params, self.device), [], len(parent.prompt_token_ids))
-        state.forked = state.prompt_logprobs_sent = True
-        return state
 
     def _record(self, result: SamplerOutput, rows: np.ndarray, output: ModelRunnerOutput) -> None:
         """Append each sampled token to its request (the runner keeps its own copy of the

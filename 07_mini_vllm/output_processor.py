@@ -19,13 +19,10 @@ cut at the first token that completes one (the tokens after it were computed, bu
 decoding would never have produced them). Each step's draft counts and times go into the
 request's `RequestMetrics.spec_decoding`.
 
-Parallel sampling (n > 1): each child has its own RequestState (its own detokenizer, stop
-strings, logprobs); a `ParentRequest` gathers their completions into the parent's RequestOutput
-(`outputs[i]` is child i), finished when all n are.
-
-Beam search: the engine core sends one output when the search is done, with its best beams; they
-become the RequestOutput's completions, best first (vLLM v0's beam search output), each with
-every generated token's log-probability. The search's slot ids are reserved while it runs.
+Parallel sampling (n > 1): the front end sent n child requests (parallel_sampling.py); each has
+its own RequestState (its own detokenizer, stop strings, logprobs), and its `ParentRequest`
+gathers their completions into the parent's RequestOutput (`outputs[i]` is child i), finished when
+all n are. The engine core never hears of the parent.
 """
 from __future__ import annotations
 
@@ -35,12 +32,10 @@ from dataclasses import dataclass, field
 
 from spec_decode import SpecDecodingStats
 
-from mini_vllm.beam_search import BeamSearchSamplingParams
-from mini_vllm.beam_search_scheduler import BeamSearchCoreOutput
 from mini_vllm.core import EngineCoreStep
 from mini_vllm.detokenizer import IncrementalDetokenizer
 from mini_vllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput, SampleLogprobs
-from mini_vllm.parallel_sampling import ParentRequest, child_request_id
+from mini_vllm.parallel_sampling import ParentRequest
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -58,62 +53,58 @@ class RequestState:
     cumulative_logprob: float | None = None
     num_cached_tokens: int = 0
     sent_tokens: int = 0                 # DELTA: tokens already sent
-    # Token ids only, cumulative, one completion: no text, no logprobs, no parent, no beams.
+    # Token ids only, cumulative, one completion: no text, no logprobs, no parent.
     # Such a request's running steps take `_plain_output` (what the general path computes for
     # it, without the branches that cannot apply): the GPU waits for this loop at large batches.
     plain: bool = False
+    kv_transfer_params: dict | None = None     # what it produced for another engine, once finished
+    # Parallel sampling: the ParentRequest this state is child `index` of, and child 0's state
+    # (the parent's RequestOutput carries its metrics and prompt logprobs).
+    parent: ParentRequest | None = None
+    index: int = 0
+    first: "RequestState | None" = None
 
 
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.request_states: dict[str, RequestState] = {}
-        self.parents: dict[str, ParentRequest] = {}          # child id (child 0: the parent's) -> its parent
-        self.beam_slots: dict[str, str] = {}                 # a running beam search's slot ids -> its id
+        self.request_states: dict[str, RequestState] = {}     # by the engine core's ids (children's for n > 1)
+        self.parents: dict[str, ParentRequest] = {}          # parent id -> its ParentRequest, while a child runs
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float) -> None:
-        parent = ParentRequest(request_id, params.n) if params.n > 1 else None
-        ids = parent.child_ids if parent else [request_id]
-        slots = ([child_request_id(request_id, i) for i in range(1, params.beam_search.beam_width)]
-                 if isinstance(params, BeamSearchSamplingParams) else [])
-        if any(i in self.request_states or i in self.beam_slots for i in ids + slots):
-            raise ValueError(f"request id {request_id!r} (or one of its children / beams {(ids + slots)[1:4]}) "
-                             "is already running")
-        self.beam_slots.update((slot, request_id) for slot in slots)
-        for child_id in ids:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if params.detokenize else None
-            self.request_states[child_id] = RequestState(
-                child_id, prompt, prompt_token_ids, params, detokenizer, RequestMetrics(arrival_time),
-                logprobs=[] if params.logprobs is not None else None,
-                cumulative_logprob=0.0 if params.logprobs is not None else None,
-                plain=self._is_plain(params, detokenizer, parent))
-            if parent:
-                self.parents[child_id] = parent
-                parent.first_state = parent.first_state or self.request_states[child_id]
+                    arrival_time: float, parent: ParentRequest | None = None, index: int = 0) -> None:
+        """One request of the engine core: a plain request, or child `index` of `parent` (whose
+        params are the child's own: n = 1, its seed). Children are added in index order."""
+        if request_id in self.request_states:
+            raise ValueError(f"request id {request_id!r} is already running")
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if params.detokenize else None
+        state = RequestState(request_id, prompt, prompt_token_ids, params, detokenizer, RequestMetrics(arrival_time),
+                             logprobs=[] if params.logprobs is not None else None,
+                             cumulative_logprob=0.0 if params.logprobs is not None else None,
+                             plain=self._is_plain(params, detokenizer, parent), parent=parent, index=index)
+        if parent is not None:
+            if index == 0:
+                self.parents[parent.request_id] = parent
+            state.first = state if index == 0 else self.request_states[parent.child_ids[0]]
+        self.request_states[request_id] = state
 
     @staticmethod
     def _is_plain(params: SamplingParams, detokenizer, parent) -> bool:
         """May this request's running steps take `_plain_output`? (See RequestState.plain.)"""
         return (detokenizer is None and parent is None and params.logprobs is None
-                and params.output_kind == RequestOutputKind.CUMULATIVE
-                and not isinstance(params, BeamSearchSamplingParams))
+                and params.output_kind == RequestOutputKind.CUMULATIVE)
 
     def child_ids(self, request_id: str) -> list[str]:
-        """The ids the engine core knows a request by: its own, and its children's when n > 1."""
+        """The ids the engine core knows a request by: its own, or its children's when n > 1."""
         parent = self.parents.get(request_id)
-        return parent.child_ids if parent is not None and parent.request_id == request_id else [request_id]
+        return parent.child_ids if parent is not None else [request_id]
 
     def abort_requests(self, request_ids: Sequence[str]) -> None:
+        """Forget requests, by the user's ids (a parent's: all its children) or the core's."""
         for request_id in request_ids:
             for child_id in self.child_ids(request_id):
                 self.request_states.pop(child_id, None)
-                self.parents.pop(child_id, None)
-            self._release_beam_slots(request_id)
-
-    def _release_beam_slots(self, request_id: str) -> None:
-        for slot in [s for s, owner in self.beam_slots.items() if owner == request_id]:
-            del self.beam_slots[slot]
+            self.parents.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
@@ -142,13 +133,6 @@ class OutputProcessor:
             state = states.get(request_id)
             if state is None or (errors and request_id in errors):
                 continue                  # aborted meanwhile; errors are reported below
-            if core_output.finished and isinstance(state.params, BeamSearchSamplingParams):
-                self._release_beam_slots(request_id)
-                if isinstance(core_output, BeamSearchCoreOutput):
-                    del states[request_id]
-                    state.metrics.finished_time = state.metrics.first_token_time = now
-                    request_outputs.append(self._beam_search_output(state, core_output))
-                    continue
             new_ids = core_output.new_token_ids
             state.num_cached_tokens = core_output.num_cached_tokens
             if state.plain and new_ids and core_output.finish_reason is None and not (
@@ -173,6 +157,7 @@ class OutputProcessor:
                         finish_reason, stop_reason = "stop", stop_str
             if finish_reason is not None:
                 state.metrics.finished_time = now
+                state.kv_transfer_params = step.kv_transfer_params.get(request_id)
                 if state.detokenizer is not None and stop_str is None:
                     # Not cut at a stop string: emit what is held back — which may complete one.
                     stop_str = state.detokenizer.flush()
@@ -277,45 +262,24 @@ class OutputProcessor:
                 return None               # nothing new to say this step
         else:
             token_ids, logprobs = state.output_token_ids[:], state.logprobs
-        parent = self.parents.get(state.request_id) if self.parents else None    # (most steps: no n > 1)
-        completion = CompletionOutput(parent.index_of(state.request_id) if parent else 0, text, token_ids,
-                                      state.cumulative_logprob, logprobs[:] if logprobs is not None else None,
-                                      finish_reason, stop_reason)
-        if parent is not None:
-            return self._parent_output(parent, state, completion)
+        completion = CompletionOutput(state.index, text, token_ids, state.cumulative_logprob,
+                                      logprobs[:] if logprobs is not None else None, finish_reason, stop_reason)
+        if state.parent is not None:
+            return self._parent_output(state, completion)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
-                             state.metrics, state.num_cached_tokens, prompt_logprobs=state.prompt_logprobs)
+                             state.metrics, state.num_cached_tokens, prompt_logprobs=state.prompt_logprobs,
+                             kv_transfer_params=state.kv_transfer_params)
 
-    def _beam_search_output(self, state: RequestState, core_output: BeamSearchCoreOutput) -> RequestOutput:
-        """A finished search's best beams as completions, best first: "stop" for a beam that ended
-        in an EOS id (its text without it, unless include_stop_str_in_output), else "length"."""
-        params = state.params.beam_search
-        completions = []
-        for index, (_, beam) in enumerate(core_output.beams):
-            ended = bool(beam.tokens) and beam.tokens[-1] in state.params.eos_token_ids
-            shown = beam.tokens[:-1] if ended and not params.include_stop_str_in_output else beam.tokens
-            text = self.tokenizer.decode(shown, skip_special_tokens=not params.include_stop_str_in_output)
-            logprobs = [{t: Logprob(lp, rank, self._decode_one(state, t))}
-                        for t, lp, rank in zip(beam.tokens, beam.logprobs, beam.ranks)]
-            completions.append(CompletionOutput(index, text, list(beam.tokens), beam.cum_logprob, logprobs,
-                                                "stop" if ended else "length"))
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, True,
-                             state.metrics, core_output.num_cached_tokens)
-
-    def _parent_output(self, parent: ParentRequest, state: RequestState,
-                       completion: CompletionOutput) -> RequestOutput | None:
-        """One child's completion -> the parent's RequestOutput: every child's latest completion
-        (DELTA: this child's news only), by index; FINAL_ONLY waits for the last child."""
-        parent.completions[completion.index] = completion
-        if completion.finish_reason is not None:
-            parent.finished.add(completion.index)
-            self.parents.pop(state.request_id, None)
-        finished = len(parent.finished) == parent.n
-        kind = state.params.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+    def _parent_output(self, state: RequestState, completion: CompletionOutput) -> RequestOutput | None:
+        """One child's completion -> its parent's RequestOutput (ParentRequest.get_outputs), under the
+        parent's id, with child 0's metrics and prompt logprobs."""
+        parent = state.parent
+        outputs, finished = parent.get_outputs(completion)
+        if finished:
+            self.parents.pop(parent.request_id, None)
+        if outputs is None:
             return None
-        outputs = ([completion] if kind == RequestOutputKind.DELTA
-                   else [parent.completions[i] for i in sorted(parent.completions)])
-        first = parent.first_state
+        first = state.first
         return RequestOutput(parent.request_id, state.prompt, state.prompt_token_ids, outputs, finished,
-                             first.metrics, first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs)
+                             first.metrics, first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs,
+                             kv_transfer_params=first.kv_transfer_params if finished else None)

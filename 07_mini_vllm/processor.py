@@ -25,6 +25,13 @@ from mini_vllm.sampling_params import SamplingParams
 PromptType = str | Sequence[int] | Mapping
 
 
+def _check_params(params) -> None:
+    if not isinstance(params, SamplingParams):
+        hint = (" (beam search runs in the front end, over ordinary requests: LLM.beam_search or "
+                "AsyncLLM.beam_search)" if type(params).__name__ == "BeamSearchParams" else "")
+        raise TypeError(f"sampling params must be a mini_vllm.SamplingParams, got {type(params).__name__}{hint}")
+
+
 def _is_token_ids(x) -> bool:
     return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
@@ -38,8 +45,7 @@ class Processor:
 
     def process_inputs(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids), validated."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be a mini_vllm.SamplingParams, got {type(params).__name__}")
+        _check_params(params)
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
@@ -73,8 +79,7 @@ class Processor:
         """Check prompt token ids (and the parameters) for one request; returns them as a list.
         Every path into the engine goes through here — a single out-of-vocabulary id would
         otherwise fail inside the embedding lookup at every step."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be a mini_vllm.SamplingParams, got {type(params).__name__}")
+        _check_params(params)
         if not _is_token_ids(token_ids):
             raise TypeError(f"prompt token ids must be a list of ints, got {type(token_ids).__name__}")
         token_ids = list(token_ids)

@@ -30,6 +30,9 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 # Read when an EngineConfig is made (and inherited by the processes tests start: servers, notebooks).
 os.environ.setdefault("VFS_CPU_KEEP_FREED_MEMORY", "0")
+# torch._dynamo sets TORCHINDUCTOR_CACHE_DIR when it is first imported (transformers imports it on some
+# paths): imported here, before any test, so the environment guard below sees torch's setting as given.
+import torch._dynamo  # noqa: E402,F401
 
 
 def pytest_report_header(config):

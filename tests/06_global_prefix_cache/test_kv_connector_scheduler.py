@@ -14,11 +14,22 @@ from scheduler_workloads import req, step
 MAX_MODEL_LEN = 128
 
 
-def test_the_core_scheduler_needs_no_connector_and_this_one_needs_one():
-    import pytest
-    with pytest.raises(ValueError, match="needs a connector"):
-        KVConnectorScheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64),
-                             BlockSpaceManager(8, 4), connector=None)
+def test_without_a_connector_it_schedules_exactly_as_chapter_03():
+    """The engine composes this layer always; with no connector every step equals the core's."""
+    from scheduler import Scheduler
+    config = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=64)
+    traces = []
+    for cls, kwargs in ((Scheduler, {}), (KVConnectorScheduler, {"connector": None})):
+        s = cls(config, BlockSpaceManager(10, 4), **kwargs)
+        for i, n in enumerate((9, 17, 5, 30, 12)):
+            s.add_request(req(f"r{i}", n, max_tokens=6, first_token=7 * i + 1))
+        trace = []
+        while s.has_unfinished_requests():
+            out, outs = step(s)
+            trace.append((dict(out.num_scheduled_tokens), sorted(out.preempted_req_ids),
+                          sorted((k, o.new_token_ids, o.finish_reason) for k, o in outs.items())))
+        traces.append(trace)
+    assert traces[0] == traces[1] and any(t[1] for t in traces[0]), "the pool must force preemptions"
 
 
 class AsyncConnector(KVConnectorBase):

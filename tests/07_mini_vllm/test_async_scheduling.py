@@ -302,11 +302,17 @@ def test_what_async_scheduling_cannot_do_is_refused(pair):
                 dict(async_scheduling="yes")):
         with pytest.raises(ValueError, match="async_scheduling"):
             EngineConfig(async_scheduling=bad.pop("async_scheduling", True), **bad)
-    engine = pair[1].llm_engine
-    with pytest.raises(ValueError, match="async_scheduling"):
-        engine.add_request("n2", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(n=2, max_tokens=3))
+
+
+def test_parallel_sampling_and_beam_search_run_as_on_the_sync_engine(pair):
+    """n > 1 and beam search are the front end's (ordinary requests to the core): async scheduling
+    gives the synchronous engine's children and beams."""
     from mini_vllm.beam_search import BeamSearchParams
-    with pytest.raises(ValueError, match="async_scheduling"):
-        engine.add_request("beam", {"prompt_token_ids": [5, 6, 7]}, BeamSearchParams(beam_width=2, max_tokens=3))
-    assert not engine.has_unfinished_requests()
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    prompt = {"prompt_token_ids": prompts(1, length=7)[0]}
+    sync, async_ = ([c.token_ids for c in llm.generate(prompt, params, use_tqdm=False)[0].outputs] for llm in pair)
+    assert sync == async_ and len({tuple(t) for t in sync}) > 1
+    beams = [[s.tokens for s in llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=5))[0].sequences]
+             for llm in pair]
+    assert beams[0] == beams[1] and len(beams[0]) == 3
 

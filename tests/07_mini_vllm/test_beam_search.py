@@ -1,11 +1,11 @@
-"""Beam search on forking slots (beam_search.py, beam_search_scheduler.py), with HF as the oracle.
+"""Beam search as a front-end loop over one-token requests (beam_search.py), with HF as the oracle.
 
 The truth kept: HF's `generate(num_beams=W, do_sample=False, num_return_sequences=W)` — every
 returned beam's tokens and score, not only the best — for each of HF's three early-stopping
-rules and several length penalties. Beams re-point their block tables every step, fork, copy
-the partly filled block they share and free what pruned beams held: a beam reading one K/V
-value that is not its own changes its log-probabilities, hence the scores, and almost surely
-the tokens. Checked through chunked prefill and a pool small enough to preempt slots mid-round.
+rules and several length penalties. Every round re-submits every beam as a request whose prefix
+the prefix cache serves: a beam reading one K/V value that is not its own (a cached block of
+another beam's tokens) changes its log-probabilities, hence the scores, and almost surely the
+tokens. Checked through chunked prefill and a pool small enough to preempt beams mid-round.
 To make EOS (and so the early-stopping rules) matter, the tiny model's EOS id is set to a token
 it likes to produce. Every block is free after each test (tests/conftest.py).
 """
@@ -93,50 +93,60 @@ def test_beams_equal_hf(early_stopping, length_penalty, eos_heavy, make_llm):
 
 
 @pytest.mark.parametrize("config", ["chunked", "preempt"])
-def test_beams_equal_hf_through_chunks_and_preemption(config, eos_heavy, make_llm, traced):
-    """A pool of 9 blocks of 4 tokens cannot hold 4 beams of ~20 tokens plus a neighbour:
-    slots are preempted (their blocks dropped) between and within rounds, and recomputed."""
+def test_beams_equal_hf_through_chunks_and_preemption(config, eos_heavy, make_llm):
+    """Beam search beside two plain requests on a small engine: chunked prompts, or a pool of 9
+    blocks of 4 tokens that cannot hold the growing neighbours and the beams' requests (requests are
+    preempted and recomputed). The beams are HF's, the neighbours' tokens those they get alone."""
     model_dir, hf, eos = eos_heavy
     kwargs = dict(max_num_batched_tokens=8, max_num_seqs=8) if config == "chunked" else \
         dict(num_gpu_blocks_override=9, max_model_len=32)
     llm = make_llm(model_dir, block_size=4, **kwargs)
-    params = BeamSearchParams(4, MAX_NEW)
-    assert_equal_hf(llm, hf, eos, params, PROMPTS[:2])
-    # Traced with a plain neighbour: the search forks, copies the shared partial block, and (in the
-    # small pool) gets preempted; the neighbour's tokens are those it gets alone.
-    alone = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
-                         use_tqdm=False)[0].outputs[0].token_ids
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    neighbours = {"p0": PROMPTS[2], "p1": "D E F"}
+    alone = {rid: o.outputs[0].token_ids for rid, o in zip(neighbours, llm.generate(list(neighbours.values()), plain,
+                                                                                     use_tqdm=False))}
     engine = llm.llm_engine
-    engine.add_request("search", PROMPTS[0], params)
-    engine.add_request("plain", PROMPTS[2], SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
-    steps, finished = [], {}
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
-        steps.append(engine.last_step.scheduler_output)
+    preemptions, finished = [], {}
+    step = engine.step
+
+    def traced_step():
+        outputs = step()
+        preemptions.append(len(engine.last_step.scheduler_output.preempted_req_ids))
+        finished.update({o.request_id: o.outputs[0].token_ids for o in outputs if o.request_id in alone and o.finished})
         engine.engine_core.check_invariants()
-    assert finished["plain"].outputs[0].token_ids == alone
-    tok = llm.get_tokenizer()
-    ours = [c.token_ids for c in finished["search"].outputs]
-    assert ours == [t for t, _ in hf_beams(hf, tok(PROMPTS[0]).input_ids, params, eos)]
-    assert sum(len(s.blocks_to_copy) for s in steps) > 0, "beams never wrote into a block they shared"
+        return outputs
+    engine.step = traced_step
+    for rid, prompt in neighbours.items():
+        engine.add_request(rid, prompt, plain)              # they run beside the searches' rounds
+    assert_equal_hf(llm, hf, eos, BeamSearchParams(4, MAX_NEW), PROMPTS[:2])
+    assert finished == alone
     if config == "preempt":
-        assert any(s.preempted_req_ids for s in steps)
+        assert sum(preemptions), "the pool never ran out: the test would prove little"
 
 
-def test_forks_share_blocks_and_pruned_beams_free_theirs(eos_heavy, make_llm):
-    """Without the prefix cache: the peak of blocks held by a width-4 search stays well below
-    four private copies of its beams, and every block is back in the pool at the end."""
+def test_beams_share_blocks_through_the_prefix_cache(eos_heavy, make_llm):
+    """Each round after the first, every beam's request finds all of its full blocks but the last
+    cached (computed in an earlier round by itself or the beam it continues): it computes at most one
+    block's tokens; and every block is back in the pool at the end."""
     model_dir, _, _ = eos_heavy
-    llm = make_llm(model_dir, block_size=4, enable_prefix_caching=False)
+    llm = make_llm(model_dir, block_size=4)
     engine, pool = llm.llm_engine, llm.llm_engine.engine_core.kv_cache_manager.block_pool
     prompt = llm.get_tokenizer()("A long prompt that all beams share " * 4).input_ids
-    engine.add_request("s", {"prompt_token_ids": prompt}, BeamSearchParams(4, 16, ignore_eos=True))
-    peak = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        peak = max(peak, pool.num_blocks - pool.get_num_free_blocks())
-    private = 4 * -(-(len(prompt) + 16) // 4)
-    assert peak <= private // 2, (peak, private)
+    computed: dict[str, int] = {}
+    step = engine.step
+
+    def counting_step():
+        outputs = step()
+        for req_id, n in engine.last_step.scheduler_output.num_scheduled_tokens.items():
+            computed[req_id] = computed.get(req_id, 0) + n
+        return outputs
+    engine.step = counting_step
+    (out,) = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(4, 16, ignore_eos=True))
+    assert len(out.sequences) == 4 and all(len(s.tokens) == len(prompt) + 16 for s in out.sequences)
+    first_round = max(computed.values())
+    assert first_round == len(prompt)                        # the prompt, computed once
+    later = sorted(computed.values())[:-1]
+    assert len(later) >= 4 * 15 and max(later) <= 4, later   # every later request: at most a block
     assert pool.get_num_free_blocks() == pool.num_blocks
 
 
@@ -153,16 +163,10 @@ def test_smollm2_beams_equal_hf(smollm2_dir, smollm2_hf, make_llm):
     assert assert_equal_hf(llm, smollm2_hf, eos, BeamSearchParams(3, 24, early_stopping=False), [prompt])
 
 
-def test_abort_and_errors(eos_heavy, make_llm, tiny_engine_models):
+def test_errors(eos_heavy, make_llm, tiny_engine_models):
     model_dir, _, _ = eos_heavy
     llm = make_llm(model_dir, block_size=4)
     engine = llm.llm_engine
-    engine.add_request("s", "Abort me", BeamSearchParams(4, 30, ignore_eos=True))
-    for _ in range(4):
-        engine.step()
-    engine.abort_request("s")                      # every slot goes (conftest: every block free)
-    assert not engine.has_unfinished_requests() and not engine.engine_core.scheduler.requests
-
     for bad, match in [(dict(beam_width=0, max_tokens=4), "beam_width must be an integer >= 1"),
                        (dict(beam_width=2, max_tokens=0), "max_tokens must be an integer >= 1"),
                        (dict(beam_width=2, max_tokens=4, early_stopping="sometimes"), "early_stopping must be"),
@@ -174,17 +178,8 @@ def test_abort_and_errors(eos_heavy, make_llm, tiny_engine_models):
         llm.beam_search("x", SamplingParams())
     with pytest.raises(TypeError, match="LLM.beam_search"):
         llm.generate("x", BeamSearchParams(2, 4))
-    # A slot's id taken by a plain request: refused before anything is queued.
-    engine.add_request("1_x", "taken", SamplingParams(max_tokens=2))
-    with pytest.raises(ValueError, match=r"its beams' ids \['1_x'\] are in use"):
+    with pytest.raises(TypeError, match="LLM.beam_search or AsyncLLM.beam_search"):
         engine.add_request("x", "hello", BeamSearchParams(2, 4))
-    engine.add_request("y", "hello", BeamSearchParams(2, 4))
-    with pytest.raises(ValueError, match="already running"):
-        engine.add_request("1_y", "hello", SamplingParams(max_tokens=2))
-    with pytest.raises(ValueError, match="kv_transfer_params"):
-        engine.add_request("z", "hello", BeamSearchParams(2, 4), kv_transfer_params={"do_remote_decode": True})
-    while engine.has_unfinished_requests():
-        engine.step()
     # A prompt longer than the model: the whole batch is refused, nothing queued.
     with pytest.raises(ValueError):
         llm.beam_search(["fine", {"prompt_token_ids": [5] * 600}], BeamSearchParams(2, 4))

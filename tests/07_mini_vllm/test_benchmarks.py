@@ -152,8 +152,8 @@ def test_parallel_sampling_memory_quick(tmp_path):
     from benchmarks import bench_parallel_sampling_memory
 
     result = bench_parallel_sampling_memory.main(["--quick", "--out-dir", str(tmp_path)])
-    assert [r.get("n", r.get("beam_width")) for r in result["rows"]] == [2, 4, 6, 2, 4, 6]
-    assert [r["kind"] for r in result["rows"]] == ["parallel_sampling"] * 3 + ["beam_search"] * 3
+    assert [r.get("n", r.get("beam_width")) for r in result["rows"]] == [2, 4, 6, 8, 2, 4, 6]
+    assert [r["kind"] for r in result["rows"]] == ["parallel_sampling"] * 4 + ["beam_search"] * 3
     for r in result["rows"]:
         assert r["block_steps_shared"] < r["block_steps_unshared"] and 0 < r["memory_saving"] < 1
     assert (tmp_path / "parallel_sampling_memory_quick.json").exists()

@@ -166,13 +166,14 @@ def test_pp2_matches_one_rank_then_gives_up_on_a_hung_stage(parallel_llm, tiny_m
 
 def test_pp2_micro_batches_overlap_never_share_a_request_and_match_lockstep(parallel_llm, tiny_models):
     """Pipeline micro-batches (max_concurrent_batches = 2 by default at PP=2): batches really are in
-    flight two at a time, never with a request in both, and the greedy tokens are the single rank's
-    and the lockstep pipeline's (max_concurrent_batches=1) — with chunks, preemptions and
-    prefix-cache hits in the run. n > 1 is refused (only the last stage samples)."""
+    flight two at a time, a request in both only to continue its prompt (a chunk whose predecessor
+    every stage runs first), and the greedy tokens are the single rank's and the lockstep pipeline's
+    (max_concurrent_batches=1) — with chunks, preemptions and prefix-cache hits in the run. n > 1
+    (children from the front end) gives the lockstep pipeline's seeded samples."""
     prompts = shared_prefix_prompts(8)
     ref, _ = trace(parallel_llm(tiny_models / "llama", **STRESS), prompts, GREEDY)
-    lockstep, _ = trace(parallel_llm(tiny_models / "llama", pipeline_parallel_size=2, max_concurrent_batches=1,
-                                     **STRESS), prompts, GREEDY)
+    lockstep_llm = parallel_llm(tiny_models / "llama", pipeline_parallel_size=2, max_concurrent_batches=1, **STRESS)
+    lockstep, _ = trace(lockstep_llm, prompts, GREEDY)
     llm = parallel_llm(tiny_models / "llama", pipeline_parallel_size=2, **STRESS)
     core = llm.llm_engine.engine_core
     assert core.batch_queue_size == 2
@@ -181,7 +182,11 @@ def test_pp2_micro_batches_overlap_never_share_a_request_and_match_lockstep(para
 
     def spy(so):
         in_flight = {r for queued, _, _ in core.batch_queue for r in queued.num_scheduled_tokens}
-        launches.append((in_flight, set(so.num_scheduled_tokens)))
+        # Requests scheduled again while in flight: only ones still in their prompt (Δ ends before it).
+        prefill = {r.req_id for r in so.scheduled_new_reqs} | {
+            r for r, n in zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens)
+            if n < len(core.scheduler.requests[r].prompt_token_ids)}
+        launches.append((in_flight, set(so.num_scheduled_tokens) - prefill))
         return send(so)
     executor.execute_model_async = spy
     outs, steps = trace(llm, prompts, GREEDY)
@@ -196,8 +201,10 @@ def test_pp2_micro_batches_overlap_never_share_a_request_and_match_lockstep(para
     assert any(0 < n < len(p) for s in steps for n in s.scheduler_output.num_scheduled_tokens.values()
                for p in prompts[:1]), "no prompt was chunked"
     assert not core.batch_queue and executor.collective_rpc("kv_cache_shapes")
-    with pytest.raises(ValueError, match="max_concurrent_batches=1"):
-        llm.generate(prompts[:1], SamplingParams(n=2, max_tokens=4), use_tqdm=False)
+    sampled = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    children = [[c.token_ids for c in llm_.generate(prompts[:2], sampled, use_tqdm=False)[1].outputs]
+                for llm_ in (llm, lockstep_llm)]
+    assert children[0] == children[1] and len({tuple(t) for t in children[0]}) > 1
 
 
 @pytest.mark.parametrize("kwargs,match", [

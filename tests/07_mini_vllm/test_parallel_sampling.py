@@ -1,12 +1,13 @@
-"""Parallel sampling (n > 1) on one shared copy of the prompt's K/V (parallel_sampling.py).
+"""Parallel sampling (n > 1): n child requests from the front end, the prompt shared by the prefix
+cache (parallel_sampling.py).
 
 The truth kept: child i of a request with seed s must produce exactly the tokens of an
 independent request with seed s + i (vLLM's seeding of children) — so any K/V a child reads
-that is not its own (a missing copy-on-write, a block freed while another child still holds it,
-a wrong block table after a fork) changes its tokens. Checked with the prompt's last block
-partly filled (the block the children write differently), through chunked prefill, a pool small
-enough to preempt, and max_num_seqs too small for all children at once. Also: the prompt is
-computed once, the copy happens, sharing holds fewer blocks than independent requests, every
+that is not its own (a cached block of the wrong prompt, a block freed while another child still
+holds it) changes its tokens. Checked with the prompt's last block partly filled (the block each
+child computes itself), through chunked prefill, a pool small enough to preempt, and max_num_seqs
+too small for all children at once. Also: the prompt is computed in full once, the other children
+compute only its partial last block, sharing holds fewer blocks than independent requests, every
 block is free after each test (tests/conftest.py), and bad n values are refused.
 Distributional: unseeded children's first tokens follow the model's distribution, and two
 children of one request are independent (their joint distribution is the product).
@@ -45,29 +46,31 @@ def test_children_equal_independent_seeded_requests(config, tiny_engine_models, 
     assert len({tuple(t) for t in alone}) == N, "seeds must give different samples: the test would prove little"
     llm.reset_prefix_cache()
     (out,), steps = traced(llm, [{"prompt_token_ids": prompt}], sampled(seed=SEED, n=N))
-    assert [c.index for c in out.outputs] == list(range(N)) and out.finished
+    assert out.request_id == "t0" and [c.index for c in out.outputs] == list(range(N)) and out.finished
     assert [c.token_ids for c in out.outputs] == alone
     assert all(c.finish_reason == "length" for c in out.outputs)
     so = [s.scheduler_output for s in steps]
-    prompt_tokens = sum(s.num_scheduled_tokens.get("t0", 0) for s in so[:next(i for i, s in enumerate(so)
-                                                                              if "1_t0" in s.num_scheduled_tokens)])
+    computed = {f"{i}_t0": sum(s.num_scheduled_tokens.get(f"{i}_t0", 0) for s in so) for i in range(N)}
+    assert set().union(*(s.num_scheduled_tokens for s in so)) == set(computed), "the core sees the children only"
     if config != "preempt":
-        assert prompt_tokens == len(prompt), "the prompt is computed once, by the parent"
-    if config in ("default", "chunked"):      # all children run at once: all share the partial block
-        assert sum(len(s.blocks_to_copy) for s in so) == N - 1, "each writer but the last copies the partial block"
-    if config == "preempt":
+        # Child 0 computes the prompt; the others hit its full blocks and compute the partial last block.
+        assert computed == {"0_t0": len(prompt) + MAX_NEW - 1,
+                            **{f"{i}_t0": len(prompt) % 4 + MAX_NEW - 1 for i in range(1, N)}}, computed
+    else:
         assert any(s.preempted_req_ids for s in so)
 
 
 def test_sharing_holds_fewer_blocks_than_independent_requests(tiny_engine_models, make_llm, traced):
-    """Without the prefix cache (so independent requests share nothing): peak blocks in use."""
+    """Peak blocks in use: an n > 1 request (its children share the prompt's full blocks through the
+    prefix cache) against n independent requests on an engine without the prefix cache."""
     model_dir, _ = tiny_engine_models["qwen3"]
-    llm = make_llm(model_dir, block_size=4, enable_prefix_caching=False)
+    llm = make_llm(model_dir, block_size=4)
+    unshared = make_llm(model_dir, block_size=4, enable_prefix_caching=False)
     prompt = llm.get_tokenizer()("A long shared prompt " * 8).input_ids
-    pool = llm.llm_engine.engine_core.kv_cache_manager.block_pool
 
-    def peak(prompts, params):
+    def peak(prompts, params, llm=llm):
         engine, used = llm.llm_engine, 0
+        pool = engine.engine_core.kv_cache_manager.block_pool
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
         while engine.has_unfinished_requests():
@@ -75,14 +78,13 @@ def test_sharing_holds_fewer_blocks_than_independent_requests(tiny_engine_models
             used = max(used, pool.num_blocks - pool.get_num_free_blocks())
         return used
     shared = peak([prompt], [sampled(seed=1, n=N)])
-    independent = peak([prompt] * N, [sampled(seed=1 + i) for i in range(N)])
+    independent = peak([prompt] * N, [sampled(seed=1 + i) for i in range(N)], unshared)
     blocks_per_prompt = -(-len(prompt) // 4)
     assert independent - shared >= (N - 1) * (blocks_per_prompt - 1), (shared, independent)
 
 
-def test_one_token_children_finish_at_once_even_when_they_wait_for_room(tiny_engine_models, make_llm):
-    """max_tokens=1: every child is done the moment it is forked — also a child forked into the
-    waiting queue because max_num_seqs is full (it must leave that queue, not `running`)."""
+def test_one_token_children_finish_even_when_they_wait_for_room(tiny_engine_models, make_llm):
+    """max_tokens=1 with max_num_seqs below the children's count: every child gets its one token."""
     llm = make_llm(tiny_engine_models["llama"][0], max_num_seqs=2)
     outs = llm.generate(["one token each"] * 3, sampled(n=4, max_tokens=1, seed=5), use_tqdm=False)
     assert all(len(c.token_ids) == 1 and c.finish_reason == "length" for o in outs for c in o.outputs)
