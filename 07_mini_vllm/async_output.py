@@ -17,6 +17,7 @@ later, when it writes the values into its own state (`ModelRunner._write_back_sa
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -149,3 +150,77 @@ def scatter_prev_sampled(input_ids_t: torch.Tensor, sources: list[SampledTokens]
     SampledTokens), its (dst [p], src [p]) of `plan_prev_sampled`, already on the device."""
     for sampled, (dst, src) in zip(sources, indices):
         input_ids_t[dst] = sampled.token_ids[src]                                       # [p]
+
+
+class AsyncOutputMixin:
+    """For ModelRunner: a step's sampled tokens stay on the device; placeholders in the host batch."""
+
+    def _init_async_output(self, async_scheduling: bool) -> None:
+        self.async_scheduling = async_scheduling
+        # Each step's sampled tokens, oldest first, until their values are written into the requests'
+        # states; the last step's feed the next input ids.
+        self._sampled_steps: deque[list[SampledTokens]] = deque()
+        self._step_sampled: list[SampledTokens] = []          # the step being run's
+        self._failed_last_step: set[str] = set()              # already scheduled again when they failed
+
+    def _execute_async(self, scheduler_output) -> AsyncModelRunnerOutput:
+        """One step whose sampled tokens stay on the device: `get_output()` of the result waits for
+        their host copy."""
+        # Steps before the last are done (the engine core took their outputs): their values go into
+        # the states now; the last step's tokens are still the device tensor this step reads.
+        self._write_back_sampled(keep_last=True)
+        self.input_batch.prev_sampled_token_ids = self._sampled_steps[-1] if self._sampled_steps else []
+        self._step_sampled = []
+        try:
+            output = self._execute_model(scheduler_output)
+        finally:
+            self._sampled_steps.append(self._step_sampled)
+            self.input_batch.prev_sampled_token_ids = []
+        self._failed_last_step = set(output.failed)
+        return AsyncModelRunnerOutput(output, self._step_sampled)
+
+    def _drop_failed_in_flight(self, so, failed: dict[str, str]) -> None:
+        """A request that failed in the previous step was scheduled for this one before the scheduler
+        knew; it has no token in flight to compute. Its row goes (the scheduler finished it already
+        and drops whatever this step reports for it)."""
+        if not self._failed_last_step:
+            return
+        batch = self.input_batch
+        for req_id in self._failed_last_step & so.num_scheduled_tokens.keys():
+            if batch.remove_request(req_id) is not None:
+                failed[req_id] = "failed in the previous step"
+        batch.condense()
+
+    def _record_async(self, result, rows: np.ndarray, nonfinite: torch.Tensor | None) -> None:
+        """`_record` without reading the tokens: a placeholder goes where each token belongs (the
+        batch row, the state's output list), the tokens and logprobs start their copy to the host,
+        and the step's AsyncModelRunnerOutput fills them in when the engine core asks."""
+        batch = self.input_batch
+        states = [batch.states[i] for i in rows.tolist()]
+        batch.append_tokens(rows, np.full(len(rows), PLACEHOLDER_TOKEN_ID, dtype=batch.token_ids.dtype))   # (checks first)
+        output_index = []
+        for state in states:
+            output_index.append(len(state.output_token_ids))
+            state.output_token_ids.append(PLACEHOLDER_TOKEN_ID)
+        self._step_sampled.append(SampledTokens.copy_to_host(result.sampled_token_ids, result.logprobs_tensors,
+                                                             rows.tolist(), states, output_index, nonfinite))
+
+    def _write_back_sampled(self, keep_last: bool) -> None:
+        """Write sampled values over their placeholders, in each request's state and — if it still
+        has its row — in the batch; oldest step first, all but the last step with `keep_last`.
+        Waits for the host copies (on a GPU: for those steps' forward passes). A request that
+        finished, or was re-sent by the scheduler since (its tokens replaced by the truth), is
+        skipped."""
+        batch = self.input_batch
+        while len(self._sampled_steps) > keep_last:
+            for sampled in self._sampled_steps.popleft():
+                sampled.wait()
+                for req_id, state, k, token in zip(sampled.req_ids, sampled.states, sampled.output_index,
+                                                   sampled.host_token_ids.tolist()):
+                    if (self.requests.get(req_id) is not state or k >= len(state.output_token_ids)
+                            or state.output_token_ids[k] != PLACEHOLDER_TOKEN_ID):
+                        continue
+                    state.output_token_ids[k] = token
+                    row = batch.req_id_to_index.get(req_id)
+                    if row is not None and batch.states[row] is state:
+                        batch.token_ids[row, batch.num_prompt_tokens[row] + k] = token

@@ -45,6 +45,7 @@ from mini_vllm.kv_memory import (DEFAULT_CPU_KV_CACHE_MEMORY, GPUMemorySnapshot,
                                  check_enough_kv_cache_memory, gpu_kv_cache_bytes, num_blocks_for_bytes)
 from mini_vllm.model_runner import ModelRunnerOutput
 from mini_vllm.spec_decode_worker import SpecDecodeEngineStats, SpecDecodeStepStats
+from spec_decode import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,8 @@ class EngineCore:
         # step_with_batch_queue): up to this many scheduled batches in flight, oldest first; 1 = one
         # step at a time.
         self.batch_queue_size = self.model_executor.max_concurrent_batches
+        self._spec_decoding_stats = (SpecDecodeEngineStats(SpecDecodingStats.new(config.num_speculative_tokens))
+                                     if config.speculative_config is not None else None)
         self.batch_queue: deque[tuple[SchedulerOutput, FutureOutput, float]] = deque()
         self.num_batches_overlapped = 0                          # batches sent while another was in flight
         self.scheduler = make_scheduler(config.scheduler_config(model_config.max_model_len), self.kv_cache_manager,
@@ -206,7 +209,6 @@ class EngineCore:
         if self.kv_connector is not None:
             for req_id in finished:
                 self.kv_connector.take_kv_transfer_params(req_id)     # nobody will ask for them
-        self._release_drafter_state(finished)
         if not self.scheduler.has_unfinished_requests():
             self._drain_if_idle()                 # async scheduling: nothing stays in flight for no request
         return finished
@@ -219,27 +221,17 @@ class EngineCore:
     def spec_decoding_stats(self) -> SpecDecodeEngineStats | None:
         """Acceptance rate, mean acceptance length, per-position acceptance, drafting and
         verification time over the engine's life (None without speculative_config)."""
-        worker = self.spec_decode_worker
-        return worker.engine_stats if worker is not None else None
+        return self._spec_decoding_stats
 
-    @property
-    def spec_decode_worker(self):
-        """The drafter's worker: in this process's model runner (speculative decoding needs one rank)."""
-        return self.model_runner.spec_decode if self.model_runner is not None else None
-
-    def _release_drafter_state(self, req_ids) -> None:
-        """The drafter frees a finished request's draft KV now, not at the next step."""
-        if self.spec_decode_worker is not None and req_ids:
-            self.spec_decode_worker.remove_requests(req_ids)
-
-    def _update_draft_token_ids(self, outputs: list[EngineCoreOutput]) -> None:
-        """After update_from_output (vLLM: EngineCore.post_step): the drafts proposed this step
-        go to the scheduler, which schedules them next step as Δ = 1 + k (stale ones — finished,
-        preempted, still prefilling — it drops)."""
-        if self.spec_decode_worker is None:
+    def _update_draft_token_ids(self, runner_output: ModelRunnerOutput) -> None:
+        """After update_from_output (vLLM: EngineCore.post_step): the drafts the runner proposed
+        this step go to the scheduler, which schedules them next step as Δ = 1 + k (stale ones —
+        finished, preempted, still prefilling — it drops)."""
+        if self._spec_decoding_stats is None:
             return
-        self._release_drafter_state([o.request_id for o in outputs if o.finish_reason is not None])
-        self.scheduler.update_draft_token_ids(self.model_runner.take_draft_token_ids())
+        if runner_output.spec_decode is not None:
+            self._spec_decoding_stats.observe_step(runner_output.spec_decode)
+        self.scheduler.update_draft_token_ids(runner_output.draft_token_ids)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the pieces disagree (tests call it after steps and at the end):
@@ -258,8 +250,9 @@ class EngineCore:
             assert cpu is None or kv.num_free_cpu_blocks == cpu.num_blocks, "CPU swap blocks leaked"
             if self.kv_connector is not None:
                 assert not self.kv_connector.has_pending_loads(), "remote K/V still loading for no request"
-            if self.spec_decode_worker is not None:
-                self.spec_decode_worker.check_idle()
+        drafter = self.model_runner.spec_decode if self.model_runner is not None else None
+        if drafter is not None:
+            drafter.check_idle(known)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> EngineCoreStep:
@@ -335,7 +328,7 @@ class EngineCore:
             # Nothing to compute, remote K/V on its way: wait for it (bounded) instead of spinning.
             self.kv_connector.wait_for_loads(timeout=0.01)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        self._update_draft_token_ids(outputs)
+        self._update_draft_token_ids(runner_output)
         errors: dict[str, str] = {}
         for output in outputs:
             # FINISHED_ERROR (the runner failed it) and FINISHED_IGNORED (chapter 03: can never fit;

@@ -66,6 +66,8 @@ class SpecDecodeStepStats:
     drafted_req_ids: list[str] = field(default_factory=list)   # requests that got drafts for the next step
     verification_time: float = 0.0                        # s: forward + sampling + rejection of a step with drafts
     drafting_time: float = 0.0                             # s: the proposer's call after sampling
+    disabled: bool = False                                 # disable_by_batch_size turned drafting off
+    num_drafter_faults: int = 0                            # requests that lost their drafts to a drafter error
 
 
 @dataclass
@@ -82,6 +84,8 @@ class SpecDecodeEngineStats:
     def observe_step(self, step: SpecDecodeStepStats) -> None:
         self.num_steps += 1
         self.num_verification_steps += bool(step.num_draft_tokens)
+        self.num_disabled_steps += step.disabled
+        self.num_drafter_faults += step.num_drafter_faults
         for num_draft, num_accepted in step.num_draft_tokens.values():
             self.stats.observe_draft(num_draft, num_accepted)
         self.verification_time += step.verification_time
@@ -165,7 +169,6 @@ class SpecDecodeWorker:
         self._hidden: dict[str, _HiddenBuffer] = {}
         self._draft_token_ids: dict[str, list[int]] = {}
         self.step_stats = SpecDecodeStepStats(self.k)
-        self.engine_stats = SpecDecodeEngineStats(SpecDecodingStats.new(self.k))
         self._spec_sampling: tuple[object, SpecSamplingMetadata] | None = None
 
     # ================================================================== construction
@@ -287,7 +290,7 @@ class SpecDecodeWorker:
         self.step_stats = SpecDecodeStepStats(self.k)
 
     def end_step(self) -> SpecDecodeStepStats:
-        self.engine_stats.observe_step(self.step_stats)
+        """This step's stats (the engine core adds them up: SpecDecodeEngineStats)."""
         return self.step_stats
 
     def propose(self, batch, rows: Sequence[int]) -> None:
@@ -296,7 +299,7 @@ class SpecDecodeWorker:
         self._draft_token_ids = {}
         limit = self.config.disable_by_batch_size
         if limit is not None and batch.num_reqs > limit:
-            self.engine_stats.num_disabled_steps += 1
+            self.step_stats.disabled = True
             return
         requests = []
         for i in rows:
@@ -345,7 +348,7 @@ class SpecDecodeWorker:
             except Exception:  # noqa: BLE001
                 logger.warning("the drafter failed for request %s: no drafts for it this step", r.req_id,
                                exc_info=True)
-                self.engine_stats.num_drafter_faults += 1
+                self.step_stats.num_drafter_faults += 1
                 self.proposer.remove_requests([r.req_id])
                 drafts.append([])
         return drafts
@@ -379,8 +382,11 @@ class SpecDecodeWorker:
         if self.proposer is not None:
             self.proposer.remove_requests(list(req_ids))
 
-    def check_idle(self) -> None:
-        """With no request left, every drafter KV block is free (EngineCore.check_invariants)."""
+    def check_idle(self, known_req_ids: set[str]) -> None:
+        """Every drafter KV block is held by a request the scheduler still knows (unfinished, or
+        finished since its last schedule: the drafter forgets it with the next step's
+        finished_req_ids). EngineCore.check_invariants."""
         kv = self.draft_kv_cache_manager
         if kv is not None:
-            assert kv.num_free_blocks == kv.num_blocks, f"{kv.num_blocks - kv.num_free_blocks} drafter KV blocks leaked"
+            stale = sorted(r for r, blocks in kv.req_to_blocks.items() if blocks and r not in known_req_ids)
+            assert not stale, f"drafter KV blocks leaked by {stale}"

@@ -433,7 +433,7 @@ def test_a_failing_drafter_costs_only_its_request_its_drafts(fault, tiny_engine_
     worker.proposer.propose = faulty
     outputs, steps = traced(llm, prompts, GREEDY)
     assert tokens(outputs) == ref
-    assert worker.engine_stats.num_drafter_faults > 0
+    assert llm.llm_engine.engine_core.spec_decoding_stats.num_drafter_faults > 0
     drafted = {r for s in steps for r in s.scheduler_output.scheduled_spec_decode_tokens}
     assert victim not in drafted and {"t0", "t2", "t3"} <= drafted
     assert outputs[1].metrics.spec_decoding is None and outputs[0].metrics.spec_acceptance_rate > 0.9

@@ -1,0 +1,189 @@
+"""Speculative decoding, the model runner's side: drafts in, verified tokens and the next drafts out.
+
+Mirrors what vLLM v1's `GPUModelRunner` does with `self.drafter` (`vllm/v1/worker/gpu_model_runner.py`:
+`_calc_spec_decode_metadata`, the rejection sampler in `_sample`, `propose_draft_token_ids`; the
+proposers in `vllm/v1/spec_decode/`). `SpecDecodeWorker` (spec_decode_worker.py) owns the drafter
+and the rejection sampler; this mixin is where the runner's step meets them:
+
+  * the step's drafts (SchedulerOutput.scheduled_spec_decode_tokens) are written into each request's
+    batch row after its last verified token, so the flat batch carries them as ordinary tokens;
+  * a step with drafts computes logits at every draft position plus one (SpecDecodeMetadata), samples
+    the bonus rows with the engine's Sampler and verifies the drafts with the rejection sampler;
+  * after sampling, the drafter proposes the next step's drafts; they leave the runner in
+    `ModelRunnerOutput.draft_token_ids` and the engine core hands them to the scheduler.
+
+Every tensor-parallel rank runs the same drafter on the same inputs (its collectives in lockstep with
+the other ranks'), so every rank proposes the same drafts; with pipeline parallelism the last stage,
+which samples, proposes. A rank or stage without the drafter still writes the drafts into its rows:
+they are scheduled tokens like any other.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from mini_vllm.logits_processors import apply_logits_processors
+from mini_vllm.model_inputs import ModelInputs
+from mini_vllm.sampler import NONFINITE_LOGITS, SamplingMetadata, compute_logprobs, nonfinite_rows
+from mini_vllm.spec_decode_worker import SpecDecodeWorker
+
+
+class SpecDecodeMixin:
+    """For ModelRunner (reads `self.input_batch`, `self.model`, `self.sampler`)."""
+
+    spec_decode: SpecDecodeWorker | None = None
+
+    def _init_spec_decode(self, config, model_config) -> None:
+        if config.speculative_config is None or not self.samples:
+            return                              # (a pipeline stage that does not sample never proposes)
+        self.spec_decode = SpecDecodeWorker(
+            config.speculative_config, model_config, self.model, device=self.device, block_size=self.block_size,
+            attn_backend=self.attn_backend, cpu_gemm_backend=config.cpu_gemm_backend,
+            cpu_layer_ops=config.cpu_layer_ops, cuda_layer_ops=config.cuda_layer_ops,
+            generator=self.sampler.generator, tokenizer_path=config.tokenizer)
+
+    # ---- the step's drafts into the batch --------------------------------------------------------
+    def _write_draft_token_ids(self, so, failed: dict[str, str]) -> None:
+        """This step's drafts into their requests' rows (none left over from the last step); the
+        drafter forgets finished requests and drops the draft KV of preempted ones."""
+        batch = self.input_batch
+        batch.num_draft_tokens[:len(batch.req_ids)] = 0
+        if self.spec_decode is not None:
+            self.spec_decode.remove_requests(so.finished_req_ids)
+            self.spec_decode.preempt_requests(so.preempted_req_ids)
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                continue                                 # failed above
+            try:
+                batch.set_draft_token_ids(row, drafts)
+            except Exception as error:    # noqa: BLE001
+                failed[req_id] = self._state_error(req_id, error)
+
+    # ---- verification ----------------------------------------------------------------------------
+    def _sample_with_drafts(self, hidden: torch.Tensor, inputs: ModelInputs, sample_rows: np.ndarray, output) -> None:
+        """A speculative engine's sampling (vLLM: GPUModelRunner._sample with spec_decode_metadata).
+
+        A sampling row with k drafts owns its last k + 1 positions: logits at all of them
+        (`SpecDecodeMetadata.logits_indices`); the Sampler draws the bonus token of every row
+        from its last one (for rows without drafts that is simply its token), then the rejection
+        sampler verifies the drafts against the others. Rows without drafts cost what `_sample`
+        costs."""
+        batch = self.input_batch
+        if len(sample_rows) == 0:
+            return
+        num_draft = batch.num_draft_tokens[sample_rows]                                 # [b]
+        if not num_draft.any():
+            self._sample(hidden, inputs.logits_indices, sample_rows, output)
+            return
+        worker = self.spec_decode
+        md = worker.metadata(num_draft, inputs.logits_indices, inputs.input_ids)
+        logits = self.model.compute_logits(hidden[md.logits_indices.long()])           # [n + b, V] fp32
+        # A request with a non-finite logits row anywhere fails alone (before any random draw).
+        bad_row = nonfinite_rows(logits).cpu().numpy()                                  # [n + b]
+        bad = np.add.reduceat(bad_row, np.concatenate(([0], np.cumsum(num_draft + 1)[:-1]))) > 0   # [b]
+        if bad.any():
+            for i in sample_rows[bad]:
+                output.failed[batch.req_ids[i]] = NONFINITE_LOGITS
+            keep = np.repeat(~bad, num_draft + 1)
+            sample_rows, num_draft = sample_rows[~bad], num_draft[~bad]
+            if len(sample_rows) == 0:
+                return
+            logits = logits[torch.from_numpy(keep).to(logits.device)]
+            md = worker.metadata(num_draft, inputs.logits_indices[torch.from_numpy(~bad)], inputs.input_ids)
+        sm = self._sampling_metadata_for(sample_rows)
+        raw_logits = logits
+        if sm.logits_processors is not None:
+            logits, sm = self._process_draft_rows(logits, sm, sample_rows, num_draft)
+        bonus = self.sampler(logits[md.bonus_logits_indices.long()], sm)                # [b]: the normal sampler
+        emitted = worker.verify(md, logits, bonus.sampled_token_ids, sm)                # b lists of 1..k+1 tokens
+        logprobs = self._emitted_logprobs(raw_logits, md, emitted, sample_rows, sm.max_num_logprobs)
+        for i, k, tokens in zip(sample_rows.tolist(), num_draft.tolist(), emitted):
+            if k:
+                worker.observe_verified(batch.req_ids[i], k, len(tokens) - 1)
+        self._append_emitted(sample_rows, emitted, logprobs, output)
+
+    def _process_draft_rows(self, logits: torch.Tensor, sm: SamplingMetadata, rows: np.ndarray,
+                            num_draft: np.ndarray) -> tuple[torch.Tensor, SamplingMetadata]:
+        """Penalties & co. on a speculative step's logits [n + b, V]: the row at draft position j
+        of a request sees its output plus its first j drafts — the output it will have if those
+        drafts are accepted, which is exactly when that row's distribution is used (vLLM:
+        apply_all_penalties / apply_bad_words_with_drafts with the spec tokens). Returns the
+        processed logits and the metadata without processors (they have been applied)."""
+        per_request = num_draft + 1                                                     # [b] logits rows each
+        req_rows = np.repeat(np.arange(len(rows)), per_request)                         # [n + b]
+        position = np.arange(len(req_rows)) - np.repeat(np.cumsum(per_request) - per_request, per_request)
+        outputs = None
+        if sm.logits_processors.needs_output_tokens:
+            outputs = self.input_batch.output_tokens(rows[req_rows], extra=position, device=self.device)
+        processed = apply_logits_processors(logits, sm.logits_processors,
+                                            torch.from_numpy(req_rows).to(logits.device), outputs)
+        return processed, dataclasses.replace(sm, logits_processors=None)
+
+    def _emitted_logprobs(self, logits: torch.Tensor, md, emitted: list[list[int]], rows: np.ndarray,
+                          num_logprobs: int | None) -> dict[str, list[tuple[list[int], list[float], int]]]:
+        """Logprobs of every emitted token, from the logits row that produced it: the j-th
+        emitted token of a request came from its j-th sampled position (accepted drafts, then
+        the recovered or bonus token), so they are the logprobs plain decoding would report."""
+        if num_logprobs is None:
+            return {}
+        batch = self.input_batch
+        starts = (md.cu_num_sampled_tokens.long() - torch.tensor(md.num_draft_tokens) - 1).tolist()   # [b]
+        index = [s + j for s, tokens in zip(starts, emitted) for j in range(len(tokens))]
+        flat = torch.tensor([t for tokens in emitted for t in tokens], dtype=torch.int64, device=logits.device)
+        lp = compute_logprobs(logits[torch.tensor(index, device=logits.device)], flat, num_logprobs,
+                              as_logits=self.sampler.logprobs_mode == "raw_logits")
+        ids, values, ranks = lp.logprob_token_ids.tolist(), lp.logprobs.tolist(), lp.selected_token_ranks.tolist()
+        out, pos = {}, 0
+        for i, tokens in zip(rows.tolist(), emitted):
+            k = batch.states[i].sampling_params.logprobs
+            if k is not None:
+                out[batch.req_ids[i]] = [(ids[p][:k + 1], values[p][:k + 1], ranks[p])
+                                         for p in range(pos, pos + len(tokens))]
+            pos += len(tokens)
+        return out
+
+    def _append_emitted(self, rows: np.ndarray, emitted: list[list[int]], logprobs: dict, output) -> None:
+        """Append each request's emitted tokens (1..k+1 with drafts; they overwrite the drafts in the
+        batch row)."""
+        batch = self.input_batch
+        for i, tokens in zip(rows.tolist(), emitted):
+            output.sampled_token_ids[i].extend(tokens)
+            batch.states[i].output_token_ids.extend(tokens)
+            for token in tokens:
+                batch.append_token(i, token)
+        output.logprobs.update(logprobs)
+
+    # ---- the next step's drafts --------------------------------------------------------------------
+    def _keep_hidden_for_drafter(self, hidden: torch.Tensor, rows: np.ndarray, num_scheduled: np.ndarray,
+                                 output) -> None:
+        """EAGLE drafts from the target's hidden states: hand it those of every position whose
+        K/V this step computed AND kept — a prefill chunk's tokens, or a decode's last token
+        plus its accepted drafts (rejected drafts' states are of an abandoned sequence)."""
+        worker = self.spec_decode
+        if worker is None or not worker.needs_hidden_states:
+            return
+        batch = self.input_batch
+        starts = np.concatenate(([0], np.cumsum(num_scheduled)[:-1]))
+        for i, start, n in zip(rows.tolist(), starts.tolist(), num_scheduled.tolist()):
+            req_id = batch.req_ids[i]
+            if req_id in output.failed:
+                continue
+            emitted = output.sampled_token_ids[i]
+            kept = n - int(batch.num_draft_tokens[i]) + len(emitted) - 1 if emitted else n
+            worker.observe_hidden(req_id, int(batch.num_computed_tokens[i]), hidden[start:start + kept])
+
+    def _propose_draft_token_ids(self, output) -> None:
+        """After sampling, the drafter guesses the next step's tokens of every request that just
+        emitted some (vLLM: propose_draft_token_ids); they leave in the output for the scheduler."""
+        worker = self.spec_decode
+        if worker is None:
+            return
+        batch = self.input_batch
+        rows = [i for i, tokens in enumerate(output.sampled_token_ids)
+                if tokens and batch.req_ids[i] not in output.failed]
+        worker.propose(batch, rows)
+        output.draft_token_ids = worker.take_draft_token_ids()
+        output.spec_decode = worker.end_step()
