@@ -114,7 +114,8 @@ class EngineCore:
         self.num_batches_overlapped = 0                          # batches sent while another was in flight
         self.scheduler = make_scheduler(config.scheduler_config(model_config.max_model_len), self.kv_cache_manager,
                                         self.kv_connector, async_scheduling=config.async_scheduling,
-                                        max_concurrent_batches=self.batch_queue_size)
+                                        max_concurrent_batches=self.batch_queue_size,
+                                        pipeline_parallel_size=config.pipeline_parallel_size)
         logger.info("%s", self.kv_cache_report)
 
     # ------------------------------------------------------------------ KV connector (chapter 06)

@@ -200,9 +200,8 @@ class EngineConfig:
     max_concurrent_batches: int | None = None
     """Pipeline micro-batches: how many scheduled batches may be in flight at once (vLLM:
     Executor.max_concurrent_batches, EngineCore.step_with_batch_queue). None: pipeline_parallel_size
-    (while stage 1 runs batch A, stage 0 runs batch B; only the last stage samples and the others
-    get the tokens with the next schedule). 1: the stages step in lockstep and every stage samples
-    (the broadcast logits), which n > 1 and beam search need."""
+    (while stage 1 runs batch A, stage 0 runs batch B). 1: the stages step in lockstep. Either way
+    only the last stage samples; the others get the tokens with the next schedule."""
 
     async_scheduling: bool = False
     """Schedule step N+1 while step N runs (vLLM's --async-scheduling; async_scheduler.py, core.py's
@@ -273,13 +272,13 @@ class EngineConfig:
             if self.resolved_device.type != "cpu":
                 raise ValueError(f"kv_transfer_config needs device='cpu' (chapter 06 moves host memory; GPU K/V "
                                  f"would need GPUDirect RDMA or a staging copy), got {self.device!r}")
-        self._check_parallel()
-        self._check_async_scheduling()
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
             if self.logprobs_mode.startswith("processed"):
                 raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is not supported with speculative decoding "
                                  "(accepted drafts report the raw distribution); use raw_logprobs or raw_logits")
+        self._check_parallel()
+        self._check_async_scheduling()
 
     def _check_parallel(self) -> None:
         """The split itself (parallel_config.py; against the model once it is read: LLMEngine) and
@@ -294,10 +293,14 @@ class EngineConfig:
                              f"({self.pipeline_parallel_size}): more batches than stages would only queue; got {mcb!r}")
         if parallel.executor_backend == "uni":
             return
-        for name in ("speculative_config", "kv_transfer_config"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name} is not supported with distributed_executor_backend='mp' (tensor / pipeline "
-                                 "parallel): its drafter / connector lives in the engine's single model runner")
+        if self.kv_transfer_config is not None:
+            raise ValueError("kv_transfer_config is not supported with distributed_executor_backend='mp' (tensor / "
+                             "pipeline parallel): its connector lives in the engine's single model runner")
+        if self.speculative_config is not None and self.speculative_config.method == "layer_skip" \
+                and self.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config method 'layer_skip' drafts with the target's first layers, which live "
+                             "on pipeline stage 0; the drafter runs where the tokens are sampled, on the last stage "
+                             "(use 'draft_model' with a small checkpoint, or 'eagle')")
         if self.resolved_device.type == "cuda" and self.num_gpu_blocks_override is None and self.kv_cache_memory is None:
             raise ValueError("the multiprocess executor does not profile GPU memory: give kv_cache_memory (bytes per "
                              "rank) or num_gpu_blocks_override")

@@ -36,13 +36,14 @@ class EngineScheduler(KVConnectorScheduler, SpecDecodeScheduler, ChunkedPrefillS
 
 
 def make_scheduler(config: SchedulerConfig, kv_cache_manager: KVCacheManager, connector: KVConnectorBase | None = None,
-                   *, async_scheduling: bool = False, max_concurrent_batches: int = 1) -> EngineScheduler:
-    """The engine's scheduler; with more than one batch in flight (pipeline micro-batches, async
-    scheduling), chapter 07's AsyncScheduler on top. A chapter 03 SchedulerConfig is chapter 05's
-    with chunking off."""
+                   *, async_scheduling: bool = False, max_concurrent_batches: int = 1,
+                   pipeline_parallel_size: int = 1) -> EngineScheduler:
+    """The engine's scheduler; with batches in flight (async scheduling, pipeline micro-batches) or
+    pipeline stages that do not sample, chapter 07's AsyncScheduler on top. A chapter 03
+    SchedulerConfig is chapter 05's with chunking off."""
     if not isinstance(config, ChunkedPrefillConfig):
         config = ChunkedPrefillConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(SchedulerConfig)})
-    if max_concurrent_batches == 1:
+    if max_concurrent_batches == 1 and pipeline_parallel_size == 1:
         return EngineScheduler(config, kv_cache_manager, connector=connector)
     from mini_vllm.async_scheduler import AsyncScheduler
     return AsyncScheduler(config, kv_cache_manager, connector=connector, placeholders=async_scheduling,

@@ -101,10 +101,11 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
         self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(self.max_model_len)
         self.max_num_blocks_per_req = cdiv(self.max_model_len, self.block_size)
 
+        eagle = config.speculative_config is not None and config.speculative_config.method == "eagle"
         self.model = get_model(model_config, device=self.device, attn_backend=self.attn_backend,
                                cpu_gemm_backend=config.cpu_gemm_backend, cpu_layer_ops=config.cpu_layer_ops,
-                               cuda_layer_ops=config.cuda_layer_ops)
-        self._init_pipeline_stage(config.parallel_config.pipeline_micro_batches)
+                               cuda_layer_ops=config.cuda_layer_ops, embed_on_last_stage=eagle)
+        self._init_pipeline_stage()
         # The stream of unseeded random rows, seeded by the engine's seed: runs are reproducible.
         self.sampler = Sampler(generator=torch.Generator(device=self.device).manual_seed(config.seed),
                                logprobs_mode=config.logprobs_mode)

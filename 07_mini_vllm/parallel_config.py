@@ -54,10 +54,6 @@ class ParallelConfig:
         MultiprocExecutor.max_concurrent_batches = pipeline_parallel_size)."""
         return self.max_concurrent_batches_override or self.pipeline_parallel_size
 
-    @property
-    def pipeline_micro_batches(self) -> bool:
-        """More than one batch in flight: only the last stage samples (see model_runner.py)."""
-        return self.max_concurrent_batches > 1
 
     @property
     def executor_backend(self) -> str:

@@ -1,16 +1,11 @@
-"""Pipeline parallelism, the model runner's side: which stage samples, and how the others learn the tokens.
+"""Pipeline parallelism, the model runner's side: only the last stage samples; the others learn the tokens.
 
 Mirrors what vLLM v1's `GPUModelRunner` does for pipeline parallelism (`get_pp_group().is_last_rank`:
 only the last stage computes logits and samples; `_update_states` appends
-`CachedRequestData.new_token_ids` on the other ranks, "used in PP only").
-
-Two ways, chosen by how many batches are in flight (EngineConfig.max_concurrent_batches):
-
-  * micro-batches (more than one in flight): only the last stage samples; the others learn a
-    request's tokens with its next schedule (the scheduler's new_token_ids, async_scheduler.py), so
-    no stage waits for the last one's logits and stage 0 runs batch B while stage 1 runs batch A;
-  * lockstep (one at a time): the last stage broadcasts its logits and every stage samples the same
-    token (same seeded generators), so each stage's own batch holds every token at once.
+`CachedRequestData.new_token_ids` on the other ranks, "used in PP only"). The scheduler sends each
+running request's tokens sampled since it was last scheduled (async_scheduler.py), so no stage waits
+for the last one's logits: with micro-batches (EngineConfig.max_concurrent_batches > 1) stage 0 runs
+batch B while stage 1 runs batch A.
 """
 from __future__ import annotations
 
@@ -21,11 +16,8 @@ from scheduler import SchedulerOutput
 class PipelineStageMixin:
     """For ModelRunner: `self.samples` (does this stage sample?) and the new tokens of a stage that does not."""
 
-    def _init_pipeline_stage(self, micro_batches: bool) -> None:
-        pp = get_pp_group()
-        micro = micro_batches and pp.world_size > 1
-        self.samples = pp.is_last_rank or not micro
-        self.model.broadcast_logits = not micro
+    def _init_pipeline_stage(self) -> None:
+        self.samples = get_pp_group().is_last_rank
 
     def _apply_new_token_ids(self, so: SchedulerOutput) -> None:
         """A stage that does not sample appends the tokens the last stage sampled for a request since

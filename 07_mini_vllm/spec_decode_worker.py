@@ -40,6 +40,8 @@ import torch
 
 from kvcache import KVCacheManager
 from kvcache.cache_engine import KVCacheSpec
+from paged_attention.model.parallel_state import (get_tensor_model_parallel_world_size, whole_model_on_this_rank,
+                                                  whole_model_on_this_stage)
 from spec_decode import (DraftModelProposer, DraftRequest, EagleHead, EagleProposer, LayerSkipDraftModel,
                          NgramProposer, RejectionSampler, SpecDecodeMetadata, SpecDecodingStats,
                          calc_spec_decode_metadata, check_same_vocabulary, validate_draft_token_ids)
@@ -176,6 +178,9 @@ class SpecDecodeWorker:
                       cuda_layer_ops: str, tokenizer_path) -> None:
         """Load what the drafter needs and check it fits the target (clear errors, before any request)."""
         cfg = self.config
+        # Tensor parallel: a draft model (or the target's own layers) is sharded like the target, its
+        # K/V heads too; an EAGLE head is small and whole on every rank.
+        tp = get_tensor_model_parallel_world_size()
         if self.method == "draft_model":
             from mini_vllm.models.loader import get_model
             try:
@@ -184,11 +189,13 @@ class SpecDecodeWorker:
                 raise ValueError(f"speculative_config: the draft model {cfg.model} cannot serve this engine: "
                                  f"{error}") from error
             self._check_draft_tokenizer(draft_config, tokenizer_path or mc.model)
-            self._draft_model = get_model(draft_config, device=self.device, attn_backend=attn_backend,
-                                          cpu_gemm_backend=cpu_gemm_backend, cpu_layer_ops=cpu_layer_ops,
-                                          cuda_layer_ops=cuda_layer_ops)
+            with whole_model_on_this_stage():      # pipeline parallel: whole, beside the last stage
+                self._draft_model = get_model(draft_config, device=self.device, attn_backend=attn_backend,
+                                              cpu_gemm_backend=cpu_gemm_backend, cpu_layer_ops=cpu_layer_ops,
+                                              cuda_layer_ops=cuda_layer_ops)
             self._draft_kv_spec = KVCacheSpec(draft_config.num_hidden_layers, self.block_size,
-                                              draft_config.num_key_value_heads, draft_config.head_dim, draft_config.dtype)
+                                              max(1, draft_config.num_key_value_heads // tp), draft_config.head_dim,
+                                              draft_config.dtype)
         elif self.method == "layer_skip":
             num_target_layers = len(self.target.model.layers)
             n = cfg.num_layers if cfg.num_layers is not None else max(1, num_target_layers // 4)
@@ -196,10 +203,12 @@ class SpecDecodeWorker:
                 raise ValueError(f"speculative_config: layer_skip num_layers={n} must be fewer than the target's "
                                  f"{num_target_layers} layers")
             self._draft_model = LayerSkipDraftModel(self.target, n)
-            self._draft_kv_spec = KVCacheSpec(n, self.block_size, mc.num_key_value_heads, mc.head_dim, mc.dtype)
+            self._draft_kv_spec = KVCacheSpec(n, self.block_size, max(1, mc.num_key_value_heads // tp), mc.head_dim,
+                                              mc.dtype)
         elif self.method == "eagle":
             path = Path(cfg.model) if cfg.model is not None else DEFAULT_EAGLE_HEAD
-            head = EagleHead.from_pretrained(path, dtype=mc.dtype)
+            with whole_model_on_this_rank():
+                head = EagleHead.from_pretrained(path, dtype=mc.dtype)
             if head.config.hidden_size != mc.hidden_size:
                 raise ValueError(f"speculative_config: the EAGLE head in {path} was trained for hidden size "
                                  f"{head.config.hidden_size}; this model's is {mc.hidden_size}")

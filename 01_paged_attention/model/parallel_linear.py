@@ -55,7 +55,7 @@ class ColumnParallelLinear(Linear):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         tp = get_tp_group()
-        self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
+        self.tp_group, self.tp_rank, self.tp_size = tp, tp.rank_in_group, tp.world_size
         super().__init__(input_size, _divide(output_size, self.tp_size, "output size"), bias)
         for param in self.parameters():
             param.weight_loader = self.weight_loader
@@ -76,7 +76,7 @@ class RowParallelLinear(Linear):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True):
         tp = get_tp_group()
-        self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
+        self.tp_group, self.tp_rank, self.tp_size = tp, tp.rank_in_group, tp.world_size
         super().__init__(_divide(input_size, self.tp_size, "input size"), output_size, bias)
         self.reduce_results = reduce_results
         self.weight.weight_loader = self.weight_loader
@@ -93,7 +93,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:        # [T, in / tp] -> [T, out]
         out = self.linear_method.apply(self, x)                # this rank's partial sum
-        return get_tp_group().all_reduce(out) if self.reduce_results else out
+        return self.tp_group.all_reduce(out) if self.reduce_results else out
 
 
 class MergedColumnParallelLinear(MergedColumnLinear):
@@ -103,7 +103,7 @@ class MergedColumnParallelLinear(MergedColumnLinear):
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         tp = get_tp_group()
-        self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
+        self.tp_group, self.tp_rank, self.tp_size = tp, tp.rank_in_group, tp.world_size
         super().__init__(input_size, [_divide(s, self.tp_size, "merged output size") for s in output_sizes], bias)
 
     def shard_offset_in_checkpoint(self, shard_id) -> int:
@@ -168,7 +168,7 @@ class VocabParallelEmbedding(VocabEmbedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         tp = get_tp_group()
-        self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
+        self.tp_group, self.tp_rank, self.tp_size = tp, tp.rank_in_group, tp.world_size
         self.org_vocab_size = num_embeddings
         padded = -(-num_embeddings // self.tp_size) * self.tp_size
         per_rank = padded // self.tp_size
@@ -186,7 +186,7 @@ class VocabParallelEmbedding(VocabEmbedding):
         mine = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)   # [T]
         local = torch.where(mine, input_ids - self.vocab_start_index, 0)
         out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)   # [T, hidden], 0 if not mine
-        return get_tp_group().all_reduce(out)
+        return self.tp_group.all_reduce(out)
 
     def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         return _gather_logits(self, local_logits)
@@ -227,4 +227,4 @@ def _gather_logits(layer, local_logits: torch.Tensor) -> torch.Tensor:
     vLLM gathers to rank 0 only — here every rank samples, so every rank's persistent batch gets the token)."""
     if layer.tp_size == 1:
         return local_logits
-    return get_tp_group().all_gather(local_logits, dim=-1)[..., :layer.org_vocab_size]
+    return layer.tp_group.all_gather(local_logits, dim=-1)[..., :layer.org_vocab_size]

@@ -22,6 +22,7 @@ collective is counted (calls, bytes, seconds) so the communication per step can 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from dataclasses import dataclass, field
@@ -210,6 +211,33 @@ def destroy_model_parallel() -> None:
     _WORLD, _TP, _PP, _COMM_FAILURE = _single(), _single(), _single(), None
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def whole_model_on_this_stage():
+    """Build a model that lives whole on this pipeline stage (a drafter beside the last stage of the
+    target, vLLM's EAGLE / draft models under pipeline parallelism): inside, the PP group is this
+    rank alone; the TP group is unchanged, so the model is sharded like the target's stage. A model
+    keeps the groups it was built with (LlamaModel.pp)."""
+    global _PP
+    saved, _PP = _PP, _single()
+    try:
+        yield
+    finally:
+        _PP = saved
+
+
+@contextlib.contextmanager
+def whole_model_on_this_rank():
+    """Build a model that is whole on every rank (a small EAGLE head: replicated, not sharded): inside,
+    both the TP and the PP group are this rank alone. Its layers keep those groups (they capture the
+    group they were built with), so at run time it calls no collective."""
+    global _TP, _PP
+    saved, (_TP, _PP) = (_TP, _PP), (_single(), _single())
+    try:
+        yield
+    finally:
+        _TP, _PP = saved
 
 
 def set_groups_for_testing(tp: GroupCoordinator | None = None, pp: GroupCoordinator | None = None) -> None:

@@ -61,12 +61,16 @@ def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, in
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, *, qkv_bias: bool, o_bias: bool, qk_norm: bool, attn_backend: str):
+    def __init__(self, config: ModelConfig, *, qkv_bias: bool, o_bias: bool, qk_norm: bool, attn_backend: str,
+                 embed_on_last_stage: bool = False):
         super().__init__()
-        pp = get_pp_group()
+        # The pipeline group this model was built for (its stage's layers, its neighbours): kept, so that a
+        # drafter built whole beside the last stage (parallel_state.whole_model_on_this_stage) stays whole.
+        self.pp = pp = get_pp_group()
         self.start_layer, self.end_layer = get_pp_indices(config.num_hidden_layers, pp.rank_in_group, pp.world_size)
-        # The first stage embeds; the last needs the matrix too when the LM head is tied to it.
-        needs_embedding = pp.is_first_rank or (pp.is_last_rank and config.tie_word_embeddings)
+        # The first stage embeds; the last needs the matrix too when the LM head is tied to it, or when
+        # an EAGLE head drafts there (it embeds the tokens it proposes).
+        needs_embedding = pp.is_first_rank or (pp.is_last_rank and (config.tie_word_embeddings or embed_on_last_stage))
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size) if needs_embedding
                              else PPMissingLayer())
         self.layers = nn.ModuleList(
@@ -93,7 +97,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
-        pp = get_pp_group()
+        pp = self.pp
         rope = self.rotary_emb.cos_sin(positions)                                  # computed once, used by every layer
         if pp.is_first_rank:
             hidden_states, residual = self.embed_tokens(input_ids), None           # [T, hidden]
@@ -123,16 +127,13 @@ class LlamaForCausalLM(nn.Module):
         """What differs between the families' attention blocks. Llama: one flag for all biases."""
         return dict(qkv_bias=config.attention_bias, o_bias=config.attention_bias, qk_norm=False)
 
-    # Pipeline parallel: the last stage's logits go to every stage (lockstep), or stay on the last
-    # stage, the only one that samples (micro-batches; the model runner sets it: see model_runner.py).
-    broadcast_logits: bool = True
-
-    def __init__(self, config: ModelConfig, attn_backend: str = "torch"):
+    def __init__(self, config: ModelConfig, attn_backend: str = "torch", embed_on_last_stage: bool = False):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attn_backend=attn_backend, **self.attention_options(config))
+        self.model = LlamaModel(config, attn_backend=attn_backend, embed_on_last_stage=embed_on_last_stage,
+                                **self.attention_options(config))
         # Tied embeddings (SmolLM2, small Qwens): the output projection IS the input embedding matrix.
-        if not get_pp_group().is_last_rank:
+        if not self.model.pp.is_last_rank:
             self.lm_head = PPMissingLayer()
         elif config.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
@@ -153,12 +154,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32 (the sampler works in fp32 whatever the model dtype).
-        Tensor parallel: each rank's [N, vocab / tp] slice, all-gathered. Pipeline parallel: computed
-        by the last stage and broadcast to the others (see the top)."""
-        pp = get_pp_group()
-        if pp.is_last_rank:
-            local = self.lm_head.linear_method.apply(self.lm_head, hidden_states)      # [N, vocab / tp]
-            logits = self.lm_head.gather_logits(local).float()                         # [N, vocab]
-        else:
-            logits = torch.empty(hidden_states.shape[0], self.config.vocab_size, device=hidden_states.device)
-        return pp.broadcast(logits, src=pp.world_size - 1) if pp.world_size > 1 and self.broadcast_logits else logits
+        Tensor parallel: each rank's [N, vocab / tp] slice, all-gathered. Pipeline parallel: only the
+        last stage has the LM head; it is the only one that samples (pipeline_stages.py)."""
+        if not self.model.pp.is_last_rank:
+            raise RuntimeError("compute_logits on a pipeline stage before the last: only the last stage samples")
+        local = self.lm_head.linear_method.apply(self.lm_head, hidden_states)          # [N, vocab / tp]
+        return self.lm_head.gather_logits(local).float()                               # [N, vocab]

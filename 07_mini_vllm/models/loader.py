@@ -223,15 +223,18 @@ def use_cuda_layer_ops(model: nn.Module, mode: str = "auto", attn_backend: str =
 
 
 def get_model(model_config: ModelConfig, device: str | torch.device = "cpu", attn_backend: str = "torch",
-              cpu_gemm_backend: str = "torch", cpu_layer_ops: str = "torch", cuda_layer_ops: str = "torch") -> nn.Module:
+              cpu_gemm_backend: str = "torch", cpu_layer_ops: str = "torch", cuda_layer_ops: str = "torch",
+              embed_on_last_stage: bool = False) -> nn.Module:
     """Construct the architecture's class directly on `device` in `model_config.dtype`, load its
     weights, then choose the fast ops, once: on a CPU, each linear's matmul
     (`process_weights_after_loading`) and the small ops' forwards (`use_cpu_layer_ops`); on a GPU
     the small ops' fused Triton forwards (`use_cuda_layer_ops`).
-    cpu_gemm_backend="torch", cpu_layer_ops="torch", cuda_layer_ops="torch": plain PyTorch throughout."""
+    cpu_gemm_backend="torch", cpu_layer_ops="torch", cuda_layer_ops="torch": plain PyTorch throughout.
+    embed_on_last_stage: pipeline parallel, the last stage holds the input embedding too (an EAGLE
+    head drafts there)."""
     cls = get_model_class(model_config.architecture)
     with torch.device(device), _default_dtype(model_config.dtype):
-        model = cls(model_config, attn_backend=attn_backend)
+        model = cls(model_config, attn_backend=attn_backend, embed_on_last_stage=embed_on_last_stage)
     load_weights(model, iterate_weights(model_config.model))
     if torch.device(device).type == "cpu":
         process_weights_after_loading(model, cpu_gemm_backend)
