@@ -49,7 +49,7 @@ from global_prefix_cache.grouping import Region, build_transfer_params
 from global_prefix_cache.kv_layout import BlockSegment, KVLayout, NodeSpec
 from global_prefix_cache.layers import LoadError, PoolHit, ScratchLayer, classify, hit_node_id
 from global_prefix_cache.rpc import RpcClient, RpcError, RpcServer
-from global_prefix_cache.transfer_params import decode_hashes, encode_hashes, parse_kv_transfer_params
+from global_prefix_cache.transfer_params import check_kv_transfer_params, decode_hashes, encode_hashes
 from kvcache.hashing import (BlockHash, append_block_hashes, generate_block_hash_extra_keys, hash_block_tokens,
                              sha256_hash)
 from paged_attention import cdiv
@@ -191,15 +191,9 @@ class KVConnectorBase_V1(KVConnectorBase):  # noqa: N801 - vLLM's name
         that cannot (a consumer asked to send, a producer asked to load), or a prefill node
         whose K/V is not interchangeable with ours (another model, block size, layer count,
         KV heads, head_dim or dtype)."""
-        parsed = parse_kv_transfer_params(params)
-        if parsed is None:
-            return None
-        if parsed.get("do_remote_decode"):
-            self.config.require("save")
-        if parsed.get("do_remote_prefill"):
-            self.config.require("load")
-            if self.spec is not None:
-                self.spec.check_compatible(NodeSpec(**parsed["spec"]), "the prefill node")
+        parsed = check_kv_transfer_params(params, self.config)
+        if parsed is not None and parsed.get("do_remote_prefill") and self.spec is not None:
+            self.spec.check_compatible(NodeSpec(**parsed["spec"]), "the prefill node")
         return parsed
 
     # ================================================================ worker: setup

@@ -95,3 +95,18 @@ def parse_kv_transfer_params(params: Any) -> dict | None:
                          f"blocks of {spec.block_size} need {num_blocks}")
     return {"do_remote_prefill": True, "remote_session": session, "remote_request_id": rid,
             "num_tokens": num_tokens, "spec": spec.as_dict(), "block_hashes": encode_hashes(hashes)}
+
+
+def check_kv_transfer_params(params: Any, config) -> dict | None:
+    """What any front end can check without the connector: the canonical form
+    (`parse_kv_transfer_params`) and that this node's role (`config`, a KVTransferConfig) can do what
+    the params ask. Whether a prefill node's K/V fits this node (model, layout) is the connector's
+    to say (`KVConnectorBase_V1.validate_kv_transfer_params`), where it runs."""
+    parsed = parse_kv_transfer_params(params)
+    if parsed is None:
+        return None
+    if parsed.get("do_remote_decode"):
+        config.require("save")
+    if parsed.get("do_remote_prefill"):
+        config.require("load")
+    return parsed

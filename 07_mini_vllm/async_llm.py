@@ -179,15 +179,16 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ requests
     def process_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams, *,
-                        prompt_token_ids: list[int] | None = None,
-                        priority: int = 0) -> tuple[str | None, EngineCoreRequest]:
+                        prompt_token_ids: list[int] | None = None, priority: int = 0,
+                        kv_transfer_params: dict | None = None) -> tuple[str | None, EngineCoreRequest]:
         """Validate and tokenize, queue nothing: raises ValueError/TypeError on bad input. A server
         calls it for every prompt of a request before it starts answering (vLLM's serving layer
-        likewise hands generate() a processed EngineCoreRequest)."""
+        likewise hands generate() a processed EngineCoreRequest). kv_transfer_params: chapter 06's
+        remote K/V (prefill/decode disaggregation), as in LLMEngine.add_request."""
         if request_id in self.collectors:
             raise ValueError(f"request id {request_id!r} is already running")
         return self.engine.process_request(request_id, prompt, sampling_params, priority=priority,
-                                           prompt_token_ids=prompt_token_ids)
+                                           prompt_token_ids=prompt_token_ids, kv_transfer_params=kv_transfer_params)
 
     async def generate(self, prompt: PromptType | EngineCoreRequest, sampling_params: SamplingParams | None,
                        request_id: str, *, prompt_token_ids: list[int] | None = None, priority: int = 0,

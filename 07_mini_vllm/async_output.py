@@ -155,8 +155,10 @@ def scatter_prev_sampled(input_ids_t: torch.Tensor, sources: list[SampledTokens]
 class AsyncOutputMixin:
     """For ModelRunner: a step's sampled tokens stay on the device; placeholders in the host batch."""
 
-    def _init_async_output(self, async_scheduling: bool) -> None:
+    def _init_async_output(self, async_scheduling: bool, tokens_stay_on_device: bool) -> None:
         self.async_scheduling = async_scheduling
+        # Sampled tokens left on the device, placeholders in the host batch (else: written at once).
+        self.tokens_stay_on_device = async_scheduling and tokens_stay_on_device
         # Each step's sampled tokens, oldest first, until their values are written into the requests'
         # states; the last step's feed the next input ids.
         self._sampled_steps: deque[list[SampledTokens]] = deque()

@@ -49,6 +49,7 @@ import dataclasses
 from scheduler import EngineCoreOutput, Request, RequestStatus, SchedulerOutput, SchedulingBudget
 from scheduler import ScheduledStep, check_stop
 
+from mini_vllm.async_output import PLACEHOLDER_TOKEN_ID
 from mini_vllm.engine_scheduler import EngineScheduler
 
 
@@ -109,17 +110,33 @@ class AsyncScheduler(EngineScheduler):
 
     def _update_after_schedule(self, step: ScheduledStep) -> None:
         """Before the counters advance: every scheduled request is in one more batch; with
-        placeholders, one whose Δ reaches the end of its tokens (placeholders included) will sample
-        one token — one more placeholder."""
+        placeholders, one whose Δ reaches the end of its tokens (placeholders included) will emit
+        a token and, with speculative decoding, up to one per draft — that many placeholders — and
+        its next step gets k placeholder drafts: the model runner fills them with what its drafter
+        proposes after this step (vLLM: AsyncScheduler._spec_token_placeholders)."""
         requests, in_flight = self.requests, self._in_flight
+        drafts = getattr(step, "spec_decode_tokens", {})
         for req_id, num_new_tokens in step.num_scheduled_tokens.items():
             in_flight[req_id] = in_flight.get(req_id, 0) + 1
             request = requests[req_id]
             if self.placeholders and (request.num_computed_tokens + num_new_tokens
                                       >= request.num_tokens + request.num_output_placeholders):
-                request.num_output_placeholders += 1
+                request.num_output_placeholders += 1 + len(drafts.get(req_id, ()))
+                if self.num_lookahead_tokens:
+                    request.spec_token_ids = [PLACEHOLDER_TOKEN_ID] * self.num_lookahead_tokens
         self._share_left = None
         super()._update_after_schedule(step)
+
+    def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """With placeholders the drafts never come through the scheduler: the next step was scheduled
+        with placeholder drafts before these were proposed, and the runner fills those in itself."""
+        if not self.placeholders:
+            super().update_draft_token_ids(draft_token_ids)
+
+    def _num_drafts(self, request: Request, num_new_tokens: int, budget: SchedulingBudget) -> int:
+        """Chapter 04's room for drafts, counting the tokens in flight as the request's."""
+        room = self.max_model_len - 1 - request.num_tokens - request.num_output_placeholders
+        return max(0, min(super()._num_drafts(request, num_new_tokens, budget), room))
 
     def _build_output(self, step: ScheduledStep) -> SchedulerOutput:
         """Micro-batches: the stages that do not sample learn a running request's tokens sampled
@@ -154,8 +171,8 @@ class AsyncScheduler(EngineScheduler):
                 self._in_flight[req_id] = left
         late = [r for r in scheduler_output.num_scheduled_tokens
                 if (req := self.requests.get(r)) is not None and req.status == RequestStatus.PREEMPTED]
-        outputs = [out for out in (self._update_preempted(self.requests[r], model_runner_output) for r in late)
-                   if out is not None]
+        outputs = [out for out in (self._update_preempted(self.requests[r], scheduler_output, model_runner_output)
+                                   for r in late) if out is not None]
         if late:
             scheduler_output = dataclasses.replace(scheduler_output, num_scheduled_tokens={
                 r: n for r, n in scheduler_output.num_scheduled_tokens.items() if r not in late})
@@ -163,21 +180,27 @@ class AsyncScheduler(EngineScheduler):
         return super().update_from_output(scheduler_output, model_runner_output) + outputs
 
     def _release_placeholders(self, scheduler_output: SchedulerOutput, model_runner_output) -> None:
-        """The batch's tokens are no longer in flight. (Taken off before chapter 03 appends them:
-        a request it finishes is gone after, and nothing in between reads the count.)"""
+        """The batch's tokens are no longer in flight: a request that emitted tokens (or failed)
+        had 1 + its scheduled drafts placeholders; chapter 04 takes its rejected drafts back from
+        num_computed_tokens. (Taken off before chapter 03 appends the tokens: a request it finishes
+        is gone after, and nothing in between reads the count.)"""
         index, sampled = model_runner_output.req_id_to_index, model_runner_output.sampled_token_ids
-        requests = self.requests
+        requests, drafts = self.requests, scheduler_output.scheduled_spec_decode_tokens
         for req_id in scheduler_output.num_scheduled_tokens:
             request = requests.get(req_id)
-            if request is not None and req_id in index:
-                request.num_output_placeholders -= min(len(sampled[index[req_id]]), request.num_output_placeholders)
+            if request is not None and req_id in index and (sampled[index[req_id]]
+                                                            or req_id in model_runner_output.failed):
+                released = 1 + len(drafts.get(req_id, ()))
+                request.num_output_placeholders -= min(released, request.num_output_placeholders)
 
-    def _update_preempted(self, request: Request, model_runner_output) -> EngineCoreOutput | None:
-        """A request preempted after this batch was sent: its token is real — the batch computed it
-        from K/V that was intact then. Append it (a sync engine would have, before preempting) and
-        check its stop; a stopped request leaves the waiting queue."""
+    def _update_preempted(self, request: Request, scheduler_output: SchedulerOutput,
+                          model_runner_output) -> EngineCoreOutput | None:
+        """A request preempted after this batch was sent: its tokens are real — the batch computed
+        them from K/V that was intact then. Append them (a sync engine would have, before
+        preempting) and check its stop; a stopped request leaves the waiting queue."""
         req_id = request.request_id
-        request.num_output_placeholders = max(0, request.num_output_placeholders - 1)
+        released = 1 + len(scheduler_output.scheduled_spec_decode_tokens.get(req_id, ()))
+        request.num_output_placeholders = max(0, request.num_output_placeholders - released)
         if req_id in model_runner_output.failed:
             message = model_runner_output.failed[req_id]
             self.waiting.remove_requests([request])
@@ -186,6 +209,8 @@ class AsyncScheduler(EngineScheduler):
                                     max(request.num_cached_tokens, 0))
         index = model_runner_output.req_id_to_index
         tokens = list(model_runner_output.sampled_token_ids[index[req_id]]) if req_id in index else []
+        if tokens and request.num_computed_tokens:   # swapped out with its counters: drafts it rejected go
+            request.num_computed_tokens -= released - len(tokens)
         for n, token_id in enumerate(tokens, 1):
             request.append_output_token_ids(token_id)
             if check_stop(request, self.max_model_len):

@@ -198,6 +198,8 @@ class EngineCore:
         if self.failure is not None:
             raise RuntimeError(f"the engine cannot run requests any more: {self.failure}")
         if isinstance(request, EngineCoreRequest):
+            if request.kv_transfer_params is not None:      # (a front end in another process checked the form)
+                self.validate_kv_transfer_params(request.kv_transfer_params)
             request = request.to_request()
         if self.config.async_scheduling and request.streaming_input:
             raise ValueError("streaming input cannot be combined with async_scheduling: the tokens a request "

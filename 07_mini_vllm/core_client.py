@@ -112,9 +112,7 @@ class MPClient:
     """Starts the core process and owns the two sockets (the front end binds; the core connects)."""
 
     def __init__(self, config, model_config, asyncio_mode: bool, num_threads: int | None = None) -> None:
-        if config.kv_transfer_config is not None:
-            raise ValueError(f"kv_transfer_config is not supported with {ENV_MULTIPROCESSING}=1: the KV connector "
-                             "lives in the core process, which this front end cannot configure per request")
+        self.kv_transfer_config = config.kv_transfer_config
         import zmq            # here, not at the top: the in-process engine runs where pyzmq is absent
         import zmq.asyncio
 
@@ -165,11 +163,16 @@ class MPClient:
             self.proc = None
             self._close_sockets()
 
-    # The in-process engine answers these directly; over ZMQ the answer is a message.
     def validate_kv_transfer_params(self, params):
-        if params is not None:
+        """What the front end can check of a request's kv_transfer_params: their form and the node's
+        role. Whether a prefill node's K/V fits is checked where the connector is, in the core
+        process (a request that does not fit finishes there with the reason)."""
+        if params is None:
+            return None
+        if self.kv_transfer_config is None:
             raise ValueError("kv_transfer_params given, but this engine has no kv_transfer_config")
-        return None
+        from global_prefix_cache.transfer_params import check_kv_transfer_params
+        return check_kv_transfer_params(params, self.kv_transfer_config)
 
 
 class SyncMPClient(MPClient):

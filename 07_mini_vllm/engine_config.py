@@ -207,10 +207,8 @@ class EngineConfig:
     """Schedule step N+1 while step N runs (vLLM's --async-scheduling; async_scheduler.py, core.py's
     batch queue of two, the runner's input ids from the previous step's sampled tokens on the device):
     the host's scheduling and output processing overlap the forward pass instead of following it.
-    Off by default, as in vLLM, until a measurement says otherwise (benchmarks/bench_host_overhead.py
-    --async-ab). Not with speculative decoding, a KV connector,
-    more than one rank, n > 1 or beam search (each needs the step's tokens on the host before the next
-    step is planned)."""
+    Off by default here (benchmarks/bench_host_overhead.py --async-ab). Refused where vLLM 0.32 refuses
+    it: with the n-gram drafter, pipeline parallelism and the Ray executor (_check_async_scheduling)."""
 
     execute_model_timeout_s: float = 300.0
     """The multiprocess executor waits at most this long for a step (and for workers to start)
@@ -306,24 +304,27 @@ class EngineConfig:
                              "rank) or num_gpu_blocks_override")
 
     def _check_async_scheduling(self) -> None:
-        """What async scheduling cannot overlap: features that need a step's tokens (or its KV
-        transfers) settled on the host before the next step is planned or run."""
+        """What async scheduling does not run with — where real vLLM 0.32 refuses the same pair, with
+        its reason (the vLLM check is named beside each)."""
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         if not self.async_scheduling:
             return
-        conflicts = {
-            "speculative_config": (self.speculative_config is not None,
-                                   "the next step's drafts are proposed from this step's accepted tokens"),
-            "kv_transfer_config": (self.kv_transfer_config is not None,
-                                   "the connector's loads and saves are settled step by step"),
-            "tensor_parallel_size / pipeline_parallel_size / distributed_executor_backend":
-                (self.parallel_config.executor_backend != "uni",
-                 "the sampled-token tensor the next step reads lives in the engine's own model runner"),
-        }
-        for name, (conflict, why) in conflicts.items():
+        spec = self.speculative_config
+        conflicts = [
+            # VllmConfig.__post_init__: async scheduling with a speculative method it cannot overlap.
+            (spec is not None and spec.method == "ngram",
+             "Currently, async scheduling is only supported with EAGLE/MTP/Draft Model/NGram GPU/DSpark/DFlash kind "
+             "of speculative decoding (speculative_config method 'ngram' is vLLM's CPU n-gram proposer)"),
+            # VllmConfig._validate_v1_model_runner: the model runner here is vLLM's V1 runner's shape.
+            (self.pipeline_parallel_size > 1,
+             "Model Runner V1 does not support: pipeline parallelism with async scheduling"),
+            # VllmConfig.__post_init__: RayDistributedExecutor.supports_async_scheduling() is False.
+            (self.parallel_config.executor_backend == "ray", "`ray` does not support async scheduling yet."),
+        ]
+        for conflict, why in conflicts:
             if conflict:
-                raise ValueError(f"async_scheduling=True cannot be combined with {name}: {why}")
+                raise ValueError(f"async_scheduling=True: {why}")
 
     @property
     def parallel_config(self) -> ParallelConfig:

@@ -110,7 +110,9 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
         self.sampler = Sampler(generator=torch.Generator(device=self.device).manual_seed(config.seed),
                                logprobs_mode=config.logprobs_mode)
         self._init_spec_decode(config, model_config)
-        self._init_async_output(config.async_scheduling)
+        # With drafts, a step's emitted tokens are read on the host anyway (the rejection sampler's
+        # verdict) and the drafter reads them: they go into the batch at once (async_output.py).
+        self._init_async_output(config.async_scheduling, tokens_stay_on_device=self.spec_decode is None)
         if self.device.type == "cpu" and config.cpu_kernels != "off" and config.cpu_keep_freed_memory:
             # After loading: the checkpoint's unpacked copies, freed by packing, go back to the OS first.
             reason = kernels_cpu.configure_process()
@@ -210,8 +212,9 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
         batch = self.input_batch
         output = ModelRunnerOutput(list(batch.req_ids), [[] for _ in range(batch.num_reqs)], failed=failed)
         if batch.num_reqs:
-            num_scheduled = np.fromiter((so.num_scheduled_tokens[r] for r in batch.req_ids), dtype=np.int64,
-                                        count=batch.num_reqs)
+            unused = self._unused_slots                      # async: placeholder drafts nothing filled
+            num_scheduled = np.fromiter((so.num_scheduled_tokens[r] - unused.get(r, 0) for r in batch.req_ids),
+                                        dtype=np.int64, count=batch.num_reqs)
             if self.spec_decode is not None:
                 self.spec_decode.begin_step()
             t0, has_drafts = time.perf_counter(), bool(batch.num_draft_tokens[:batch.num_reqs].any())
@@ -343,7 +346,7 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
             return
         logits = self.model.compute_logits(hidden[logits_indices])                 # [S, vocab] fp32
         rows = sample_rows
-        if self.async_scheduling:
+        if self.tokens_stay_on_device:
             # Reading the flags here would make the host wait for this forward pass (on a GPU: the
             # very wait async scheduling removes). The rows sample from neutral logits instead, and
             # their requests fail when the step's output is read (AsyncModelRunnerOutput.get_output);
@@ -372,7 +375,7 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
             self._write_back_sampled(keep_last=False)        # async: the output tokens' values, waited for
             outputs = self.input_batch.output_tokens(rows, device=self.device)
         result = self.sampler(logits, md, outputs)
-        if self.async_scheduling:
+        if self.tokens_stay_on_device:
             self._record_async(result, rows, nonfinite)
         else:
             self._record(result, rows, output)

@@ -24,6 +24,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from mini_vllm.async_output import PLACEHOLDER_TOKEN_ID
 from mini_vllm.logits_processors import apply_logits_processors
 from mini_vllm.model_inputs import ModelInputs
 from mini_vllm.sampler import NONFINITE_LOGITS, SamplingMetadata, compute_logprobs, nonfinite_rows
@@ -36,6 +37,15 @@ class SpecDecodeMixin:
     spec_decode: SpecDecodeWorker | None = None
 
     def _init_spec_decode(self, config, model_config) -> None:
+        # Async scheduling (async_scheduler.py): a step is scheduled with k placeholder drafts before
+        # the drafts are proposed, and on counters that assume every draft of the step in flight is
+        # accepted. The runner, which ran that step, knows better: it puts in its own proposals
+        # (`_proposed`), runs only the tokens it has, and moves each request back by the drafts the
+        # scheduler does not know were rejected (`_rejected_view`, from the step before).
+        self._proposed: dict[str, list[int]] = {}         # the last step's proposals, by request
+        self._draft_slots: dict[str, int] = {}            # this step: placeholder drafts scheduled
+        self._unused_slots: dict[str, int] = {}           # this step: ... of which no proposal filled
+        self._rejected_view: dict[str, int] = {}          # the last step: slots - accepted drafts
         if config.speculative_config is None or not self.samples:
             return                              # (a pipeline stage that does not sample never proposes)
         self.spec_decode = SpecDecodeWorker(
@@ -53,10 +63,23 @@ class SpecDecodeMixin:
         if self.spec_decode is not None:
             self.spec_decode.remove_requests(so.finished_req_ids)
             self.spec_decode.preempt_requests(so.preempted_req_ids)
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self._proposed.pop(req_id, None)
+        corrections, self._rejected_view = self._rejected_view, {}
+        self._draft_slots, self._unused_slots = {}, {}
+        for req_id, fix in corrections.items():          # async: drafts rejected in the step before
+            row = batch.req_id_to_index.get(req_id)
+            if row is not None and fix:
+                batch.num_computed_tokens[row] -= fix
+                self.requests[req_id].num_computed_tokens -= fix
         for req_id, drafts in so.scheduled_spec_decode_tokens.items():
             row = batch.req_id_to_index.get(req_id)
             if row is None:
                 continue                                 # failed above
+            if drafts and drafts[0] == PLACEHOLDER_TOKEN_ID:     # async: this runner's own proposals
+                self._draft_slots[req_id] = len(drafts)
+                drafts = self._proposed.get(req_id, [])[:len(drafts)]
+                self._unused_slots[req_id] = self._draft_slots[req_id] - len(drafts)
             try:
                 batch.set_draft_token_ids(row, drafts)
             except Exception as error:    # noqa: BLE001
@@ -182,8 +205,15 @@ class SpecDecodeMixin:
         if worker is None:
             return
         batch = self.input_batch
+        emitted = dict(zip(output.req_ids, output.sampled_token_ids))
+        self._rejected_view = {req_id: slots - (len(emitted[req_id]) - 1)
+                               for req_id, slots in self._draft_slots.items() if emitted.get(req_id)}
         rows = [i for i, tokens in enumerate(output.sampled_token_ids)
                 if tokens and batch.req_ids[i] not in output.failed]
         worker.propose(batch, rows)
         output.draft_token_ids = worker.take_draft_token_ids()
+        # Async: a request's proposals stay good until it runs again (a step may pass it over).
+        for i in rows:
+            self._proposed.pop(batch.req_ids[i], None)
+        self._proposed.update(output.draft_token_ids)
         output.spec_decode = worker.end_step()

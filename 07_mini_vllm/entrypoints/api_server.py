@@ -109,13 +109,12 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw_request: Request):
         req = await parse_body(raw_request, ChatCompletionRequest)
-        request_id, prompt_text, core_request, prompt_len = chat.prepare(req)
+        request_id, job, prompt_len = chat.prepare(req)
         if req.stream:
-            return StreamingResponse(chat.chat_completion_stream_generator(req, request_id, prompt_text,
-                                                                           core_request, prompt_len),
+            return StreamingResponse(chat.chat_completion_stream_generator(req, request_id, job, prompt_len),
                                      media_type="text/event-stream")
-        body = await with_cancellation(chat.chat_completion_full_generator(req, request_id, prompt_text,
-                                                                           core_request, prompt_len), raw_request)
+        body = await with_cancellation(chat.chat_completion_full_generator(req, request_id, job, prompt_len),
+                                       raw_request)
         return JSONResponse(body) if body is not None else Response(status_code=499)
 
     return app

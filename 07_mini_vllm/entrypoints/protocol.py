@@ -72,6 +72,12 @@ class _SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     best_of: int | None = None
     priority: int = 0
+    # vLLM's extensions: beam search (n beams; length_penalty as in BeamSearchParams) and chapter 06's
+    # remote K/V — {"do_remote_decode": true} on a prefill server; on a decode server the
+    # kv_transfer_params of the prefill server's response (prefill/decode disaggregation).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -122,6 +128,7 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None     # what a prefill server hands the decode server
 
 
 class ChatLogProb(OpenAIBaseModel):
@@ -158,6 +165,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None     # what a prefill server hands the decode server
 
 
 class DeltaMessage(OpenAIBaseModel):

@@ -54,17 +54,13 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.max_tokens_for(requested, len(ids))
         params = self.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         request_id = f"chatcmpl-{random_uuid()}"
-        prompt_text, core_request = self.process(request_id, text, ids, params, req.priority)
-        return request_id, prompt_text, core_request, len(ids)
+        return request_id, self.process(request_id, text, ids, params, req), len(ids)
 
-    def generator(self, request_id: str, prompt_text, core_request) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(core_request, None, request_id, prompt_text=prompt_text)
-
-    async def chat_completion_full_generator(self, req: ChatCompletionRequest, request_id: str, prompt_text,
-                                             core_request, prompt_len: int) -> dict:
+    async def chat_completion_full_generator(self, req: ChatCompletionRequest, request_id: str, job,
+                                             prompt_len: int) -> dict:
         final = None
         try:
-            async for output in self.generator(request_id, prompt_text, core_request):
+            async for output in self.generate(job):
                 final = output
         except Exception as e:                     # noqa: BLE001 - a dead engine: 503
             raise engine_error(e) from None
@@ -77,11 +73,11 @@ class OpenAIServingChat(OpenAIServing):
                 stop_reason=c.stop_reason, logprobs=self._logprobs(c, req.top_logprobs or 0) if req.logprobs else None))
         usage = UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion_tokens,
                           total_tokens=prompt_len + completion_tokens)
-        return ChatCompletionResponse(id=request_id, model=self.served_model_names[0], choices=choices,
-                                      usage=usage).model_dump()
+        return ChatCompletionResponse(id=request_id, model=self.served_model_names[0], choices=choices, usage=usage,
+                                      kv_transfer_params=final.kv_transfer_params).model_dump()
 
-    async def chat_completion_stream_generator(self, req: ChatCompletionRequest, request_id: str, prompt_text,
-                                               core_request, prompt_len: int) -> AsyncIterator[str]:
+    async def chat_completion_stream_generator(self, req: ChatCompletionRequest, request_id: str, job,
+                                               prompt_len: int) -> AsyncIterator[str]:
         model, created = self.served_model_names[0], int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -94,7 +90,7 @@ class OpenAIServingChat(OpenAIServing):
             for i in range(req.n):       # the role first, as OpenAI does
                 yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                                             content=""))])
-            async for output in self.generator(request_id, prompt_text, core_request):
+            async for output in self.generate(job):
                 for c in output.outputs:
                     OpenAIServingCompletion._raise_if_failed(c)
                     completion_tokens += len(c.token_ids)

@@ -47,15 +47,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 raise OpenAIError("the prompt is empty: a request needs at least one prompt token", param="prompt")
             max_tokens = self.max_tokens_for(req.max_tokens, len(ids))
             params = self.sampling_params(req, max_tokens, req.logprobs)
-            engine_id = f"{request_id}-{i}"
-            prompt_text, core_request = self.process(engine_id, text, ids, params, req.priority)
-            prepared.append((engine_id, prompt_text, core_request))
+            prepared.append(self.process(f"{request_id}-{i}", text, ids, params, req))
             lengths.append(len(ids))
         return request_id, prepared, lengths
 
     def generators(self, prepared) -> list[AsyncIterator[RequestOutput]]:
-        return [self.engine.generate(core_request, None, engine_id, prompt_text=text)
-                for engine_id, text, core_request in prepared]
+        return [self.generate(job) for job in prepared]
 
     # ------------------------------------------------------------------ whole response
     async def create_completion(self, req: CompletionRequest, request_id: str, prepared, lengths) -> dict:
@@ -79,8 +76,8 @@ class OpenAIServingCompletion(OpenAIServing):
         choices.sort(key=lambda c: c.index)
         usage = UsageInfo(prompt_tokens=sum(lengths), completion_tokens=completion_tokens,
                           total_tokens=sum(lengths) + completion_tokens)
-        return CompletionResponse(id=request_id, model=self.served_model_names[0], choices=choices,
-                                  usage=usage).model_dump()
+        return CompletionResponse(id=request_id, model=self.served_model_names[0], choices=choices, usage=usage,
+                                  kv_transfer_params=finals[0].kv_transfer_params).model_dump()
 
     # ------------------------------------------------------------------ streamed
     async def completion_stream_generator(self, req: CompletionRequest, request_id: str, prepared,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from http import HTTPStatus
 
 from fastapi import Request
@@ -20,6 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from mini_vllm.async_llm import AsyncLLM
+from mini_vllm.beam_search import BeamSearchParams
 from mini_vllm.core_client import EngineDeadError
 from mini_vllm.entrypoints.protocol import ErrorInfo, ErrorResponse
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -131,13 +133,44 @@ class OpenAIServing:
             raise OpenAIError(str(e)) from None
 
     def process(self, request_id: str, prompt_text: str | None, prompt_ids: list[int], params: SamplingParams,
-                priority: int):
-        """The engine's own validation (vocabulary, length, parameters) -> 400 on failure."""
+                req) -> "EngineJob":
+        """The engine's own validation (vocabulary, length, parameters, kv_transfer_params) -> 400 on
+        failure; nothing is queued. With use_beam_search, the search's n beams (AsyncLLM.beam_search,
+        vLLM's online beam search)."""
         try:
-            return self.engine.process_request(request_id, prompt_text if prompt_text is not None else prompt_ids,
-                                               params, prompt_token_ids=prompt_ids, priority=priority)
+            if req.use_beam_search:
+                if req.kv_transfer_params is not None:
+                    raise ValueError("use_beam_search cannot be combined with kv_transfer_params: each beam is a "
+                                     "request of its own (vLLM's beam search runs in the front end)")
+                beam = BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                                        length_penalty=req.length_penalty,
+                                        include_stop_str_in_output=params.include_stop_str_in_output)
+                prompt_text, _ = self.engine.process_request(request_id, prompt_text if prompt_text is not None
+                                                             else prompt_ids, SamplingParams(max_tokens=1),
+                                                             prompt_token_ids=prompt_ids)
+                return EngineJob(request_id, prompt_text, None, beam, prompt_ids)
+            prompt_text, core_request = self.engine.process_request(
+                request_id, prompt_text if prompt_text is not None else prompt_ids, params, prompt_token_ids=prompt_ids,
+                priority=req.priority, kv_transfer_params=req.kv_transfer_params)
+            return EngineJob(request_id, prompt_text, core_request)
         except (ValueError, TypeError) as e:
             raise OpenAIError(str(e)) from None
+
+    def generate(self, job: "EngineJob") -> AsyncIterator:
+        """The job's RequestOutputs (a beam search: one, finished, its beams as completions)."""
+        if job.beam is not None:
+            return self.engine.beam_search(job.prompt_ids, job.request_id, job.beam, prompt_token_ids=job.prompt_ids)
+        return self.engine.generate(job.core_request, None, job.request_id, prompt_text=job.prompt_text)
+
+
+@dataclass
+class EngineJob:
+    """One engine request the server validated: an EngineCoreRequest, or a beam search's parameters."""
+    request_id: str
+    prompt_text: str | None
+    core_request: object
+    beam: BeamSearchParams | None = None
+    prompt_ids: list[int] | None = None
 
 
 def engine_error(e: BaseException) -> OpenAIError:

@@ -37,7 +37,7 @@ from multiprocessing.connection import Connection, wait
 
 from mini_vllm.config import ModelConfig
 from mini_vllm.engine_config import EngineConfig
-from mini_vllm.executor.abstract import Executor, ExecutorError, FutureOutput
+from mini_vllm.executor.abstract import Executor, ExecutorError, FutureOutput, get_output
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,9 @@ class WorkerProc:
             if method == "shutdown":
                 break
             try:
-                result = getattr(worker, method)(*args)
+                # Async scheduling: the step's sampled tokens are waited for here, in the worker (its reply
+                # crosses a pipe), while the engine core already schedules the next step.
+                result = get_output(getattr(worker, method)(*args))
             except BaseException:
                 # Fatal: the other ranks may be waiting in a collective this rank will never join.
                 conn.send(("error", f"worker rank {rank} raised in {method}:\n{traceback.format_exc()}"))

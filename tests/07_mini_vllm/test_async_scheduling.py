@@ -72,7 +72,11 @@ def _assert_inputs_are_the_steps(step):
     ends = {r.num_computed_tokens + so.num_scheduled_tokens[r.req_id] for r in so.scheduled_new_reqs}
     ends |= {c + so.num_scheduled_tokens[r] for r, c in zip(cached.req_ids, cached.num_computed_tokens)}
     positions = step.model_inputs.positions.tolist()
-    assert len(positions) <= so.total_num_scheduled_tokens and max(positions) + 1 in ends
+    assert len(positions) <= so.total_num_scheduled_tokens
+    if any(d and d[0] == PLACEHOLDER_TOKEN_ID for d in so.scheduled_spec_decode_tokens.values()):
+        assert max(positions) + 1 <= max(ends)     # drafts: the runner moved back what was rejected in flight
+    else:
+        assert max(positions) + 1 in ends
 
 
 def _summary(out, aborted: bool):
@@ -295,13 +299,54 @@ def test_staged_input_copies_do_not_wait_for_the_gpu(offline_engine_models, make
 
 
 # ------------------------------------------------------------------------------ what is refused
-def test_what_async_scheduling_cannot_do_is_refused(pair):
-    for bad in (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-                dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
-                dict(kv_transfer_config={"kv_connector": "GlobalKVPoolConnector", "kv_role": "kv_both"}),
-                dict(async_scheduling="yes")):
-        with pytest.raises(ValueError, match="async_scheduling"):
+def test_what_vllm_refuses_with_async_scheduling_is_refused_with_its_reason(pair):
+    for bad, reason in ((dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+                         "only supported with EAGLE/MTP/Draft Model"),
+                        (dict(pipeline_parallel_size=2), "Model Runner V1 does not support: pipeline parallelism"),
+                        (dict(tensor_parallel_size=2, distributed_executor_backend="ray"),
+                         "`ray` does not support async scheduling"),
+                        (dict(async_scheduling="yes"), "must be True or False")):
+        with pytest.raises(ValueError, match=reason):
             EngineConfig(async_scheduling=bad.pop("async_scheduling", True), **bad)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle", "layer_skip"])
+def test_model_drafters_match_sync(method, tiny, make_llm, tmp_path):
+    """Async scheduling with drafts (vLLM composes it with its model drafters): each step is
+    scheduled with k placeholder drafts before they exist, on counters that assume the drafts in
+    flight are all accepted; the runner puts in its own proposals and moves each request back by
+    the drafts rejected in the step before. Greedy and seeded tokens, and logprobs, are the
+    synchronous speculative engine's; drafts were verified in steps that overlapped."""
+    import torch
+    from transformers import AutoConfig
+
+    from spec_decode import EagleConfig, EagleHead
+    spec = {"draft_model": {"method": "draft_model", "model": str(tiny[0])},
+            "eagle": {"method": "eagle", "model": str(tmp_path)},
+            "layer_skip": {"method": "layer_skip", "num_layers": 1}}[method]
+    if method == "eagle":
+        torch.manual_seed(0)
+        EagleHead(EagleConfig.for_target(AutoConfig.from_pretrained(tiny[0]))).save_pretrained(tmp_path)
+    kw = dict(ENGINE, speculative_config={**spec, "num_speculative_tokens": 3, "adaptive": False})
+    spec_pair = make_llm(tiny[0], **kw), make_llm(tiny[0], **kw, async_scheduling=True)
+    repeats = [ids * 3 for ids in prompts(3, length=5, start=60)]        # drafts get accepted
+    params = [GREEDY, SamplingParams(temperature=0.9, seed=4, max_tokens=10, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=1)]
+    assert_same(spec_pair, [(f"d{i}", ids, p) for i, (ids, p) in enumerate(zip(repeats, params))])
+    assert spec_pair[1].llm_engine.engine_core.spec_decoding_stats.stats.num_draft_tokens > 0
+
+
+def test_tensor_parallel_matches_sync(tiny, make_llm):
+    """Async scheduling through the multiprocess executor (TP=2): every rank resolves its own
+    placeholders from its own sampled tokens; the steps are sent without waiting."""
+    kw = dict(ENGINE, cpu_kernels="off", enforce_eager=True, tensor_parallel_size=2)
+    tp_pair = make_llm(tiny[0], **kw), make_llm(tiny[0], **kw, async_scheduling=True)
+    try:
+        params = [GREEDY, SamplingParams(temperature=0.8, seed=9, max_tokens=8, ignore_eos=True, logprobs=1)]
+        assert_same(tp_pair, [(f"tp{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts(2, start=80), params))])
+    finally:
+        for llm in tp_pair:
+            llm.shutdown()
 
 
 def test_parallel_sampling_and_beam_search_run_as_on_the_sync_engine(pair):
