@@ -104,14 +104,14 @@ def make_router(router: str | Router, block_size: int) -> Router:
 class AsyncLLM:
     def __init__(self, config: EngineConfig, *, served_model_name: str | None = None,
                  log_stats_interval: float | None = 10.0, data_parallel_size: int = 1,
-                 router: str | Router = "cache_aware") -> None:
+                 router: str | Router = "cache_aware", chat_template: str | None = None) -> None:
         """log_stats_interval: seconds between vLLM's one-line stats logs (None: no log).
         data_parallel_size: engine cores (replicas), each in its own process with the whole model,
         behind `router` (router.py; vLLM: DPLBAsyncMPClient) — one front end for all of them."""
         if not isinstance(data_parallel_size, int) or isinstance(data_parallel_size, bool) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}")
         # The front end: tokenizer, Processor, OutputProcessor; the core in its own process.
-        self.engine = LLMEngine(config, asyncio_mode=True)
+        self.engine = LLMEngine(config, asyncio_mode=True, chat_template=chat_template)
         self.engine_core: AsyncMPClient = self.engine.engine_core
         # Data parallelism: more cores, each started like the first; replica 0 is engine_core.
         self.core_clients: list[AsyncMPClient] = [self.engine_core]

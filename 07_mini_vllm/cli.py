@@ -18,15 +18,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import logging
 import random
 import sys
 import time
 from pathlib import Path
 
+from scheduler import POLICIES
+
 from mini_vllm.engine_config import CPU_KERNELS, GiB, EngineConfig
 from mini_vllm.models.linear_method import CPU_GEMMS
-from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
+from mini_vllm.sampler import LOGPROBS_MODES
+from mini_vllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 DEMO_QUESTIONS = [
     "What is the capital of France?",
@@ -56,7 +60,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="this many KV blocks, whatever the memory (tests: a small pool)")
-    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     g.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU memory for swapped-out KV")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -66,6 +70,37 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CPU linears on prepacked weights: our C++ kernel (cpu), oneDNN (onednn), the first "
                         "that runs here (auto), or plain F.linear (torch)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=list(POLICIES))
+    g.add_argument("--generation-config", default="auto",
+                   help="default sampling parameters: 'auto' (the model's generation_config.json), 'vllm' "
+                        "(none), or a directory holding a generation_config.json")
+    g.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                   help="the most logprobs / prompt_logprobs a request may ask for (-1: no limit)")
+    g.add_argument("--logprobs-mode", default="raw_logprobs", choices=list(LOGPROBS_MODES))
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="schedule step N+1 while step N runs")
+    g = p.add_argument_group("parallelism, speculative decoding, KV transfer")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+                   help="who runs the ranks (default: uni for one rank, mp for more)")
+    g.add_argument("--speculative-config", type=json_dict, default=None,
+                   help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
+    g.add_argument("--kv-transfer-config", type=json_dict, default=None,
+                   help='JSON, e.g. \'{"kv_connector": "GlobalKVPoolConnector", "kv_role": "kv_producer", '
+                        '"kv_connector_extra_config": {"metadata_server": "127.0.0.1:5555"}}\'')
+
+
+def json_dict(text: str) -> dict:
+    """A JSON object from the command line (vLLM's config flags take JSON)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 64) -> None:
@@ -88,7 +123,12 @@ def engine_config(args) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill, preemption_mode=args.preemption_mode,
         swap_space=args.swap_space, enforce_eager=args.enforce_eager, cpu_kernels=args.cpu_kernels,
-        cpu_gemm_backend=args.cpu_gemm_backend, seed=args.seed, num_gpu_blocks_override=args.num_gpu_blocks_override)
+        cpu_gemm_backend=args.cpu_gemm_backend, seed=args.seed, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        tokenizer=args.tokenizer, scheduling_policy=args.scheduling_policy, generation_config=args.generation_config,
+        max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode, async_scheduling=args.async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend, speculative_config=args.speculative_config,
+        kv_transfer_config=args.kv_transfer_config)
 
 
 def sampling_params(args, **overrides) -> SamplingParams:
@@ -226,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(p)
     add_engine_args(p)
 
+    p = sub.add_parser("disagg-proxy", help="prefill/decode disaggregation: a proxy before a prefill and a decode "
+                                           "server (entrypoints/disagg_proxy.py)")
+    p.add_argument("--prefill", required=True, help="the prefill server's URL (kv_role kv_producer)")
+    p.add_argument("--decode", required=True, help="the decode server's URL (kv_role kv_consumer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--uvicorn-log-level", default="warning")
     p = sub.add_parser("demo", help="the default model answers a batch of questions (make demo)")
     p.add_argument("--num-prompts", type=int, default=len(DEMO_QUESTIONS))
     add_sampling_args(p, max_tokens=96)
@@ -239,7 +286,13 @@ def main(argv: list[str] | None = None) -> None:
         args.max_model_len = 2048           # SmolLM2's 8192 is not needed for a demo; smaller KV floor
     logging.basicConfig(level=logging.INFO, format="[mini_vllm] %(message)s")
     {"generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench, "demo": cmd_demo,
-     "serve": cmd_serve}[args.command](args)
+     "serve": cmd_serve, "disagg-proxy": cmd_disagg_proxy}[args.command](args)
+
+
+def cmd_disagg_proxy(args) -> None:
+    from mini_vllm.entrypoints.disagg_proxy import run_proxy
+
+    run_proxy(args)
 
 
 def cmd_serve(args) -> None:

@@ -28,6 +28,7 @@ from mini_vllm.models.linear_method import CPU_GEMMS
 from mini_vllm.models.loader import CPU_LAYER_OPS, CUDA_LAYER_OPS
 from mini_vllm.parallel_config import ParallelConfig
 from mini_vllm.sampler import LOGPROBS_MODES
+from mini_vllm.sampling_params import MAX_LOGPROBS
 from mini_vllm.speculative_config import SpeculativeConfig
 
 GiB = 1 << 30
@@ -162,6 +163,10 @@ class EngineConfig:
     seed: int = 0
     """Seeds the random stream shared by sampled requests that bring no seed of their own."""
 
+    max_logprobs: int = MAX_LOGPROBS
+    """The most logprobs / prompt_logprobs a request may ask for (vLLM's --max-logprobs, default 20);
+    -1: no limit (a request's -1 then means the whole vocabulary)."""
+
     logprobs_mode: str = "raw_logprobs"
     """What `logprobs` report (vLLM's LogprobsMode): raw_logprobs (the model's distribution) |
     raw_logits | processed_logprobs | processed_logits (after penalties, logits processors,
@@ -256,6 +261,8 @@ class EngineConfig:
             raise ValueError(f"cpu_keep_freed_memory must be True or False, got {self.cpu_keep_freed_memory!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= -1 (-1: no limit), got {self.max_logprobs!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         if not isinstance(self.generation_config, (str, Path)):

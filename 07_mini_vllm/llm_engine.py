@@ -54,14 +54,17 @@ def load_tokenizer(path: str | Path):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, multiprocess_mode: bool | None = None,
-                 asyncio_mode: bool = False, **kwargs):
+                 asyncio_mode: bool = False, chat_template: str | None = None, **kwargs):
         """multiprocess_mode: the engine core in its own process (core_proc.py) instead of this one;
         None reads VLLM_ENABLE_V1_MULTIPROCESSING (default 0 here, 1 in vLLM).
         asyncio_mode: AsyncLLM's front end — the core is reached through an AsyncMPClient, which
         AsyncLLM drives; this object then only validates (process_request) and detokenizes (its
-        OutputProcessor), and its blocking step() is not available."""
+        OutputProcessor), and its blocking step() is not available.
+        chat_template: a Jinja template (or a file holding one) instead of the tokenizer's (vLLM's --chat-template)."""
         if config is not None and kwargs:
             raise ValueError("pass either an EngineConfig or keyword arguments, not both")
+        if chat_template is not None and Path(chat_template).is_file():
+            chat_template = Path(chat_template).read_text()
         self.config = config if config is not None else EngineConfig(**kwargs)
         if self.config.model is not None:
             model_path = Path(self.config.model).expanduser()
@@ -71,7 +74,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(model_path, dtype=self.config.dtype,
                                                         max_model_len=self.config.max_model_len)
         self.tokenizer = load_tokenizer(self.config.tokenizer or model_path)
-        self.processor = Processor(self.model_config, self.tokenizer)
+        self.processor = Processor(self.model_config, self.tokenizer, self.config.max_logprobs, chat_template)
         self.default_sampling_params = self._read_generation_config(model_path)
         if multiprocess_mode is None:
             multiprocess_mode = multiprocessing_enabled() or asyncio_mode

@@ -19,7 +19,7 @@ import copy
 from collections.abc import Mapping, Sequence
 
 from mini_vllm.config import ModelConfig
-from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 # A prompt: text, token ids, {"prompt": text} or {"prompt_token_ids": ids} (vLLM's TextPrompt / TokensPrompt).
 PromptType = str | Sequence[int] | Mapping
@@ -37,11 +37,16 @@ def _is_token_ids(x) -> bool:
 
 
 class Processor:
-    def __init__(self, model_config: ModelConfig, tokenizer):
+    def __init__(self, model_config: ModelConfig, tokenizer, max_logprobs: int = MAX_LOGPROBS,
+                 chat_template: str | None = None):
+        """max_logprobs: the engine's limit (-1: none). chat_template: a Jinja template that replaces
+        the tokenizer's own (vLLM's --chat-template)."""
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = model_config.max_model_len
         self.vocab_size = model_config.vocab_size
+        self.max_logprobs = max_logprobs
+        self.chat_template = chat_template
 
     def process_inputs(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids), validated."""
@@ -67,9 +72,9 @@ class Processor:
         """Render a conversation with the model's chat template; returns (text, token ids)."""
         if not messages or not all(isinstance(m, Mapping) and "role" in m and "content" in m for m in messages):
             raise ValueError("a conversation is a non-empty list of {'role': ..., 'content': ...} messages")
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        if self.chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError(f"the tokenizer of {self.model_config.model} has no chat template; use generate()")
-        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+        text = self.tokenizer.apply_chat_template(list(messages), tokenize=False, chat_template=self.chat_template,
                                                   add_generation_prompt=add_generation_prompt,
                                                   **(chat_template_kwargs or {}))
         # The template already wrote the special tokens (BOS, role markers): don't add them twice.
@@ -80,6 +85,11 @@ class Processor:
         Every path into the engine goes through here — a single out-of-vocabulary id would
         otherwise fail inside the embedding lookup at every step."""
         _check_params(params)
+        for what, k in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+            k = self.vocab_size if k == -1 else k
+            if k is not None and self.max_logprobs != -1 and k > self.max_logprobs:     # vLLM's message
+                raise ValueError(f"Requested {what} logprobs of {k}, which is greater than max allowed: "
+                                 f"{self.max_logprobs}")
         if not _is_token_ids(token_ids):
             raise TypeError(f"prompt token ids must be a list of ints, got {type(token_ids).__name__}")
         token_ids = list(token_ids)
@@ -104,6 +114,10 @@ class Processor:
         checked against the vocabulary. The caller's object is never changed: one SamplingParams
         is often shared by a whole batch of prompts."""
         params = copy.copy(params)
+        if params.logprobs == -1:                   # the whole vocabulary
+            params.logprobs = self.vocab_size
+        if params.prompt_logprobs == -1:
+            params.prompt_logprobs = self.vocab_size
         params.update_from_model(self.model_config.eos_token_ids, self.tokenizer if params.bad_words else None)
         bad = [w for w in params._bad_words_token_ids if not all(0 <= t < self.vocab_size for t in w)]
         if bad:

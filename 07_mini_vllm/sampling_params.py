@@ -52,7 +52,7 @@ import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20          # vLLM's default --max-logprobs (EngineConfig.max_logprobs)
 _SAMPLING_EPS = 1e-5    # vLLM's: a temperature below it samples greedily
 
 
@@ -122,12 +122,11 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
-                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
-                             f"got {self.prompt_logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            # (How many the engine gives is its max_logprobs, vLLM's limit: the Processor checks it.)
+            k = getattr(self, name)
+            if k is not None and (not _is_int(k) or k < -1):
+                raise ValueError(f"{name} must be None, -1 (the whole vocabulary) or an integer >= 0, got {k!r}")
         for name in ("ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -127,7 +127,8 @@ def run_server(args, engine_config) -> None:
     engine = AsyncLLM(engine_config, served_model_name=(args.served_model_name or [None])[0],
                       log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
                       data_parallel_size=getattr(args, "data_parallel_size", 1),
-                      router=getattr(args, "dp_router", "cache_aware"))
+                      router=getattr(args, "dp_router", "cache_aware"),
+                      chat_template=getattr(args, "chat_template", None))
     names = args.served_model_name or [engine.served_model_name]
     app = build_app(engine, names, args.api_key)
     freeze_gc_heap()                         # this process's start-up heap too (gc_utils.py)

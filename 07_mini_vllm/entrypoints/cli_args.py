@@ -22,3 +22,5 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="engine replicas, each a core process with the whole model, behind one router")
     g.add_argument("--dp-router", default="cache_aware", choices=("cache_aware", "least_loaded", "round_robin"),
                    help="which replica gets a request (router.py); only with --data-parallel-size > 1")
+    g.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, instead of the tokenizer's")

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 from mini_vllm.entrypoints.protocol import (ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse,
                                             ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                             ChatCompletionStreamResponse, ChatLogProb, ChatLogProbsContent,
-                                            ChatResponseMessage, DeltaMessage, UsageInfo, random_uuid)
+                                            ChatResponseMessage, DeltaMessage, PromptTokenUsageInfo, UsageInfo,
+                                            random_uuid)
 from mini_vllm.entrypoints.serving_completion import OpenAIServingCompletion
 from mini_vllm.entrypoints.serving_engine import OpenAIError, OpenAIServing, engine_error, sse, sse_error
 from mini_vllm.outputs import CompletionOutput, RequestOutput
@@ -72,7 +73,8 @@ class OpenAIServingChat(OpenAIServing):
                 index=c.index, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason, logprobs=self._logprobs(c, req.top_logprobs or 0) if req.logprobs else None))
         usage = UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion_tokens,
-                          total_tokens=prompt_len + completion_tokens)
+                          total_tokens=prompt_len + completion_tokens,
+                          prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=final.num_cached_tokens))
         return ChatCompletionResponse(id=request_id, model=self.served_model_names[0], choices=choices, usage=usage,
                                       kv_transfer_params=final.kv_transfer_params).model_dump()
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator
 
 from mini_vllm.entrypoints.protocol import (CompletionLogProbs, CompletionRequest, CompletionResponse,
-                                            CompletionResponseChoice, UsageInfo, random_uuid)
+                                            CompletionResponseChoice, PromptTokenUsageInfo, UsageInfo, random_uuid)
 from mini_vllm.entrypoints.serving_engine import (OpenAIError, OpenAIServing, engine_error, merge_async_iterators, sse,
                                                   sse_error)
 from mini_vllm.outputs import CompletionOutput, RequestOutput
@@ -75,7 +75,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs=self._logprobs(c, 0) if req.logprobs is not None else None))
         choices.sort(key=lambda c: c.index)
         usage = UsageInfo(prompt_tokens=sum(lengths), completion_tokens=completion_tokens,
-                          total_tokens=sum(lengths) + completion_tokens)
+                          total_tokens=sum(lengths) + completion_tokens,
+                          prompt_tokens_details=PromptTokenUsageInfo(
+                              cached_tokens=sum(f.num_cached_tokens for f in finals.values())))
         return CompletionResponse(id=request_id, model=self.served_model_names[0], choices=choices, usage=usage,
                                   kv_transfer_params=finals[0].kv_transfer_params).model_dump()
 

@@ -190,10 +190,12 @@ def test_bad_input_raises_and_changes_nothing(llm):
         llm.generate("fine", SamplingParams(stop_token_ids=[10**6]))
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         llm.generate("fine", [GREEDY, GREEDY])
-    for bad in (dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(stop=[""]), dict(logprobs=21),
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(stop=[""]), dict(logprobs=-2),
                 dict(stop="x", detokenize=False)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+    with pytest.raises(ValueError, match="greater than max allowed: 20"):     # the engine's --max-logprobs
+        llm.generate("fine", SamplingParams(logprobs=21))
     engine.add_request("dup", "x", GREEDY)
     with pytest.raises(ValueError, match="already running"):
         engine.add_request("dup", "y", GREEDY)

@@ -61,7 +61,13 @@ def test_prompt_logprobs_zero_gives_the_prompt_tokens_own_logprob(tiny_engine_mo
 
 
 def test_bad_prompt_logprobs(tiny_engine_models, make_llm):
-    with pytest.raises(ValueError, match=r"prompt_logprobs must be None or an integer in \[0, 20\]"):
-        SamplingParams(prompt_logprobs=21)
-    with pytest.raises(ValueError, match=r"prompt_logprobs must be None or an integer"):
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be None, -1 \(the whole vocabulary\) or an integer"):
+        SamplingParams(prompt_logprobs=-2)
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be None, -1"):
         SamplingParams(prompt_logprobs=True)
+    # vLLM's --max-logprobs: the engine's limit, checked when the request is added.
+    llm = make_llm(tiny_engine_models["llama"][0], max_logprobs=3)
+    with pytest.raises(ValueError, match="Requested prompt logprobs of 4, which is greater than max allowed: 3"):
+        llm.generate("hello", SamplingParams(max_tokens=1, prompt_logprobs=4), use_tqdm=False)
+    with pytest.raises(ValueError, match="Requested sample logprobs of 49152, which is greater than max allowed: 3"):
+        llm.generate("hello", SamplingParams(max_tokens=1, logprobs=-1), use_tqdm=False)     # -1: the vocabulary
