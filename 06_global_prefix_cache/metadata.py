@@ -31,7 +31,8 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from global_prefix_cache.rpc import RpcClient, RpcError, RpcServer, die_with_parent, free_port, parse_address
+from global_prefix_cache.rpc import RpcClient, RpcError, RpcServer, free_port, parse_address
+from processes import die_with_parent
 
 
 @dataclass

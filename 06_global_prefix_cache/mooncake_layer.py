@@ -39,7 +39,8 @@ import torch
 from global_prefix_cache.config import KVTransferConfig
 from global_prefix_cache.kv_layout import KVLayout, NodeSpec
 from global_prefix_cache.layers import LoadError, PoolHit
-from global_prefix_cache.rpc import die_with_parent, free_port, parse_address
+from global_prefix_cache.rpc import free_port, parse_address
+from processes import die_with_parent
 
 _HEADER = 8      # a stored block = crc32 (8 bytes, little endian) + the block's packed bytes
 

@@ -21,12 +21,9 @@ of them as the prefill/producer and decode/consumer nodes.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import random
-import signal
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +34,7 @@ from global_prefix_cache.kv_layout import kv_caches_from_cache_engine
 from kvcache import KVCacheManager
 from kvcache.cache_engine import CacheEngine, KVCacheSpec
 from global_prefix_cache.scheduler import KVConnectorScheduler
+from processes import ChildProcess, serve_commands
 from scheduler import ModelRunnerOutput, Request, Scheduler, SchedulerConfig
 
 
@@ -256,30 +254,6 @@ class KVNode:
 
 
 # ==================================================================== a node in its own process
-def serve_commands(conn, make, commands: dict, close) -> None:
-    """The child's loop: build the object (`make()`), report ("ok", info), then answer
-    (cmd, args) messages with commands[cmd](obj, *args) until "stop". Exceptions are sent to
-    the parent (raised there); `close(obj)` always runs."""
-    obj = None
-    try:
-        obj, info = make()
-        conn.send(("ok", info))
-        while True:
-            cmd, args = conn.recv()
-            try:
-                if cmd == "stop":
-                    break
-                conn.send(("ok", commands[cmd](obj, *args)))
-            except Exception as e:       # noqa: BLE001 - sent back to the parent, raised there
-                conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    except Exception as e:               # noqa: BLE001
-        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        if obj is not None:
-            close(obj)
-        conn.close()
-
-
 def _make_node(kwargs: dict):
     node = KVNode(**kwargs)
     return node, {"pid": os.getpid(), "side_channel": getattr(node.connector, "side_channel", None)
@@ -323,133 +297,12 @@ def _cmd_publish_fill(node: KVNode, rid_prefix: str, num_prompts: int, length: i
 _COMMANDS = {"run": _cmd_run, "set_faults": _cmd_set_faults, "stats": _cmd_stats, "check": _cmd_check,
              "publish_fill": _cmd_publish_fill}
 
-# What the forkserver imports before it forks any child: this module, plus the `preload` of
-# every ChildProcess subclass defined so far (see ChildProcess.preload).
-_PRELOAD = ["global_prefix_cache.node"]
-
-
-def _run_with_environ(target, environ: dict[str, str], conn, kwargs: dict) -> None:
-    """The child's entry point: the environment its parent has NOW, then the target. The forkserver
-    forks every child from its own copy of the environment, taken when the first child started; a
-    child of a later parent whose environment changed since (a test's monkeypatch, a config
-    variable set after start-up) would otherwise see the stale one."""
-    os.environ.clear()
-    os.environ.update(environ)
-    target(conn, kwargs)
-
-
-def _mp_context():
-    # forkserver: one clean server process imports torch once; each node is then a fast
-    # fork of it (spawn would re-import torch in every node process).
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
-
-
-class ChildProcess:
-    """Something (a KVNode, an engine) in a child process behind a pipe. Every call has a
-    timeout; `close()` always reaps it (stop -> terminate -> kill), so a test can never leave
-    it behind.
-
-    `preload`: modules a subclass's children need, imported once by the forkserver so that each
-    child forks with them loaded (chapter 07's engine process saves seconds of torch-model and
-    transformers imports per engine). They are registered when the subclass is DEFINED: a
-    process has one forkserver, started with the list as it is at the first child.
-
-    The forkserver also keeps the environment of that first start; each child is therefore handed
-    its parent's environment as it is when the child starts (`_run_with_environ`)."""
-
-    preload: tuple[str, ...] = ()
-
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        _PRELOAD.extend(m for m in cls.preload if m not in _PRELOAD)
-
-    def __init__(self, target, kwargs: dict, start_timeout: float, wait: bool = True) -> None:
-        ctx = _mp_context()
-        self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_run_with_environ, args=(target, dict(os.environ), child, kwargs), daemon=True)
-        self.proc.start()
-        child.close()
-        self.pid = self.proc.pid
-        self.info: dict | None = None
-        self._start_timeout = start_timeout
-        if wait:
-            self.wait_ready()
-
-    def wait_ready(self) -> dict:
-        """Block until the child has built its object (start it with wait=False to do
-        something else meanwhile, e.g. build another engine); returns what it reported."""
-        if self.info is None:
-            try:
-                self.info = self._recv(self._start_timeout, "start")
-            except BaseException:
-                self.close()
-                raise
-            self._started()
-        return self.info
-
-    def _started(self) -> None:
-        """Subclasses read `self.info` here."""
-
-    def _recv(self, timeout: float, what: str):
-        if not self._conn.poll(timeout):
-            raise TimeoutError(f"child process: no answer to {what!r} within {timeout} s")
-        try:
-            status, value = self._conn.recv()
-        except EOFError:
-            raise RuntimeError(f"child process died during {what!r} (exit code {self.proc.exitcode})") from None
-        if status != "ok":
-            raise RuntimeError(f"child process failed {what!r}: {value}")
-        return value
-
-    def call(self, cmd: str, *args, timeout: float = 60.0):
-        self.wait_ready()
-        self._conn.send((cmd, args))
-        return self._recv(timeout, cmd)
-
-    def kill(self) -> None:
-        """SIGKILL: the process dies the way a crashed machine does (no goodbye)."""
-        if self.proc.is_alive():
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.join(10)
-
-    def pause(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def request_stop(self) -> None:
-        """Ask the child to shut down (closing its connector) without waiting for it."""
-        if self.proc.is_alive():
-            try:
-                os.kill(self.proc.pid, signal.SIGCONT)
-                self._conn.send(("stop", ()))
-            except (OSError, BrokenPipeError):
-                pass
-
-    def close(self) -> None:
-        """Stop -> terminate -> kill, each bounded: the process is gone when this returns."""
-        self.request_stop()
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self._conn.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class NodeProcess(ChildProcess):
     """A KVNode in a child process."""
+
+    preload = ("global_prefix_cache.node",)     # the forkserver imports torch and this chapter once
 
     def __init__(self, start_timeout: float = 60.0, **node_kwargs) -> None:
         super().__init__(_node_main, node_kwargs, start_timeout)

@@ -14,9 +14,7 @@ must turn into an error the caller can act on (fall back to recompute), never a 
 """
 from __future__ import annotations
 
-import ctypes
 import json
-import signal
 import socket
 import struct
 import threading
@@ -45,18 +43,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """`preexec_fn` for servers we start (metadata server, mooncake_master): the kernel sends
-    them SIGTERM when the process that started them dies, even by SIGKILL, so a killed test
-    run leaves no server behind (Linux prctl; strictly: when the starting THREAD exits, so
-    start servers from a long-lived thread, as everything here does)."""
-    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def parse_address(address: str) -> tuple[str, int]:

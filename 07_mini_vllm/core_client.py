@@ -25,7 +25,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 
-from global_prefix_cache.node import ChildProcess
+from processes import ChildProcess
 from scheduler import RequestStatus
 
 from mini_vllm.core import EngineCore, EngineCoreStep
@@ -98,7 +98,7 @@ def step_from_outputs(outputs: EngineCoreOutputs) -> EngineCoreStep:
 
 
 class EngineCoreProcHandle(ChildProcess):
-    """The core's process (chapter 06's ChildProcess: forkserver start, bounded close)."""
+    """The core's process (processes.ChildProcess: forkserver start, bounded close)."""
 
     preload = ("mini_vllm.core_proc",)     # the forkserver imports torch and the model code once
 

@@ -17,7 +17,7 @@ only when it has something to say (tokens, errors, newly scheduled requests, pre
 aborts and stop-string finishes answer with the scheduler's gauges alone, so the front end's
 metrics never show a request that is gone.
 
-The process is started through chapter 06's `ChildProcess` (forkserver, bounded close): the
+The process is started through `processes.ChildProcess` (forkserver, bounded close): the
 pipe carries the start-up handshake and the stop command, ZMQ carries requests and outputs.
 A front end that dies closes the pipe: the core sees EOF and exits instead of running on.
 """

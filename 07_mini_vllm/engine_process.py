@@ -4,9 +4,8 @@ connector, in its own OS process (`EngineProcess`) or in this one, driven reques
 and the tests (tests/integration/test_kv_connector_*.py) use it to show the connector in the
 engine: a remote prefix hit and a prefill/decode split on a real model.
 
-Chapter 06 provides the process plumbing (`ChildProcess`, `serve_commands`) and knows nothing
-of this chapter; the engine module is preloaded into chapter 06's forkserver through
-`EngineProcess.preload`.
+The process plumbing is the `processes` package's (`ChildProcess`, `serve_commands`); the engine
+module is preloaded into its forkserver through `EngineProcess.preload`.
 
     with EngineProcess(kv_transfer_config={...}, max_model_len=512) as p:      # the prefill node
         rp, = p.generate([{"request_id": "r", "prompt_token_ids": ids, "max_tokens": 1,
@@ -19,7 +18,7 @@ import os
 import time
 from typing import Any
 
-from global_prefix_cache.node import ChildProcess, serve_commands
+from processes import ChildProcess, serve_commands
 from mini_vllm.sampling_params import SamplingParams
 
 

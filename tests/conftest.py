@@ -42,7 +42,9 @@ def pytest_report_header(config):
 # The longest test files, longest first (`pytest --durations` on a 2-core CPU). `make test` runs the suite in
 # one process per core, handing out a test file at a time (pytest-xdist, --dist loadfile) in
 # collection order: started first, these cannot be the one file a process runs alone at the end.
-LONGEST_FILES = ("course/test_proof.py", "07_mini_vllm/test_spec_decode_engine.py",
+LONGEST_FILES = ("course/test_proof.py", "integration/test_composition_serve_0.py",
+                 "integration/test_composition_serve_1.py", "integration/test_composition_llm.py",
+                 "07_mini_vllm/test_spec_decode_engine.py",
                  "07_mini_vllm/test_parallel_engine.py", "course/test_build_and_grade.py",
                  "07_mini_vllm/test_benchmarks.py", "07_mini_vllm/test_engine_parity.py",
                  "07_mini_vllm/test_notebook.py")

@@ -1,7 +1,7 @@
 """A new reader's checks of the repository itself (docs/DESIGN.md):
 
   * the import graph docs/DESIGN.md draws is the one the code has, so chapters add rather than
-    pre-contain: a chapter imports only earlier chapters and the two kernel packages, and
+    pre-contain: a chapter imports only earlier chapters and the infrastructure packages, and
     chapters 01-06 never reach chapter 07's engine (not even by a module name in a string);
   * chapter 03's scheduler is the core: no speculative drafts, no KV connectors in it;
   * every number in a README's results table is in the JSON that row links to.
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"01_paged_attention": "paged_attention", "02_kvcache": "kvcache", "03_scheduler": "scheduler",
             "04_spec_decode": "spec_decode", "05_chunked_prefill": "chunked_prefill",
             "06_global_prefix_cache": "global_prefix_cache", "07_mini_vllm": "mini_vllm",
-            "kernels_cuda": "kernels_cuda", "kernels_cpu": "kernels_cpu"}
+            "kernels_cuda": "kernels_cuda", "kernels_cpu": "kernels_cpu", "processes": "processes"}
 
 
 def python_files(folder: str):

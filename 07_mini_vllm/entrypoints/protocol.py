@@ -91,6 +91,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
+    return_token_ids: bool | None = None         # vLLM's extension: each choice's token ids beside its text
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -124,6 +125,7 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None           # with return_token_ids (streamed: this chunk's)
 
 
 class CompletionResponse(OpenAIBaseModel):

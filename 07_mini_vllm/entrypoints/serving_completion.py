@@ -72,7 +72,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 completion_tokens += len(c.token_ids)
                 choices.append(CompletionResponseChoice(
                     index=i * n + c.index, text=c.text, finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                    logprobs=self._logprobs(c, 0) if req.logprobs is not None else None))
+                    logprobs=self._logprobs(c, 0) if req.logprobs is not None else None,
+                    token_ids=list(c.token_ids) if req.return_token_ids else None))
         choices.sort(key=lambda c: c.index)
         usage = UsageInfo(prompt_tokens=sum(lengths), completion_tokens=completion_tokens,
                           total_tokens=sum(lengths) + completion_tokens,
@@ -103,7 +104,8 @@ class OpenAIServingCompletion(OpenAIServing):
                     yield sse(CompletionResponse(
                         id=request_id, created=created, model=model,
                         choices=[CompletionResponseChoice(index=index, text=c.text, logprobs=logprobs,
-                                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)]
+                                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                          token_ids=list(c.token_ids) if req.return_token_ids else None)]
                     ).model_dump(exclude_none=True))
             if include_usage:
                 usage = UsageInfo(prompt_tokens=sum(lengths), completion_tokens=completion_tokens,

@@ -120,8 +120,8 @@ class OpenAIServing:
         except ValueError:
             raise OpenAIError("logit_bias keys must be token ids", param="logit_bias") from None
         try:
-            return SamplingParams(
-                n=req.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", -1),
+            return SamplingParams(          # (beam search: n is its width, each beam's request samples one)
+                n=1 if req.use_beam_search else req.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", -1),
                 min_p=pick("min_p", 0.0), seed=req.seed, max_tokens=max_tokens, stop=req.stop or None,
                 stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos, logprobs=logprobs,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
@@ -142,7 +142,7 @@ class OpenAIServing:
                 if req.kv_transfer_params is not None:
                     raise ValueError("use_beam_search cannot be combined with kv_transfer_params: each beam is a "
                                      "request of its own (vLLM's beam search runs in the front end)")
-                beam = BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+                beam = BeamSearchParams(beam_width=req.n, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
                                         length_penalty=req.length_penalty,
                                         include_stop_str_in_output=params.include_stop_str_in_output)
                 prompt_text, _ = self.engine.process_request(request_id, prompt_text if prompt_text is not None

@@ -35,14 +35,17 @@ import traceback
 import weakref
 from multiprocessing.connection import Connection, wait
 
+from processes import preload_in_forkserver, start_process
+
 from mini_vllm.config import ModelConfig
 from mini_vllm.engine_config import EngineConfig
 from mini_vllm.executor.abstract import Executor, ExecutorError, FutureOutput, get_output
 
 logger = logging.getLogger(__name__)
+preload_in_forkserver("mini_vllm.worker", "mini_vllm.model_runner")      # what every worker imports
 
 SHUTDOWN_GRACE_S = 5.0          # how long a worker may take to leave its process groups before it is killed
-# Start-up (spawn, import torch, load the checkpoint) is given at least this long, whatever
+# Start-up (fork from the forkserver, join the process groups, load the checkpoint) is given at least this long, whatever
 # execute_model_timeout_s says: a short step timeout must not fail a slow but healthy start.
 # A worker that dies while starting is still noticed at once.
 STARTUP_TIMEOUT_S = 600.0
@@ -136,16 +139,15 @@ class MultiprocExecutor(Executor):
         self.timeout_s = float(self.config.execute_model_timeout_s)
         self.failure: str | None = None
         self._in_flight = 0                      # execute_model_async steps whose reply is not read yet
-        # spawn, not fork: the engine's process has torch's (OpenMP) thread pools running, which a
-        # forked child inherits in a broken state; a spawned one starts clean (vLLM spawns once CUDA is up).
-        ctx = multiprocessing.get_context("spawn")
+        # Forked from the forkserver (processes.start_process), which imported torch and the model code
+        # once: not a plain fork of the engine's process, whose torch (OpenMP) thread pools a child
+        # would inherit broken; not spawn, which imports torch again in every worker (vLLM spawns).
         self.init_method = init_method = f"tcp://127.0.0.1:{_free_port()}"      # rank 0 serves the rendezvous
         self.procs, self.conns = [], []
         for rank in range(self.world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=WorkerProc.worker_main, name=f"mini_vllm-worker-{rank}", daemon=True,
-                               args=(self.config, self.model_config, rank, init_method, child))
-            proc.start()
+            parent, child = multiprocessing.Pipe()
+            proc = start_process(WorkerProc.worker_main, self.config, self.model_config, rank, init_method, child,
+                                 name=f"mini_vllm-worker-{rank}")
             child.close()                        # the child's end lives in the child: EOF here when it exits
             self.procs.append(proc)
             self.conns.append(parent)

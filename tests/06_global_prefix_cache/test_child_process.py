@@ -3,7 +3,7 @@
 The forkserver that forks every child keeps the environment of the FIRST child's start; before the
 fix a later child inherited that one (a test that monkeypatched VLLM_ENABLE_V1_MULTIPROCESSING
 made every later engine in the process refuse its KV connector)."""
-from global_prefix_cache.node import ChildProcess
+from processes import ChildProcess
 from process_targets import report_environ
 
 NAME = "VFS_TEST_CHILD_ENVIRON"

@@ -336,19 +336,6 @@ def test_model_drafters_match_sync(method, tiny, make_llm, tmp_path):
     assert spec_pair[1].llm_engine.engine_core.spec_decoding_stats.stats.num_draft_tokens > 0
 
 
-def test_tensor_parallel_matches_sync(tiny, make_llm):
-    """Async scheduling through the multiprocess executor (TP=2): every rank resolves its own
-    placeholders from its own sampled tokens; the steps are sent without waiting."""
-    kw = dict(ENGINE, cpu_kernels="off", enforce_eager=True, tensor_parallel_size=2)
-    tp_pair = make_llm(tiny[0], **kw), make_llm(tiny[0], **kw, async_scheduling=True)
-    try:
-        params = [GREEDY, SamplingParams(temperature=0.8, seed=9, max_tokens=8, ignore_eos=True, logprobs=1)]
-        assert_same(tp_pair, [(f"tp{i}", ids, p) for i, (ids, p) in enumerate(zip(prompts(2, start=80), params))])
-    finally:
-        for llm in tp_pair:
-            llm.shutdown()
-
-
 def test_parallel_sampling_and_beam_search_run_as_on_the_sync_engine(pair):
     """n > 1 and beam search are the front end's (ordinary requests to the core): async scheduling
     gives the synchronous engine's children and beams."""

@@ -300,30 +300,3 @@ def test_smollm2_tp3_matches_hf(parallel_llm, smollm2_dir, smollm2_hf, smollm2_t
         assert_same_greedy(out.outputs[0].token_ids, hf_greedy(smollm2_hf, prompt, 10), 10, eos, "tp=3")
     shapes = llm.llm_engine.engine_core.model_executor.collective_rpc("kv_cache_shapes")
     assert {s[0][2] for s in shapes} == {1} and all(len(s) == 30 for s in shapes)
-
-
-@pytest.mark.parametrize("split", ["tp2", "pp2"])
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle"])
-def test_speculative_decoding_on_every_rank_matches_one_rank(method, split, parallel_llm, tiny_models, tmp_path):
-    """The drafter runs in the workers, as vLLM's model runner holds its proposer: on every TP rank (a
-    draft model sharded like the target, an EAGLE head whole on each), on the last pipeline stage (a
-    draft model whole there, the target's embedding kept there for EAGLE). Greedy tokens are the
-    single rank's without speculation; drafts were verified."""
-    import torch
-    from transformers import AutoConfig
-
-    from spec_decode import EagleConfig, EagleHead
-    model = tiny_models / "llama"
-    spec = {"ngram": {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3},
-            "draft_model": {"method": "draft_model", "model": str(model)},
-            "eagle": {"method": "eagle", "model": str(tmp_path / "eagle")}}[method]
-    if method == "eagle":
-        torch.manual_seed(0)
-        EagleHead(EagleConfig.for_target(AutoConfig.from_pretrained(model))).save_pretrained(tmp_path / "eagle")
-    prompts = [p + p[:9] for p in shared_prefix_prompts(4)]          # repeats: n-gram drafts find matches
-    ref = parallel_llm(model, **STRESS).generate(prompts, GREEDY, use_tqdm=False)
-    parallel = dict(tensor_parallel_size=2) if split == "tp2" else dict(pipeline_parallel_size=2)
-    llm = parallel_llm(model, speculative_config={**spec, "num_speculative_tokens": 3}, **parallel, **STRESS)
-    out = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
-    assert llm.llm_engine.engine_core.spec_decoding_stats.stats.num_draft_tokens > 0

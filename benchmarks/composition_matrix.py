@@ -1,0 +1,428 @@
+"""The composition matrix: every pair of the engine's features, through `LLM` and through the server.
+
+    python -m benchmarks.composition_matrix            # every pair, both paths; writes results/composition_matrix.json
+    python -m benchmarks.composition_matrix --table    # ... and prints the README's table
+
+A feature is a way to build the engine (prefix caching, chunked prefill, preemption by recompute or
+swap, an n-gram / draft-model / EAGLE drafter, async scheduling, a KV connector of chapter 06's
+pool — from scratch or on Mooncake —, tensor or pipeline parallelism, the engine core in its own
+process, data parallelism). Each pair of features builds one engine (tiny random Llama, SmolLM2's
+tokenizer) and runs the same requests, which bring the request-level features: greedy decoding,
+n > 1 (sampled at top_k = 1: vLLM refuses n > 1 with greedy), beam search, penalties with logprobs
+and prompt logprobs. The truth kept is the PLAIN engine's answer to the same requests (none of the
+features): every pair must give its greedy tokens, its beams and its logprobs (to 1e-4), or be
+refused — only where real vLLM 0.32 refuses the same pair, with its reason (`VLLM_REFUSES`, each
+message checked against the vLLM check it names). A connector engine runs the greedy requests twice,
+the prefix cache reset between: the second time their prompts come from the pool.
+
+Paths: "llm" is `LLM(...)` (data parallelism has none: vLLM's offline LLM runs one engine); "serve"
+is `AsyncLLM` behind the OpenAI server in this process (its core always in a process of its own),
+asked over HTTP like any client. tests/integration/test_composition.py runs every pair through both.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import socket
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.common import RESULTS_DIR, write_result
+
+BLOCK = 4
+# The plain engine: none of the features (and a pool no workload fills).
+PLAIN = dict(block_size=BLOCK, max_model_len=96, max_num_seqs=8, max_num_batched_tokens=96, num_gpu_blocks_override=96,
+             enable_prefix_caching=False, enable_chunked_prefill=False, cpu_kernels="off", enforce_eager=True)
+SPEC = dict(num_speculative_tokens=3, adaptive=False)
+
+
+@dataclass
+class Feature:
+    name: str
+    config: dict = field(default_factory=dict)     # EngineConfig fields over PLAIN
+    group: str | None = None                       # features of one group are alternatives, never a pair
+    llm: bool = True                               # has an LLM path (data parallelism: the server's)
+    core_process: bool = False                     # LLM(multiprocess_mode=True)
+    data_parallel_size: int = 1                    # the server's replicas
+
+
+FEATURES = [
+    Feature("prefix caching", dict(enable_prefix_caching=True)),
+    Feature("chunked prefill", dict(enable_chunked_prefill=True, max_num_batched_tokens=8)),
+    Feature("preemption (recompute)", dict(num_gpu_blocks_override=14), group="preemption"),
+    Feature("preemption (swap)", dict(num_gpu_blocks_override=14, preemption_mode="swap", swap_space=0.001),
+            group="preemption"),
+    Feature("n-gram drafts", dict(speculative_config={"method": "ngram", "prompt_lookup_max": 3, **SPEC}), group="spec"),
+    Feature("draft model", dict(speculative_config={"method": "draft_model", "model": "{model}", **SPEC}), group="spec"),
+    Feature("EAGLE", dict(speculative_config={"method": "eagle", "model": "{eagle}", **SPEC}), group="spec"),
+    Feature("async scheduling", dict(async_scheduling=True)),
+    Feature("KV connector (scratch)", dict(kv_transfer_config="{scratch}"), group="kv"),
+    Feature("KV connector (Mooncake)", dict(kv_transfer_config="{mooncake}"), group="kv"),
+    Feature("TP=2", dict(tensor_parallel_size=2)),
+    Feature("PP=2", dict(pipeline_parallel_size=2)),
+    Feature("core process", core_process=True),
+    Feature("DP=2", llm=False, data_parallel_size=2),
+]
+BY_NAME = {f.name: f for f in FEATURES}
+
+# Pairs real vLLM 0.32 refuses, with its message and where it checks (our refusals must match).
+VLLM_REFUSES = {
+    frozenset({"async scheduling", "n-gram drafts"}):
+        ("Currently, async scheduling is only supported with EAGLE/MTP/Draft Model/NGram GPU/DSpark/DFlash kind of "
+         "speculative decoding", "vllm/config/vllm.py: VllmConfig.__post_init__"),
+    frozenset({"async scheduling", "PP=2"}):
+        ("Model Runner V1 does not support: pipeline parallelism with async scheduling",
+         "vllm/config/vllm.py: VllmConfig._validate_v1_model_runner"),
+}
+
+
+def pairs() -> list[tuple[str, str]]:
+    """Every feature alone and every pair of features that are not alternatives of one knob."""
+    singles = [(f.name, f.name) for f in FEATURES]
+    both = [(a.name, b.name) for a, b in itertools.combinations(FEATURES, 2) if not (a.group and a.group == b.group)]
+    return singles + both
+
+
+# ---------------------------------------------------------------------------- the shared resources
+class Context:
+    """The tiny checkpoint, an EAGLE head for it, and the pools the connectors join (started on first use)."""
+
+    def __init__(self, model_dir: Path, work_dir: Path):
+        self.model_dir, self.work_dir = Path(model_dir), Path(work_dir)
+        self._eagle = self._mooncake = None
+        self._metadata = []
+        self._engines = 0
+
+    def eagle(self) -> str:
+        if self._eagle is None:
+            import torch
+            from transformers import AutoConfig
+
+            from spec_decode import EagleConfig, EagleHead
+            torch.manual_seed(0)
+            self._eagle = self.work_dir / "eagle"
+            EagleHead(EagleConfig.for_target(AutoConfig.from_pretrained(self.model_dir))).save_pretrained(self._eagle)
+        return str(self._eagle)
+
+    def scratch(self) -> dict:
+        """A pool of its own for each engine (a scratch pool holds one model's K/V)."""
+        from global_prefix_cache.metadata import MetadataServerProcess
+        self._metadata.append(MetadataServerProcess())
+        return {"kv_connector": "GlobalKVPoolConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"metadata_server": self._metadata[-1].address, "load_timeout_s": 10.0}}
+
+    def mooncake(self) -> dict:
+        if self._mooncake is None:
+            from global_prefix_cache.mooncake_layer import MooncakeMaster
+            self._mooncake = MooncakeMaster()
+        return {"kv_connector": "MooncakeConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"master_server": self._mooncake.address, "load_timeout_s": 10.0,
+                                              "global_segment_size": 16 << 20, "local_buffer_size": 16 << 20}}
+
+    def engine_kwargs(self, pair: tuple[str, str]) -> dict:
+        kwargs = dict(PLAIN, model=str(self.model_dir))
+        for name in dict.fromkeys(pair):
+            for key, value in BY_NAME[name].config.items():
+                kwargs[key] = self._resolve(value)
+        kv = kwargs.get("kv_transfer_config")
+        if kv is not None and kv["kv_connector"] == "MooncakeConnector":   # its own namespace in the store
+            self._engines += 1
+            kv["kv_connector_extra_config"]["model"] = f"tiny-{self._engines}"
+        return kwargs
+
+    def _resolve(self, value):
+        if value == "{scratch}":
+            return self.scratch()
+        if value == "{mooncake}":
+            return self.mooncake()
+        if isinstance(value, dict):
+            return {k: (str(self.model_dir) if v == "{model}" else self.eagle() if v == "{eagle}" else v)
+                    for k, v in value.items()}
+        return value
+
+    def close(self) -> None:
+        for server in [*self._metadata, self._mooncake]:
+            if server is not None:
+                server.stop()
+
+
+# ---------------------------------------------------------------------------- the requests
+PREFIX = [(13 * i) % 4000 + 100 for i in range(10)]
+PROMPTS = [PREFIX + [(31 * i + 7 * j) % 4000 + 300 for j in range(3 + 2 * i)] for i in range(3)]
+GREEDY = dict(temperature=0.0, max_tokens=10, ignore_eos=True)
+N_BEST = dict(n=2, temperature=1.0, top_k=1, max_tokens=6, ignore_eos=True, seed=3)
+PENALTIES = dict(temperature=0.0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.2,
+                 logprobs=2)
+BEAM = dict(beam_width=2, max_tokens=4, ignore_eos=True)
+
+
+def run_llm(llm, connector: bool) -> dict:
+    """The workload through LLM -> {what: comparable result}."""
+    from mini_vllm import BeamSearchParams, SamplingParams
+
+    def greedy():
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                                               SamplingParams(**GREEDY), use_tqdm=False)]
+    out = {"greedy": greedy()}
+    if connector:                      # again, the prompts' K/V from the pool this time
+        llm.reset_prefix_cache()
+        out["greedy from the pool"] = greedy()
+    n = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(**N_BEST), use_tqdm=False)[0]
+    out["n=2"] = [c.token_ids for c in n.outputs]
+    beams = llm.beam_search([{"prompt_token_ids": PROMPTS[1]}], BeamSearchParams(**BEAM))[0]
+    out["beam search"] = [s.tokens for s in beams.sequences]
+    pen = llm.generate({"prompt_token_ids": PROMPTS[2]}, SamplingParams(**PENALTIES, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    out["penalties + logprobs"] = (pen.outputs[0].token_ids, _logprobs(pen.outputs[0].logprobs))
+    out["prompt logprobs"] = [None if e is None else {t: round(lp.logprob, 4) for t, lp in e.items()}
+                              for e in pen.prompt_logprobs]
+    return out
+
+
+def _logprobs(entries) -> list[dict[int, float]]:
+    return [{t: round(lp.logprob, 4) for t, lp in e.items()} for e in entries]
+
+
+def run_serve(url: str, connector: bool) -> dict:
+    """The workload over HTTP (/v1/completions, token prompts, vLLM's return_token_ids) -> what run_llm
+    returns, but the server's logprobs are only the chosen tokens' (its top-k comes as text)."""
+    import httpx2 as httpx
+
+    def post(**body):
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "return_token_ids": True, **body}, timeout=120)
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {r.text[:500]}")
+        return r.json()
+
+    def greedy():
+        return [c["token_ids"] for c in post(prompt=PROMPTS, **GREEDY)["choices"]]
+    out = {"greedy": greedy()}
+    if connector:
+        httpx.post(url + "/reset_prefix_cache", timeout=60)
+        out["greedy from the pool"] = greedy()
+    out["n=2"] = [c["token_ids"] for c in post(prompt=PROMPTS[0], **N_BEST)["choices"]]
+    beam = post(prompt=PROMPTS[1], use_beam_search=True, n=BEAM["beam_width"], max_tokens=BEAM["max_tokens"],
+                ignore_eos=True, temperature=0.0)
+    out["beam search"] = [PROMPTS[1] + c["token_ids"] for c in beam["choices"]]
+    pen = post(prompt=PROMPTS[2], **PENALTIES)["choices"][0]
+    out["penalties + logprobs"] = (pen["token_ids"], [round(x, 4) for x in pen["logprobs"]["token_logprobs"]])
+    return out
+
+
+def as_served(result: dict) -> dict:
+    """An LLM result as the server reports it (the chosen tokens' logprobs only, no prompt logprobs)."""
+    out = {k: v for k, v in result.items() if k != "prompt logprobs"}
+    tokens, logprobs = result["penalties + logprobs"]
+    out["penalties + logprobs"] = (tokens, [entry[t] for t, entry in zip(tokens, logprobs)])
+    return out
+
+
+def compare(got: dict, expect: dict) -> list[str]:
+    """What differs (logprobs to 1e-4)."""
+    diffs = []
+    for key, value in got.items():
+        want = expect.get(key, expect["greedy"] if key == "greedy from the pool" else None)
+        if not _close(value, want):
+            diffs.append(f"{key}: {str(value)[:160]} != {str(want)[:160]}")
+    return diffs
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 2e-4             # (both rounded to 4 decimals)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+# ---------------------------------------------------------------------------- one pair
+def check_refusal(error: BaseException, pair: tuple[str, str]) -> str:
+    """A refusal is right only where vLLM refuses the same pair, and with its reason."""
+    expected = VLLM_REFUSES.get(frozenset(pair))
+    if expected is None:
+        raise AssertionError(f"{pair}: refused, but vLLM 0.32 composes it: {error}")
+    if expected[0] not in str(error):
+        raise AssertionError(f"{pair}: refused with {error!r}, not vLLM's reason {expected[0]!r}")
+    return f"refused as vLLM ({expected[1]})"
+
+
+def run_pair_llm(ctx: Context, pair: tuple[str, str], expect: dict, registry=None) -> str:
+    from mini_vllm import LLM
+
+    features = [BY_NAME[n] for n in dict.fromkeys(pair)]
+    try:
+        llm = LLM(**ctx.engine_kwargs(pair), multiprocess_mode=any(f.core_process for f in features))
+    except ValueError as error:
+        return check_refusal(error, pair)
+    if registry is not None:
+        registry.append(llm)
+    try:
+        got = run_llm(llm, connector=any(f.group == "kv" for f in features))
+    finally:
+        if registry is not None:
+            registry.remove(llm)
+        llm.shutdown()
+    diffs = compare(got, expect)
+    if diffs:
+        raise AssertionError(f"{pair} through LLM differs from the plain engine: " + "; ".join(diffs))
+    if frozenset(pair) in VLLM_REFUSES:
+        raise AssertionError(f"{pair}: composed, but vLLM refuses it (our refusal is missing)")
+    return "same tokens"
+
+
+def run_pair_serve(ctx: Context, pair: tuple[str, str], expect_served: dict) -> str:
+    from mini_vllm.async_llm import AsyncLLM
+    from mini_vllm.engine_config import EngineConfig
+
+    features = [BY_NAME[n] for n in dict.fromkeys(pair)]
+    try:
+        config = EngineConfig(**ctx.engine_kwargs(pair))
+        engine = AsyncLLM(config, served_model_name="tiny", log_stats_interval=None,
+                          data_parallel_size=max(f.data_parallel_size for f in features))
+    except ValueError as error:
+        return check_refusal(error, pair)
+    server = ServerThread(engine)
+    try:
+        got = run_serve(server.url, connector=any(f.group == "kv" for f in features))
+        server.wait_idle()
+    finally:
+        server.stop()
+    diffs = compare(got, expect_served)
+    if diffs:
+        raise AssertionError(f"{pair} through the server differs from the plain engine: " + "; ".join(diffs))
+    if frozenset(pair) in VLLM_REFUSES:
+        raise AssertionError(f"{pair}: composed, but vLLM refuses it (our refusal is missing)")
+    return "same tokens"
+
+
+class ServerThread:
+    """The OpenAI server (api_server.build_app over `engine`) in a thread of this process, on a port the
+    OS chose, with one extra route for the matrix: POST /reset_prefix_cache."""
+
+    def __init__(self, engine):
+        import uvicorn
+
+        from mini_vllm.entrypoints.api_server import build_app
+        self.engine = engine
+        app = build_app(engine, ["tiny"])
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache():
+            return {"reset": await engine.reset_prefix_cache()}
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 120
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+
+    def _run(self):
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self.server.serve(sockets=[self.sock]))
+
+    def wait_idle(self, timeout: float = 30) -> None:
+        """Every request gone, then every core's check: every KV block free."""
+        deadline = time.monotonic() + timeout
+        while self.engine.output_processor.has_unfinished_requests() or self.engine.collectors:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"requests left: {list(self.engine.collectors)}")
+            time.sleep(0.02)
+        asyncio.run_coroutine_threadsafe(self.engine.check_invariants(), self.loop).result(60)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.engine.shutdown()
+        self.sock.close()
+
+
+def plain_results(ctx: Context) -> tuple[dict, dict]:
+    """The oracle: the plain engine's results, and the same as the server reports them."""
+    from mini_vllm import LLM
+
+    llm = LLM(**ctx.engine_kwargs(()))
+    try:
+        expect = run_llm(llm, connector=False)
+        return expect, as_served(expect)
+    finally:
+        llm.shutdown()
+
+
+# ---------------------------------------------------------------------------- the whole matrix
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--table", action="store_true", help="print the README's markdown table")
+    args = ap.parse_args(argv)
+    from benchmarks.bench_engine import tiny_model_dir
+    tmp = tempfile.TemporaryDirectory()
+    ctx = Context(tiny_model_dir(Path(tmp.name)), Path(tmp.name))
+    rows = []
+    try:
+        expect, expect_served = plain_results(ctx)
+        for pair in pairs():
+            row = {"pair": list(pair)}
+            for path, run in (("llm", lambda: run_pair_llm(ctx, pair, expect)),
+                              ("serve", lambda: run_pair_serve(ctx, pair, expect_served))):
+                if path == "llm" and not all(BY_NAME[n].llm for n in pair):
+                    row[path] = "no LLM path (the server's feature)"
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    row[path] = run()
+                except AssertionError as e:
+                    row[path] = f"FAILED: {e}"
+                row[path + "_s"] = round(time.perf_counter() - t0, 2)
+            print(row, flush=True)
+            rows.append(row)
+    finally:
+        ctx.close()
+        tmp.cleanup()
+    failed = [r for r in rows if any(str(r.get(p, "")).startswith("FAILED") for p in ("llm", "serve"))]
+    path = write_result("composition_matrix", dict(model="tiny random Llama (2 layers, GQA 4/2), SmolLM2's tokenizer",
+                                                   dtype="float32", device="cpu", plain_engine=PLAIN,
+                                                   vllm_refuses={" + ".join(sorted(k)): v for k, v in VLLM_REFUSES.items()},
+                                                   failed=len(failed),
+                                                   command="python -m benchmarks.composition_matrix"), rows, args.out_dir)
+    if args.table:
+        print(markdown_table(rows))
+    return dict(rows=rows, failed=failed, path=path)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Features x features: "✓" composes through LLM and the server, "vLLM ✗" refused as vLLM refuses it."""
+    names = [f.name for f in FEATURES]
+    cell = {}
+    for r in rows:
+        a, b = r["pair"]
+        results = [r.get(p, "") for p in ("llm", "serve")]
+        if any(str(x).startswith("FAILED") for x in results):
+            mark = "✗"
+        elif any(str(x).startswith("refused") for x in results):
+            mark = "vLLM ✗"
+        else:
+            mark = "✓"
+        cell[(a, b)] = cell[(b, a)] = mark
+    lines = ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for a in names:
+        lines.append(f"| {a} | " + " | ".join(cell.get((a, b), "—") for b in names) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    result = main()
+    sys.exit(1 if result["failed"] else 0)
