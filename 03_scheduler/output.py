@@ -101,6 +101,9 @@ class ModelRunnerOutput:
     # Their request is never reported in finished_recving; the scheduler recomputes from the
     # first invalid block (kv_load_failure_policy "recompute") or fails the request ("fail").
     invalid_block_ids: set[int] = field(default_factory=set)
+    # KV connector: the ranks' whole report for the step (chapter 06's KVConnectorOutput, aggregated),
+    # for the connector's scheduler half (`update_connector_output`); None without a connector.
+    kv_connector_output: Any = None
     req_id_to_index: dict[str, int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -11,8 +11,17 @@ is a configuration error, reported as one — not a silent miss.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
+
+
+class KVConnectorRole(enum.Enum):
+    """vLLM builds a connector twice: SCHEDULER in the engine core (plans loads and saves),
+    WORKER in every rank (moves that rank's bytes)."""
+    SCHEDULER = 0
+    WORKER = 1
+
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")

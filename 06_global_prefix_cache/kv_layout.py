@@ -26,18 +26,28 @@ from kvcache.reference import swap_blocks
 
 @dataclass(frozen=True)
 class NodeSpec:
-    """What two nodes must agree on before K/V bytes can move between them."""
+    """What two nodes must agree on before K/V bytes can move between them: the whole engine's
+    K/V (every layer, every KV head) and how its ranks split it. Rank r of one engine moves
+    bytes only to rank r of another, so both must cut the heads (tp_size) and the layers
+    (pp_size) the same way."""
     model: str
     block_size: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str
+    tp_size: int = 1
+    pp_size: int = 1
 
     @classmethod
-    def from_kv_spec(cls, model: str, spec: KVCacheSpec) -> "NodeSpec":
+    def from_kv_spec(cls, model: str, spec: KVCacheSpec, tp_size: int = 1, pp_size: int = 1) -> "NodeSpec":
         return cls(model, spec.block_size, spec.num_layers, spec.num_kv_heads, spec.head_dim,
-                   str(spec.dtype).removeprefix("torch."))
+                   str(spec.dtype).removeprefix("torch."), tp_size, pp_size)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks per engine: each saves and loads its own share of every block."""
+        return self.tp_size * self.pp_size
 
     @classmethod
     def from_dict(cls, fields: Any, what: str = "spec") -> "NodeSpec":
@@ -71,11 +81,11 @@ class NodeSpec:
         if diffs:
             raise ValueError(f"K/V of {what} is not interchangeable with this node's ("
                              + "; ".join(diffs) + "): prefill and decode nodes must run the same model "
-                             "with the same block size and KV dtype")
+                             "with the same block size, KV dtype and tensor / pipeline parallel sizes")
 
 
 _SPEC_TYPES = {"model": str, "block_size": int, "num_layers": int, "num_kv_heads": int, "head_dim": int,
-               "dtype": str}
+               "dtype": str, "tp_size": int, "pp_size": int}
 
 
 def kv_caches_from_cache_engine(cache_engine: CacheEngine) -> dict[str, torch.Tensor]:

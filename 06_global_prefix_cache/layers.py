@@ -1,6 +1,7 @@
 """The two layers behind the connector: where pool blocks live and how bytes move.
 
-Both give the connector the same five things:
+Both give the connector's two halves the same things. The scheduler half (`KVConnectorRole.SCHEDULER`,
+in the engine core) only asks `pool_query`; the worker half (one per rank) does the rest:
   engine        Mooncake's TransferEngine API (session_id, register_memory,
                 batch_transfer_sync_write) — used for prefill -> decode pushes
   pool_query    longest published prefix of a list of block hashes (stops at the first miss)
@@ -19,12 +20,13 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-from global_prefix_cache.config import KVTransferConfig
+from global_prefix_cache.config import KVConnectorRole, KVTransferConfig
 from global_prefix_cache.grouping import Region, build_transfer_params
 from global_prefix_cache.kv_layout import BlockSegment, KVLayout, NodeSpec
 from global_prefix_cache.metadata import KVBlockMeta, MetadataClient, NodeInfo
 from global_prefix_cache.rpc import RpcError
 from global_prefix_cache.transfer_engine import LinkModel, TransferEngine
+from kvcache.hashing import sha256_hash
 
 
 class LoadError(RuntimeError):
@@ -43,6 +45,13 @@ class PoolHit:
     block_hash: int
     checksum: int
     location: object          # layer-specific: (node session, regions, slot) or a store key
+
+
+def pool_key(block_hash: int, rank: int) -> int:
+    """The pool's key for rank `rank`'s share of block `block_hash` (its heads, its stage's
+    layers). Every rank publishes and loads its own share under its own key; rank 0's key is the
+    block's chained hash itself, so a one-rank engine's pool is keyed by chapter 02's hashes."""
+    return block_hash if rank == 0 else sha256_hash(("rank", rank, block_hash))
 
 
 def classify(error: str) -> str:
@@ -64,21 +73,25 @@ class ScratchLayer:
 
     name = "scratch"
 
-    def __init__(self, config: KVTransferConfig, node_id: str) -> None:
+    def __init__(self, config: KVTransferConfig, node_id: str, spec: NodeSpec, role: KVConnectorRole) -> None:
         extra = config.extra
         if not extra["metadata_server"]:
             raise ValueError("GlobalKVPoolConnector needs kv_connector_extra_config['metadata_server'] = 'host:port' "
                              "(start one with global_prefix_cache.MetadataService or MetadataServerProcess)")
-        link = None
-        if extra["link_latency_us"] is not None:
-            link = LinkModel(extra["link_latency_us"] * 1e-6, extra["link_bandwidth_gbps"] * 1e9 / 8)
-        self.node_id = node_id
-        self.config = config
-        self.engine = TransferEngine(link=link, timeout=extra["load_timeout_s"])
+        self.node_id, self.config, self.spec = node_id, config, spec
         self.metadata = MetadataClient(extra["metadata_server"], timeout=extra["rpc_timeout_s"])
         self.segment: BlockSegment | None = None
+        self.engine = None                     # the scheduler half moves no bytes
+        if role is KVConnectorRole.WORKER:
+            link = None
+            if extra["link_latency_us"] is not None:
+                link = LinkModel(extra["link_latency_us"] * 1e-6, extra["link_bandwidth_gbps"] * 1e9 / 8)
+            self.engine = TransferEngine(link=link, timeout=extra["load_timeout_s"])
 
-    def start(self, layout: KVLayout, spec: NodeSpec) -> None:
+    def start(self, layout: KVLayout) -> None:
+        """The worker half's K/V are registered: open the transfer engine, and join the pool
+        (a producer with a segment of its own, a consumer as a reader)."""
+        spec = self.spec
         self.engine.initialize("127.0.0.1")
         for r in layout.regions:
             self.engine.register_memory(r.base, r.block_len * r.num_blocks)
@@ -172,7 +185,8 @@ class ScratchLayer:
             pass
 
     def close(self) -> None:
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
         self.metadata.close()
 
 

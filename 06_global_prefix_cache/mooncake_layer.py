@@ -36,7 +36,7 @@ from typing import Sequence
 
 import torch
 
-from global_prefix_cache.config import KVTransferConfig
+from global_prefix_cache.config import KVConnectorRole, KVTransferConfig
 from global_prefix_cache.kv_layout import KVLayout, NodeSpec
 from global_prefix_cache.layers import LoadError, PoolHit
 from global_prefix_cache.rpc import free_port, parse_address
@@ -175,7 +175,7 @@ class MooncakeLayer:
 
     name = "mooncake"
 
-    def __init__(self, config: KVTransferConfig, node_id: str) -> None:
+    def __init__(self, config: KVTransferConfig, node_id: str, spec: NodeSpec, role: KVConnectorRole) -> None:
         extra = config.extra
         if not extra["master_server"]:
             raise ValueError("MooncakeConnector needs kv_connector_extra_config['master_server'] = 'host:port' "
@@ -184,20 +184,23 @@ class MooncakeLayer:
             raise ConnectionError(f"mooncake_master at {extra['master_server']} does not answer")
         self.config, self.node_id = config, node_id
         self.faults = MooncakeFaults()
-        self.engine = MooncakeEngine(extra["protocol"])
+        worker = role is KVConnectorRole.WORKER
+        # The scheduler half only asks which keys exist: a client that gives the store no memory.
+        self.engine = MooncakeEngine(extra["protocol"]) if worker else None
         from mooncake.store import MooncakeDistributedStore
         self.store = MooncakeDistributedStore()
-        rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", extra["global_segment_size"], extra["local_buffer_size"],
-                              extra["protocol"], "", extra["master_server"])
+        segment, buffer = (extra["global_segment_size"], extra["local_buffer_size"]) if worker else (0, 1 << 20)
+        rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", segment, buffer, extra["protocol"], "",
+                              extra["master_server"])
         if rc != 0:
             raise RuntimeError(f"MooncakeDistributedStore.setup(master={extra['master_server']}) = {rc}")
-        self.namespace = ""
+        # Different models / block sizes / parallel layouts never share keys; the store itself cannot tell.
+        self.namespace = (f"{spec.model}|bs{spec.block_size}|{spec.num_layers}x{spec.num_kv_heads}x{spec.head_dim}"
+                          f"|{spec.dtype}|tp{spec.tp_size}pp{spec.pp_size}")
 
-    def start(self, layout: KVLayout, spec: NodeSpec) -> None:
+    def start(self, layout: KVLayout) -> None:
         for r in layout.regions:
             self.engine.register_memory(r.base, r.block_len * r.num_blocks)
-        # Different models / block sizes never share keys; the store itself cannot tell.
-        self.namespace = f"{spec.model}|bs{spec.block_size}|{spec.num_layers}x{spec.num_kv_heads}x{spec.head_dim}|{spec.dtype}"
 
     def key(self, block_hash: int) -> str:
         return f"{self.namespace}|{block_hash:064x}"
@@ -274,4 +277,5 @@ class MooncakeLayer:
             if port_answers(self.config.extra["master_server"], 0.5):
                 self.store.close()
         finally:
-            self.engine.close()
+            if self.engine is not None:
+                self.engine.close()

@@ -7,13 +7,15 @@ deterministic function of (token, position, layer), so any node can compute what
 must hold and compare bytes. (With a real model, K/V depend on the whole prefix; the pool
 is keyed by the chained prefix hash, so nothing here relies on that simplification.)
 
-One `KVNode.step()`:
-    out  = scheduler.schedule()
-    meta = connector.build_connector_meta(out); bind; start_load_kv()
-    forward: per layer, write K/V of the scheduled tokens by slot, then save_kv_layer(layer)
-    wait_for_save(); get_finished() -> finished_recving; get_block_ids_with_load_errors()
+One `KVNode.step()`, with the connector's two halves side by side (an engine puts the worker
+half in every rank):
+    out = scheduler.schedule()             (KVConnectorScheduler asks the scheduler half, which
+                                            writes the step's loads and saves into out)
+    worker.bind_connector_metadata(out.kv_connector_metadata); worker.start_load_kv()
+    forward: per layer, write K/V of the scheduled tokens by slot, then worker.save_kv_layer(layer)
+    worker.wait_for_save(); worker.get_connector_output() -> KVConnectorOutput
     scheduler.update_from_output(out, ModelRunnerOutput(..., finished_recving, invalid_block_ids))
-        (KVConnectorScheduler recomputes a request whose load failed)
+        (the scheduler half reads the report; KVConnectorScheduler recomputes a failed load)
     request_finished(...) for requests that finished
 
 `NodeProcess` runs a KVNode in a child process behind a pipe: tests and the demo use two
@@ -29,8 +31,11 @@ from typing import Any
 
 import torch
 
-from global_prefix_cache.connector import KVConnectorBase_V1, create_connector
-from global_prefix_cache.kv_layout import kv_caches_from_cache_engine
+from global_prefix_cache.config import KVConnectorRole, KVTransferConfig
+from global_prefix_cache.connector import KVOutputAggregator, create_connector, merge_stats, new_node_id
+from global_prefix_cache.connector_scheduler import ConnectorScheduler
+from global_prefix_cache.connector_worker import ConnectorWorker
+from global_prefix_cache.kv_layout import NodeSpec, kv_caches_from_cache_engine
 from kvcache import KVCacheManager
 from kvcache.cache_engine import CacheEngine, KVCacheSpec
 from global_prefix_cache.scheduler import KVConnectorScheduler
@@ -92,10 +97,10 @@ class KVNode:
             self._shuffle_free_blocks(shuffle_seed)
         self.cache = CacheEngine(self.spec, num_blocks)
         self.model = FakeKVModel(self.spec)
-        self.connector: KVConnectorBase_V1 | None = None
+        self.connector: ConnectorScheduler | None = None        # the scheduler half
+        self.worker_connector: ConnectorWorker | None = None    # the worker half (one rank)
         if kv_transfer_config is not None:
-            self.connector = create_connector(kv_transfer_config, block_size, node_id)
-            self.connector.register_kv_caches(kv_caches_from_cache_engine(self.cache))
+            self._make_connector(KVTransferConfig.from_dict(kv_transfer_config), node_id)
         config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_model_len, max_model_len=max_model_len)
         self.scheduler = (Scheduler(config, self.kv_cache_manager) if self.connector is None else
                           KVConnectorScheduler(config, self.kv_cache_manager, connector=self.connector))
@@ -104,6 +109,26 @@ class KVNode:
         self.records: dict[str, RequestRecord] = {}
         self.block_tables: dict[str, list[int]] = {}
         self._t0: dict[str, float] = {}
+
+    def _make_connector(self, config: KVTransferConfig, node_id: str | None) -> None:
+        node_id = node_id or new_node_id(config)
+        spec = NodeSpec.from_kv_spec(config.extra["model"], self.spec)
+        self.worker_connector = create_connector(config, KVConnectorRole.WORKER, spec, node_id=node_id)
+        try:
+            self.worker_connector.register_kv_caches(kv_caches_from_cache_engine(self.cache))
+            self.connector = create_connector(config, KVConnectorRole.SCHEDULER, spec, node_id=node_id)
+        except BaseException:
+            self.worker_connector.shutdown()
+            raise
+        self.connector.set_xfer_handshake_metadata([self.worker_connector.get_handshake_metadata()])
+        self.kv_output_aggregator = KVOutputAggregator(world_size=1)
+
+    @property
+    def kv_stats(self) -> dict:
+        """The connector's counters, both halves together."""
+        if self.connector is None:
+            return {}
+        return merge_stats(self.connector.stats, self.worker_connector.stats)
 
     def _shuffle_free_blocks(self, seed: int) -> None:
         """Scatter the free queue so this node's allocations are not 0, 1, 2, ...: block ids
@@ -129,31 +154,28 @@ class KVNode:
 
     def step(self) -> None:
         out = self.scheduler.schedule()
-        c = self.connector
-        if c is not None:
-            # KVConnectorScheduler builds the connector's metadata into its output; build it
-            # here only for a scheduler that does not.
-            meta = getattr(out, "kv_connector_metadata", None)
-            c.bind_connector_metadata(meta if meta is not None else c.build_connector_meta(out))
-            c.start_load_kv()
+        worker = self.worker_connector
+        if worker is not None:
+            worker.bind_connector_metadata(out.kv_connector_metadata)
+            worker.start_load_kv()
         self._update_block_tables(out)
         for rid, request in self.scheduler.requests.items():
             self.records[rid].trace.append((request.status.name, request.num_computed_tokens,
                                             out.num_scheduled_tokens.get(rid, 0)))
         sampled = self._forward(out)
-        recving: set[str] = set()
-        invalid: set[int] = set()
-        if c is not None:
-            c.wait_for_save()
-            _, recving = c.get_finished(out.finished_req_ids)
-            for rid, reason in c.get_failed_loads().items():
+        kv_output = None
+        if worker is not None:
+            worker.wait_for_save()
+            kv_output = self.kv_output_aggregator.aggregate([worker.get_connector_output(out.finished_req_ids)])
+            worker.clear_connector_metadata()
+            for rid, failure in kv_output.failed_recving.items():
                 if rid in self.records:
-                    self.records[rid].failed_load = reason
-            invalid = c.get_block_ids_with_load_errors()
-            c.clear_connector_metadata()
+                    self.records[rid].failed_load = failure.reason
         req_ids = list(out.num_scheduled_tokens)
-        runner_out = ModelRunnerOutput(req_ids, [sampled.get(r, []) for r in req_ids], finished_recving=recving,
-                                       invalid_block_ids=invalid)
+        runner_out = ModelRunnerOutput(req_ids, [sampled.get(r, []) for r in req_ids])
+        if kv_output is not None:
+            runner_out.finished_recving, runner_out.finished_sending = kv_output.finished_recving, kv_output.finished_sending
+            runner_out.invalid_block_ids, runner_out.kv_connector_output = kv_output.invalid_block_ids, kv_output
         for o in self.scheduler.update_from_output(out, runner_out):
             record = self.records[o.request_id]
             if o.new_token_ids and not record.output_token_ids:
@@ -201,8 +223,8 @@ class KVNode:
             k, v = self.model.kv(t, p, layer)
             self.cache.key_caches[layer].view(-1, self.spec.num_kv_heads, self.spec.head_dim)[s] = k
             self.cache.value_caches[layer].view(-1, self.spec.num_kv_heads, self.spec.head_dim)[s] = v
-            if self.connector is not None:
-                self.connector.save_kv_layer(f"layers.{layer}")
+            if self.worker_connector is not None:
+                self.worker_connector.save_kv_layer(f"layers.{layer}")
         if self.step_delay_s:
             time.sleep(self.step_delay_s * out.total_num_scheduled_tokens)
         return sampled
@@ -238,7 +260,7 @@ class KVNode:
                 raise TimeoutError(f"request {request_id} not finished within {timeout} s: "
                                    f"{self.records[request_id].trace[-3:]}")
             self.step()
-            if self.connector is not None and self.connector.has_pending_loads():
+            if self.worker_connector is not None and self.worker_connector.has_pending_loads():
                 time.sleep(0.002)        # waiting for remote K/V: don't spin on the CPU
         return self.records[request_id]
 
@@ -249,15 +271,16 @@ class KVNode:
         assert self.kv_cache_manager.num_free_blocks == self.kv_cache_manager.num_blocks, "KV blocks leaked"
 
     def close(self) -> None:
-        if self.connector is not None:
-            self.connector.shutdown()
+        for half in (self.connector, self.worker_connector):
+            if half is not None:
+                half.shutdown()
 
 
 # ==================================================================== a node in its own process
 def _make_node(kwargs: dict):
     node = KVNode(**kwargs)
-    return node, {"pid": os.getpid(), "side_channel": getattr(node.connector, "side_channel", None)
-                  and node.connector.side_channel.address}
+    return node, {"pid": os.getpid(),
+                  "side_channel": node.worker_connector and node.worker_connector.get_handshake_metadata()}
 
 
 def _node_main(conn, kwargs: dict) -> None:
@@ -274,12 +297,12 @@ def _cmd_run(node: KVNode, rid, prompt, max_tokens, params, timeout) -> dict:
 
 def _cmd_set_faults(node: KVNode, faults: dict) -> None:
     for k, v in faults.items():
-        setattr(node.connector.layer.engine.faults, k, v)
+        setattr(node.worker_connector.layer.engine.faults, k, v)
 
 
 def _cmd_stats(node: KVNode) -> dict:
-    return {"connector": node.connector.stats if node.connector else {},
-            "load_seconds": list(node.connector.load_seconds) if node.connector else [],
+    return {"connector": node.kv_stats,
+            "load_seconds": list(node.worker_connector.load_seconds) if node.worker_connector else [],
             "free_blocks": node.kv_cache_manager.num_free_blocks, "num_blocks": node.kv_cache_manager.num_blocks}
 
 

@@ -40,9 +40,10 @@ from scheduler import (EngineCoreOutput, ModelRunnerOutput, Request, RequestStat
 
 class KVConnectorBase:
     """What the scheduler asks of a KV connector (the scheduler-side half of vLLM's
-    `KVConnectorBase_V1`; `connector.KVConnectorBase_V1` adds the worker side). Subclasses
-    implement the two matching methods; the others default to "nothing to tell the workers",
-    "free the blocks now" and "nothing to remember about a failed load"."""
+    `KVConnectorBase_V1`; `connector_scheduler.ConnectorScheduler` implements it, and
+    `connector_worker.ConnectorWorker` is the worker side). Subclasses implement the two
+    matching methods; the others default to "nothing to tell the workers", "free the blocks
+    now" and "nothing to remember about a failed load"."""
 
     # What the scheduler does with a request whose asynchronous load failed (vLLM:
     # KVTransferConfig.kv_load_failure_policy): "recompute" or "fail".
@@ -69,10 +70,15 @@ class KVConnectorBase:
         (policy "recompute"). From now on `get_num_new_matched_tokens` should answer 0 for it:
         it is asked again if the request is ever reset to zero computed tokens (preemption)."""
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """What the workers reported for a step (chapter 06's KVConnectorOutput), before the
+        step's outputs are applied: the connector's own bookkeeping (stats, failures)."""
+
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         """The request finished (told of every finished request, holding blocks or not). True:
-        its blocks are still being read (sent to another node): free them only when the worker
-        reports the request in `finished_sending`."""
+        its blocks are still in use by a transfer — being sent to another node, or written by a
+        load the workers have not stopped yet: free them only when the workers report the request
+        in `finished_sending` / `finished_recving`."""
         return False
 
 
@@ -92,9 +98,15 @@ class KVConnectorScheduler(Scheduler):
         self._delayed_free: dict[str, Request] = {}
 
     def get_num_waiting_for_remote_kvs(self) -> int:
-        """Waiting requests whose K/V is still on its way: the engine may step with nothing to
+        """Requests whose K/V transfer is still under way — waiting ones whose K/V is on its way,
+        finished ones whose blocks a transfer still holds: the engine may step with nothing to
         compute while they wait, and that is not a stuck scheduler."""
-        return sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting)
+        return sum(r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.waiting) + len(self._delayed_free)
+
+    def has_unfinished_requests(self) -> bool:
+        """Finished requests whose blocks a transfer still holds count: the engine steps until the
+        workers report them done, and only then are the blocks free."""
+        return super().has_unfinished_requests() or bool(self._delayed_free)
 
     # ================================================================== admission
     def _schedule_waiting(self, step: ScheduledStep) -> None:
@@ -246,10 +258,12 @@ class KVConnectorScheduler(Scheduler):
     # ================================================================== after the forward pass
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        if self.connector is not None and model_runner_output.kv_connector_output is not None:
+            self.connector.update_connector_output(model_runner_output.kv_connector_output)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         outputs += self._update_requests_with_invalid_blocks(model_runner_output.invalid_block_ids)
         self.finished_recving_kv_req_ids |= {r for r in model_runner_output.finished_recving if r in self.requests}
-        for req_id in model_runner_output.finished_sending:
+        for req_id in model_runner_output.finished_sending | model_runner_output.finished_recving:
             request = self._delayed_free.pop(req_id, None)
             if request is not None:
                 super()._free_kv(request, owns_kv=True)

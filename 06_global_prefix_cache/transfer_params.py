@@ -26,7 +26,7 @@ from paged_attention import cdiv
 # Every key a request may carry, and its type. A prefill request sends {"do_remote_decode": True};
 # the decode request sends back what the prefill engine returned (do_remote_prefill and the rest).
 FLAGS = ("do_remote_decode", "do_remote_prefill")
-REMOTE_PREFILL_KEYS = ("remote_session", "remote_request_id", "num_tokens", "spec", "block_hashes")
+REMOTE_PREFILL_KEYS = ("remote_sessions", "remote_request_id", "num_tokens", "spec", "block_hashes")
 HASH_HEX_DIGITS = 64          # sha256
 
 
@@ -53,8 +53,9 @@ def parse_kv_transfer_params(params: Any) -> dict | None:
     """The canonical form of a request's kv_transfer_params, or ValueError naming the field.
 
     {} and None mean "nothing remote". Flags are bools; with do_remote_prefill every remote key
-    is required: remote_session "host:port", remote_request_id a non-empty str, num_tokens an
-    int >= 1, spec a NodeSpec dict, block_hashes one hex hash per block of num_tokens tokens.
+    is required: remote_sessions one "host:port" per rank of the prefill node (rank r's side
+    channel, in rank order), remote_request_id a non-empty str, num_tokens an int >= 1, spec a
+    NodeSpec dict, block_hashes one hex hash per block of num_tokens tokens.
     Unknown keys are refused (a misspelt flag would otherwise silently do nothing)."""
     if params is None:
         return None
@@ -79,21 +80,25 @@ def parse_kv_transfer_params(params: Any) -> dict | None:
     if missing:
         raise ValueError(f"kv_transfer_params with do_remote_prefill needs {missing} "
                          "(pass the prefill engine's returned kv_transfer_params unchanged)")
-    session, rid, num_tokens = params["remote_session"], params["remote_request_id"], params["num_tokens"]
-    if not isinstance(session, str):
-        raise ValueError(f"kv_transfer_params['remote_session'] must be 'host:port', got {session!r}")
-    parse_address(session)
+    sessions, rid, num_tokens = params["remote_sessions"], params["remote_request_id"], params["num_tokens"]
+    if not isinstance(sessions, list) or not sessions or not all(isinstance(s, str) for s in sessions):
+        raise ValueError(f"kv_transfer_params['remote_sessions'] must be a list of 'host:port', got {sessions!r}")
+    for session in sessions:
+        parse_address(session)
     if not isinstance(rid, str) or not rid:
         raise ValueError(f"kv_transfer_params['remote_request_id'] must be a non-empty str, got {rid!r}")
     if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
         raise ValueError(f"kv_transfer_params['num_tokens'] must be an int >= 1, got {num_tokens!r}")
     spec = NodeSpec.from_dict(params["spec"], "kv_transfer_params['spec']")
+    if len(sessions) != spec.world_size:
+        raise ValueError(f"kv_transfer_params['remote_sessions'] has {len(sessions)} addresses for a prefill node "
+                         f"of {spec.world_size} ranks (tp_size {spec.tp_size} x pp_size {spec.pp_size})")
     hashes = decode_hashes(params["block_hashes"], "kv_transfer_params['block_hashes']")
     num_blocks = cdiv(num_tokens, spec.block_size)
     if len(hashes) != num_blocks:
         raise ValueError(f"kv_transfer_params['block_hashes'] has {len(hashes)} hashes; {num_tokens} tokens in "
                          f"blocks of {spec.block_size} need {num_blocks}")
-    return {"do_remote_prefill": True, "remote_session": session, "remote_request_id": rid,
+    return {"do_remote_prefill": True, "remote_sessions": list(sessions), "remote_request_id": rid,
             "num_tokens": num_tokens, "spec": spec.as_dict(), "block_hashes": encode_hashes(hashes)}
 
 
@@ -101,7 +106,7 @@ def check_kv_transfer_params(params: Any, config) -> dict | None:
     """What any front end can check without the connector: the canonical form
     (`parse_kv_transfer_params`) and that this node's role (`config`, a KVTransferConfig) can do what
     the params ask. Whether a prefill node's K/V fits this node (model, layout) is the connector's
-    to say (`KVConnectorBase_V1.validate_kv_transfer_params`), where it runs."""
+    to say (`ConnectorScheduler.validate_kv_transfer_params`), where it runs."""
     parsed = parse_kv_transfer_params(params)
     if parsed is None:
         return None

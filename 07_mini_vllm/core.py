@@ -17,9 +17,9 @@ message and the engine refuses new ones: it cannot step any more.
 Start-up sizes the KV cache (`kv_memory.py`), allocates it, captures CUDA graphs, and only
 then builds the KV cache manager (chapter 02) with that many blocks and the scheduler on top.
 
-With `kv_transfer_config` (chapter 06) a KV connector is created from it (vLLM's
-KVConnectorFactory), handed the KV cache (`register_kv_caches`, through the model runner) and
-given to the scheduler: one object plays vLLM's scheduler-side and worker-side connectors.
+With `kv_transfer_config` (chapter 06) the KV connector is built twice, as in vLLM: its worker
+half in every rank (through the executor, registered with that rank's K/V) and its scheduler half
+here, given to the scheduler and told each rank's side channel.
 """
 from __future__ import annotations
 
@@ -120,24 +120,44 @@ class EngineCore:
 
     # ------------------------------------------------------------------ KV connector (chapter 06)
     def _make_kv_connector(self):
-        """vLLM's KVConnectorFactory: the config's connector name picks the class. The K/V of two
-        engines is interchangeable only for the same weights, so the connector's node spec names
-        them (directory name + `weights_fingerprint`) unless kv_connector_extra_config["model"] does."""
+        """vLLM's KVConnectorFactory, once per role: the worker halves in the ranks, then the
+        scheduler half here. The K/V of two engines is interchangeable only for the same weights, so
+        the connector's node spec names them (directory name + `weights_fingerprint`) unless
+        kv_connector_extra_config["model"] does."""
         kv_config = self.config.kv_transfer_config
         if kv_config is None:
             return None
-        from global_prefix_cache.connector import create_connector
+        from global_prefix_cache.config import KVConnectorRole
+        from global_prefix_cache.connector import create_connector, new_node_id
         extra = dict(kv_config.kv_connector_extra_config)
         if not extra.get("model"):
             extra["model"] = f"{self.model_config.model.name}@{weights_fingerprint(self.model_config.model)}"
-        connector = create_connector(dataclasses.replace(kv_config, kv_connector_extra_config=extra),
-                                     self.config.block_size)
-        try:
-            self.model_runner.register_kv_connector(connector)   # joins the pool / opens the side channel
-        except BaseException:
-            connector.shutdown()
-            raise
+        kv_config = dataclasses.replace(kv_config, kv_connector_extra_config=extra)
+        spec = self._kv_node_spec(extra["model"])
+        node_id = new_node_id(kv_config)
+        sessions = self.model_executor.init_kv_connector(kv_config, spec, node_id)  # they join the pool
+        connector = create_connector(kv_config, KVConnectorRole.SCHEDULER, spec, node_id=node_id)
+        connector.set_xfer_handshake_metadata(sessions)
         return connector
+
+    def _kv_node_spec(self, model: str):
+        """The whole engine's K/V, as the connector names it to other engines: every layer and KV
+        head, and how the ranks split them (each rank moves only its share)."""
+        from global_prefix_cache.kv_layout import NodeSpec
+        mc, pc, kv = self.model_config, self.config.parallel_config, self.model_executor.kv_cache_spec
+        return NodeSpec(model, self.config.block_size, mc.num_hidden_layers, mc.num_key_value_heads, kv.head_dim,
+                        str(kv.dtype).removeprefix("torch."), pc.tensor_parallel_size, pc.pipeline_parallel_size)
+
+    def kv_connector_stats(self) -> dict:
+        """The connector's counters, the scheduler half's and every rank's together, and every
+        rank's load times: {"connector": {...}, "load_seconds": [...]}."""
+        from global_prefix_cache.connector import merge_stats
+        if self.kv_connector is None:
+            return {"connector": {}, "load_seconds": []}
+        self.model_executor.wait_in_flight()
+        ranks = self.model_executor.collective_rpc("get_kv_connector_stats")
+        return {"connector": merge_stats(self.kv_connector.stats, *(r["stats"] for r in ranks)),
+                "load_seconds": [t for r in ranks for t in r["load_seconds"]]}
 
     def validate_kv_transfer_params(self, params: dict | None) -> dict | None:
         """The canonical form of a request's kv_transfer_params, which the request must carry;
@@ -252,7 +272,8 @@ class EngineCore:
             cpu = kv.cpu_block_pool
             assert cpu is None or kv.num_free_cpu_blocks == cpu.num_blocks, "CPU swap blocks leaked"
             if self.kv_connector is not None:
-                assert not self.kv_connector.has_pending_loads(), "remote K/V still loading for no request"
+                pending = self.model_executor.collective_rpc("has_pending_kv_loads")
+                assert not any(pending), "remote K/V still loading for no request"
         drafter = self.model_runner.spec_decode if self.model_runner is not None else None
         if drafter is not None:
             drafter.check_idle(known)
@@ -327,9 +348,6 @@ class EngineCore:
     def _finish_step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
                      start: float) -> EngineCoreStep:
         """Apply one batch's output: tokens, stops, errors (the second half of a step)."""
-        if scheduler_output.is_empty and self.kv_connector is not None:
-            # Nothing to compute, remote K/V on its way: wait for it (bounded) instead of spinning.
-            self.kv_connector.wait_for_loads(timeout=0.01)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self._update_draft_token_ids(runner_output)
         errors: dict[str, str] = {}

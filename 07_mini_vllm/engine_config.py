@@ -298,9 +298,6 @@ class EngineConfig:
                              f"({self.pipeline_parallel_size}): more batches than stages would only queue; got {mcb!r}")
         if parallel.executor_backend == "uni":
             return
-        if self.kv_transfer_config is not None:
-            raise ValueError("kv_transfer_config is not supported with distributed_executor_backend='mp' (tensor / "
-                             "pipeline parallel): its connector lives in the engine's single model runner")
         if self.speculative_config is not None and self.speculative_config.method == "layer_skip" \
                 and self.pipeline_parallel_size > 1:
             raise ValueError("speculative_config method 'layer_skip' drafts with the target's first layers, which live "

@@ -33,7 +33,7 @@ def run_requests(engine, requests: list[dict], timeout: float = 120.0, on_step=N
     each step it was alive: (status, num_computed_tokens, tokens computed in that step).
     `on_step(i)`, if given, runs after step i (a test injects a fault between two steps)."""
     core = engine.engine_core
-    connector = core.kv_connector
+    connector = core.kv_connector          # the scheduler half: what each request was planned to load
     results: dict[str, dict[str, Any]] = {}
     for spec in requests:
         rid = spec["request_id"]
@@ -77,13 +77,19 @@ def run_requests(engine, requests: list[dict], timeout: float = 120.0, on_step=N
 
 
 def engine_stats(engine) -> dict:
-    """The connector's counters and the KV cache's free blocks."""
+    """The connector's counters (both halves, every rank) and the KV cache's free blocks."""
     core = engine.engine_core
-    c = core.kv_connector
     kv = core.kv_cache_manager
-    return {"connector": dict(c.stats) if c is not None else {},
-            "load_seconds": list(c.load_seconds) if c is not None else [],
-            "free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks}
+    return {**core.kv_connector_stats(), "free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks}
+
+
+def worker_connector(engine):
+    """The worker half of the connector of an engine whose model runner is in this process
+    (distributed_executor_backend='uni'): where faults are injected."""
+    runner = engine.engine_core.model_executor.model_runner
+    if runner is None:
+        raise ValueError("the model runner is in worker processes: no worker-side connector here")
+    return runner.kv_connector
 
 
 # ==================================================================== an engine in its own process
@@ -103,7 +109,7 @@ class _EngineHost:
 
 def _make_host(kwargs: dict):
     host = _EngineHost(kwargs)
-    c = host.engine.engine_core.kv_connector
+    c = host.engine.engine_core.kv_connector and worker_connector(host.engine)
     return host, {"pid": os.getpid(), "session": c.layer.engine.session_id if c is not None else None,
                   "num_blocks": host.engine.engine_core.kv_cache_manager.num_blocks}
 
@@ -126,7 +132,7 @@ def _cmd_check(host: _EngineHost) -> dict:
 def _cmd_set_faults(host: _EngineHost, faults: dict) -> None:
     """Fault injection on this node's transfer engine (from-scratch layer: corrupt_payloads,
     serve_delay_s) or Mooncake layer (load_delay_s)."""
-    layer = host.engine.engine_core.kv_connector.layer
+    layer = worker_connector(host.engine).layer
     target = layer.faults if hasattr(layer, "faults") else layer.engine.faults
     for k, v in faults.items():
         if not hasattr(target, k):

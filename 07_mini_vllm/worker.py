@@ -108,6 +108,17 @@ class Worker:
             raise RuntimeError(f"rank {self.rank}: {failure}")
         return output
 
+    # ------------------------------------------------------------------ the KV connector (chapter 06)
+    def init_kv_connector(self, kv_transfer_config, spec, node_id: str) -> str | None:
+        """This rank's worker half of the connector, over this rank's K/V (its heads, its layers)."""
+        return self.model_runner.init_kv_connector(kv_transfer_config, spec, self.rank, node_id)
+
+    def has_pending_kv_loads(self) -> bool:
+        return self.model_runner.has_pending_kv_loads()
+
+    def get_kv_connector_stats(self) -> dict:
+        return self.model_runner.get_kv_connector_stats()
+
     def kv_cache_shapes(self) -> list[tuple[int, ...]]:
         """Each local layer's K cache shape: what this rank actually holds (tests, the notebook)."""
         return [tuple(k.shape) for k, _ in self.model_runner.kv_caches]
@@ -135,5 +146,7 @@ class Worker:
         return out
 
     def shutdown(self) -> None:
+        if self.model_runner is not None:
+            self.model_runner.shutdown_kv_connector()      # its servers and threads, and it leaves the pool
         if self.parallel_config.world_size > 1:
             parallel_state.destroy_model_parallel()

@@ -86,7 +86,7 @@ def run_layer(layer: str, tokenizer, sessions: int, repeat_system: int, max_toke
             rows.append(dict(session=i, prompt_tokens=len(prompt_b), loaded_tokens=with_pool["external_tokens"],
                              failed_load=with_pool["failed_load"], ttft_with_pool_s=with_pool["ttft_s"],
                              ttft_without_pool_s=without["ttft_s"]))
-        load_seconds = list(b.engine_core.kv_connector.load_seconds)
+        load_seconds = b.engine_core.kv_connector_stats()["load_seconds"]
     finally:
         if b is not None:
             b.shutdown()

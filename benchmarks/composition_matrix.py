@@ -166,13 +166,16 @@ def run_llm(llm, connector: bool) -> dict:
     """The workload through LLM -> {what: comparable result}."""
     from mini_vllm import BeamSearchParams, SamplingParams
 
-    def greedy():
-        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                                                               SamplingParams(**GREEDY), use_tqdm=False)]
+    def greedy(from_pool: bool = False):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(**GREEDY), use_tqdm=False)
+        if from_pool and not all(o.num_cached_tokens >= BLOCK for o in outputs):
+            raise AssertionError(f"the second pass did not load its prompts from the pool: cached tokens "
+                                 f"{[o.num_cached_tokens for o in outputs]}")
+        return [o.outputs[0].token_ids for o in outputs]
     out = {"greedy": greedy()}
     if connector:                      # again, the prompts' K/V from the pool this time
         llm.reset_prefix_cache()
-        out["greedy from the pool"] = greedy()
+        out["greedy from the pool"] = greedy(from_pool=True)
     n = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(**N_BEST), use_tqdm=False)[0]
     out["n=2"] = [c.token_ids for c in n.outputs]
     beams = llm.beam_search([{"prompt_token_ids": PROMPTS[1]}], BeamSearchParams(**BEAM))[0]
@@ -200,12 +203,16 @@ def run_serve(url: str, connector: bool) -> dict:
             raise RuntimeError(f"{r.status_code}: {r.text[:500]}")
         return r.json()
 
-    def greedy():
-        return [c["token_ids"] for c in post(prompt=PROMPTS, **GREEDY)["choices"]]
+    def greedy(from_pool: bool = False):
+        body = post(prompt=PROMPTS, **GREEDY)
+        cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        if from_pool and cached < BLOCK * len(PROMPTS):
+            raise AssertionError(f"the second pass did not load its prompts from the pool: {cached} cached tokens")
+        return [c["token_ids"] for c in body["choices"]]
     out = {"greedy": greedy()}
     if connector:
         httpx.post(url + "/reset_prefix_cache", timeout=60)
-        out["greedy from the pool"] = greedy()
+        out["greedy from the pool"] = greedy(from_pool=True)
     out["n=2"] = [c["token_ids"] for c in post(prompt=PROMPTS[0], **N_BEST)["choices"]]
     beam = post(prompt=PROMPTS[1], use_beam_search=True, n=BEAM["beam_width"], max_tokens=BEAM["max_tokens"],
                 ignore_eos=True, temperature=0.0)

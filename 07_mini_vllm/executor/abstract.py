@@ -83,10 +83,39 @@ class Executor:
     def capture_model(self) -> None:
         self.collective_rpc("capture_model")
 
+    # ------------------------------------------------------------------ the KV connector (chapter 06)
+    kv_output_aggregator = None
+
+    def init_kv_connector(self, kv_transfer_config, spec, node_id: str) -> list[str | None]:
+        """A worker-side connector in every rank, registered with that rank's K/V; returns each
+        rank's handshake (side channel address), in rank order, for the scheduler half. From now on
+        every rank's step report is gathered and joined (`KVOutputAggregator`)."""
+        from global_prefix_cache.connector import KVOutputAggregator
+        self.kv_output_aggregator = KVOutputAggregator(self.parallel_config.world_size)
+        return self.collective_rpc("init_kv_connector", (kv_transfer_config, spec, node_id))
+
+    @property
+    def reply_rank(self) -> int | None:
+        """Whose step output the engine reads: the output rank's alone, or — with a KV connector,
+        whose every rank reports its own loads and saves — every rank's (None)."""
+        return None if self.kv_output_aggregator is not None else self.output_rank
+
+    def _step_output(self, outputs: list):
+        """The step's one ModelRunnerOutput from the replies of `reply_rank`: the output rank's,
+        with the ranks' KV connector reports joined into it."""
+        if self.kv_output_aggregator is None:
+            return outputs[0]
+        output = outputs[self.output_rank]
+        kv = self.kv_output_aggregator.aggregate([o.kv_connector_output for o in outputs])
+        output.finished_recving, output.finished_sending = kv.finished_recving, kv.finished_sending
+        output.invalid_block_ids, output.kv_connector_output = kv.invalid_block_ids, kv
+        return output
+
     def execute_model(self, scheduler_output):
         """Every rank runs the step; the output comes from the rank that sampled last (the last
         pipeline stage's first TP rank; every TP rank sampled the same tokens)."""
-        return get_output(self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=self.output_rank))
+        replies = self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=self.reply_rank)
+        return self._step_output([get_output(r) for r in (replies if self.reply_rank is None else [replies])])
 
     def execute_model_async(self, scheduler_output) -> "FutureOutput":
         """Start the step and return at once; `.result()` waits for its output (vLLM:

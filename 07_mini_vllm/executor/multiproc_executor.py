@@ -178,12 +178,14 @@ class MultiprocExecutor(Executor):
         stage 0 starts this step while the later stages still run the previous one, and the
         output rank's replies arrive in the order the steps were sent (the engine waits for them
         oldest first)."""
-        self._send("execute_model", (scheduler_output,), self.output_rank)
+        reply_rank = self.reply_rank
+        self._send("execute_model", (scheduler_output,), reply_rank)
         self._in_flight += 1
 
         def wait():
             try:
-                return self._wait_replies([self.output_rank], "execute_model")[0]
+                ranks = list(range(self.world_size)) if reply_rank is None else [reply_rank]
+                return self._step_output(self._wait_replies(ranks, "execute_model"))
             finally:
                 self._in_flight -= 1
         return FutureOutput(wait)

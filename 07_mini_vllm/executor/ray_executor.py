@@ -120,11 +120,14 @@ class RayDistributedExecutor(Executor):
         return self._get(refs, method)
 
     def execute_model_async(self, scheduler_output) -> FutureOutput:
-        """Every actor gets the call now; the output rank's reply is awaited later (actors keep call order)."""
+        """Every actor gets the call now; the reply rank's reply (every rank's, with a KV connector) is
+        awaited later (actors keep call order)."""
         if self.failure is not None:
             raise ExecutorError(self.failure)
         refs = [a.execute_method.remote("execute_model", scheduler_output) for a in self.actors]
-        return FutureOutput(lambda: self._get([refs[self.output_rank]], "execute_model")[0])
+        if self.reply_rank is not None:
+            refs = [refs[self.reply_rank]]
+        return FutureOutput(lambda: self._step_output(self._get(refs, "execute_model")))
 
     def _fail(self, message: str):
         self.failure = f"the ray executor failed: {message}"

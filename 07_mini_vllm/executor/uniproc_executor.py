@@ -45,7 +45,7 @@ class UniProcExecutor(Executor):
 
         def wait():
             output, self._last_inputs = future.result()
-            return get_output(output)
+            return self._step_output([get_output(output)])
         return FutureOutput(wait)
 
     def wait_in_flight(self) -> None:

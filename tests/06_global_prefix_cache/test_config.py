@@ -48,6 +48,20 @@ def test_node_spec_mismatch_names_every_difference():
     with pytest.raises(ValueError, match=r"block_size: here 16, the prefill node 32; dtype: here 'float32'"):
         a.check_compatible(b, "the prefill node")
     a.check_compatible(NodeSpec(**a.as_dict()))
+    # Rank r moves bytes to rank r: two engines must split heads and layers the same way.
+    with pytest.raises(ValueError, match=r"tp_size: here 1, the prefill node 2"):
+        a.check_compatible(NodeSpec("SmolLM2", 16, 30, 3, 64, "float32", tp_size=2), "the prefill node")
+
+
+def test_remote_sessions_name_one_side_channel_per_prefill_rank():
+    from global_prefix_cache.transfer_params import parse_kv_transfer_params
+    spec = NodeSpec("SmolLM2", 4, 30, 3, 64, "float32", tp_size=2).as_dict()
+    params = {"do_remote_prefill": True, "remote_sessions": ["127.0.0.1:1"], "remote_request_id": "x",
+              "num_tokens": 8, "spec": spec, "block_hashes": ["0" * 64] * 2}
+    with pytest.raises(ValueError, match="has 1 addresses for a prefill node of 2 ranks"):
+        parse_kv_transfer_params(params)
+    both = dict(params, remote_sessions=["127.0.0.1:1", "127.0.0.1:2"])
+    assert parse_kv_transfer_params(both)["remote_sessions"] == ["127.0.0.1:1", "127.0.0.1:2"]
 
 
 def test_connector_level_errors(metadata_service, pool_config):
@@ -62,7 +76,7 @@ def test_connector_level_errors(metadata_service, pool_config):
         # A producer-only node asked to load (a decode-side request): refused.
         prod = KVNode(pool_config(metadata_service.address, role="kv_producer", save_to_pool=False), block_size=4)
         try:
-            params = {"do_remote_prefill": True, "remote_session": "127.0.0.1:1", "remote_request_id": "x",
+            params = {"do_remote_prefill": True, "remote_sessions": ["127.0.0.1:1"], "remote_request_id": "x",
                       "num_tokens": 8, "spec": prod.connector.spec.as_dict(), "block_hashes": ["0" * 64] * 2}
             with pytest.raises(ValueError, match="cannot load remote K/V"):
                 prod.run("r", list(range(10)), kv_transfer_params=params)
@@ -70,7 +84,7 @@ def test_connector_level_errors(metadata_service, pool_config):
             prod.close()
         # A decode node told to fetch K/V from a prefill node of another model: refused.
         bad = dict(a.connector.spec.as_dict(), model="another-model")
-        params = {"do_remote_prefill": True, "remote_session": "127.0.0.1:1", "remote_request_id": "x",
+        params = {"do_remote_prefill": True, "remote_sessions": ["127.0.0.1:1"], "remote_request_id": "x",
                   "num_tokens": 8, "spec": bad, "block_hashes": ["0" * 64] * 2}
         with pytest.raises(ValueError, match="model: here 'fake-kv', the prefill node 'another-model'"):
             a.run("r2", list(range(10)), kv_transfer_params=params)

@@ -37,7 +37,7 @@ def test_remote_prefix_hit_follows_the_scheduler_path(two_nodes):
     assert rb.external_tokens == 28 and rb.local_hit_tokens == 0
     assert torch.equal(rb.kv, b.model.reference_kv(prompt + [7, 8]))     # byte-identical K/V
     assert rb.output_token_ids == KVNode(shuffle_seed=3).run("c", prompt + [7, 8], max_tokens=2).output_token_ids
-    assert b.connector.stats["loaded_tokens"] == 28 and b.connector.stats["failures"] == {}
+    assert b.kv_stats["loaded_tokens"] == 28 and b.kv_stats["failures"] == {}
     a.check_all_free()
     b.check_all_free()
 
@@ -48,8 +48,8 @@ def test_blocks_land_in_the_consumers_own_block_ids(two_nodes):
     a.run("a", prompt)
     b.add_request("b", prompt + [1])
     b.step()                                           # matched and allocated, load started
-    spec = b.connector._jobs["b"].spec
-    owner_slots = [h.location[1].slot for h in spec.hits]
+    spec = b.worker_connector._jobs["b"].spec
+    owner_slots = [h.location[1].slot for h in spec.hits[0]]
     assert spec.block_ids != owner_slots and len(spec.block_ids) == 10
     while "b" in b.requests:
         b.step()
@@ -74,10 +74,10 @@ def test_roles(two_nodes):
     prompt = list(range(300, 320))
     a.run("a", prompt)
     a.run("a2", prompt)                                # a producer never loads, not even its own blocks
-    assert a.connector.stats["lookups"] == 0 and a.connector.stats["saved_blocks"] == 5
+    assert a.kv_stats["lookups"] == 0 and a.kv_stats["saved_blocks"] == 5
     rb = b.run("b", prompt + [1])
     assert rb.external_tokens == 20
-    assert b.connector.stats["saved_blocks"] == 0      # a consumer never publishes
+    assert b.kv_stats["saved_blocks"] == 0             # a consumer never publishes
     assert b.run("b2", list(range(900, 920))).external_tokens == 0
 
 
@@ -96,10 +96,11 @@ def test_disaggregation_prefill_pushes_into_decode(metadata_service, pool_config
         whole = KVNode(shuffle_seed=7).run("x", prompt, max_tokens=6)
         assert rp.output_token_ids + rd.output_token_ids == whole.output_token_ids
         assert torch.equal(rd.kv, d.model.reference_kv(prompt + rp.output_token_ids))
-        assert p.connector.stats["pushed_blocks"] == 6
+        assert p.kv_stats["pushed_blocks"] == 6
         p.check_all_free()
         d.check_all_free()
-        assert p.connector.send_segment.num_free == p.connector.send_segment.capacity   # staging given back
+        segment = p.worker_connector.send_segment
+        assert segment.num_free == segment.capacity    # staging given back
     finally:
         p.close()
         d.close()

@@ -57,7 +57,7 @@ def test_stale_entry_evicted_between_query_and_read(metadata_service, pool_confi
     reader = KVNode(pool_config(metadata_service.address), shuffle_seed=2, node_id="reader")
     try:
         owner.run("w", SYSTEM + [1])                           # fills the owner's 10 pool slots
-        owner.connector.layer.engine.faults.serve_delay_s = 1.0   # the read waits; the eviction does not
+        owner.worker_connector.layer.engine.faults.serve_delay_s = 1.0   # the read waits; the eviction does not
         reader.add_request("r", SYSTEM + [2])
         reader.step()                                          # queried (10 hits), read in flight
         assert reader.records["r"].trace[0][0] == "WAITING_FOR_REMOTE_KVS"
@@ -87,9 +87,12 @@ def test_master_unreachable(metadata_service, pool_config):
         assert time.monotonic() - t0 < 5
         assert rec.external_tokens == 0 and rec.trace[0] == ("RUNNING", 41, 41)
         assert torch.equal(rec.kv, node.model.reference_kv(SYSTEM + [2]))
-        # The lookup failed; the publish was not even tried (circuit breaker: pool_retry_s).
-        assert node.connector.stats["failures"] == {"unreachable": 1}
-        assert node.connector.stats["lookups"] == 1 and node.connector.stats["saved_blocks"] == 0
+        # The lookup failed (the scheduler half), then the publish (the worker half): once each, as
+        # each half then leaves the pool alone for pool_retry_s (its circuit breaker).
+        assert node.kv_stats["failures"] == {"unreachable": 2}
+        assert node.kv_stats["lookups"] == 1 and node.kv_stats["saved_blocks"] == 0
+        assert node.run("c", SYSTEM + [3]).external_tokens == 0
+        assert node.kv_stats["failures"] == {"unreachable": 2} and node.kv_stats["lookups"] == 1
         node.check_all_free()
     finally:
         owner.close()

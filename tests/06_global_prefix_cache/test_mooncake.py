@@ -55,7 +55,7 @@ def test_push_grouping_makes_one_transfer_per_run(mooncake_master, mooncake_conf
     p = KVNode(mooncake_config(mooncake_master.address, "kv_producer", save_to_pool=False), shuffle_seed=5)
     d = KVNode(mooncake_config(mooncake_master.address, "kv_consumer"), shuffle_seed=6)
     calls = []
-    engine = p.connector.layer.engine
+    engine = p.worker_connector.layer.engine
     original = engine.batch_transfer_sync_write
     engine.batch_transfer_sync_write = lambda *a, **k: calls.append(a) or original(*a, **k)
     try:
@@ -64,13 +64,13 @@ def test_push_grouping_makes_one_transfer_per_run(mooncake_master, mooncake_conf
         d.add_request("r", prompt + rp.output_token_ids, 2)
         d.requests["r"].kv_transfer_params = rp.kv_transfer_params
         d.step()
-        dst = d.connector._jobs["r"].spec.block_ids
+        dst = d.worker_connector._jobs["r"].spec.block_ids
         while "r" in d.requests:
             d.step()
             time.sleep(0.002)
         (target, buffers, peers, lengths), = calls
         runs = len(group_concurrent_contiguous(list(range(len(dst))), dst)[0])
-        assert target == d.connector.layer.engine.session_id
+        assert target == d.worker_connector.layer.engine.session_id
         assert len(lengths) == 2 * p.spec.num_layers * runs < 2 * p.spec.num_layers * len(dst)
         assert torch.equal(d.records["r"].kv, d.model.reference_kv(prompt + rp.output_token_ids))
     finally:
@@ -84,7 +84,7 @@ def test_corrupted_stored_block_falls_back(mooncake_master, mooncake_config):
     try:
         prompt = list(range(700, 741))
         owner.run("a", prompt)
-        layer = owner.connector.layer
+        layer = owner.worker_connector.layer
         key = layer.key(node.connector._block_hashes(_Req("b", prompt + [1]))[3].hash_value)
         value = bytearray(layer.store.get(key))
         value[20] ^= 0xFF                       # a flipped byte at rest
@@ -118,7 +118,8 @@ def test_master_unreachable(mooncake_config, nodes):
         assert time.monotonic() - t0 < 5
         assert rec["external_tokens"] == 0 and rec["trace"][0] == ("RUNNING", 41, 41)
         assert np.array_equal(rec["kv"], rec["reference_kv"])
-        assert node.call("stats")["connector"]["failures"] == {"unreachable": 1}
+        # The lookup (scheduler half) and the publish (worker half) failed, once each (circuit breakers).
+        assert node.call("stats")["connector"]["failures"] == {"unreachable": 2}
         node.call("check")
     finally:
         master.stop()
@@ -135,7 +136,7 @@ def test_push_larger_than_one_mooncake_batch(mooncake_master, mooncake_config):
     p = KVNode(mooncake_config(mooncake_master.address, "kv_producer", save_to_pool=False), shuffle_seed=7)
     d = KVNode(mooncake_config(mooncake_master.address, "kv_consumer"), shuffle_seed=8)
     try:
-        p.connector.layer.engine.MAX_BATCH = 7
+        p.worker_connector.layer.engine.MAX_BATCH = 7
         prompt = list(range(50))
         rp = p.run("r", prompt, kv_transfer_params={"do_remote_decode": True})
         rd = d.run("r", prompt + rp.output_token_ids, kv_transfer_params=rp.kv_transfer_params)

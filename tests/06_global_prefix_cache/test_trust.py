@@ -48,7 +48,7 @@ def test_params_of_another_prompt_load_only_the_prefix_the_prompts_share(disagg)
     ry = d.run("y", y, max_tokens=3, kv_transfer_params=params_x)
     assert ry.external_tokens == 8 and not ry.failed_load        # the shared blocks, nothing more
     assert_reference(d, ry, y)
-    assert p.connector.stats["pushed_blocks"] == 2
+    assert p.kv_stats["pushed_blocks"] == 2
     p.check_all_free()
     d.check_all_free()
 
@@ -61,7 +61,7 @@ def test_params_that_share_nothing_load_nothing(disagg):
     ry = d.run("y", y, max_tokens=2, kv_transfer_params=params_x)
     assert ry.trace[0][0] == "RUNNING" and ry.external_tokens == 0
     assert_reference(d, ry, y)
-    assert p.connector.stats["pushed_blocks"] == 0               # never asked
+    assert p.kv_stats["pushed_blocks"] == 0               # never asked
     # The wrong request consumed nothing: x's own decode request still gets all of x's K/V.
     rx = d.run("x", x, max_tokens=3, kv_transfer_params=params_x)
     assert rx.external_tokens == 29 and not rx.failed_load       # vLLM's form: the last token recomputed
@@ -80,7 +80,7 @@ def test_forged_hashes_are_refused_by_the_producer(disagg):
     ry = d.run("y-forged", y, max_tokens=2, kv_transfer_params=forged)
     assert ry.failed_load.startswith("mismatch") and ry.external_tokens == 0
     assert_reference(d, ry, y)
-    assert p.connector.stats["pushed_blocks"] == 0
+    assert p.kv_stats["pushed_blocks"] == 0
     # x's staged K/V was not consumed by the refused pull.
     rx = d.run("x", x, max_tokens=2, kv_transfer_params=params_x)
     assert rx.external_tokens == 29
@@ -96,14 +96,14 @@ def test_the_receiver_checks_the_hashes_that_come_back(disagg, monkeypatch):
     x, y = list(range(100, 130)), list(range(200, 230))
     stage(p, "x", x)
     params_y = stage(p, "y", y)
-    staged_x = p.connector._staged["x"]
-    serve = p.connector._serve_pull
+    staged_x = p.worker_connector._staged["x"]
+    serve = p.worker_connector._serve_pull
 
     def serve_without_checking(header, payload):
         return serve(dict(header, block_hashes=encode_hashes(staged_x.block_hashes)), payload)
-    monkeypatch.setitem(p.connector.side_channel.handlers, "pull_kv", serve_without_checking)
+    monkeypatch.setitem(p.worker_connector.side_channel.handlers, "pull_kv", serve_without_checking)
     ry = d.run("y-forged", y, max_tokens=2, kv_transfer_params=dict(params_y, remote_request_id="x"))
-    assert p.connector.stats["pushed_blocks"] > 0                   # the bytes did arrive
+    assert p.kv_stats["pushed_blocks"] > 0                   # the bytes did arrive
     assert ry.failed_load.startswith("mismatch") and ry.external_tokens == 0
     assert_reference(d, ry, y)
     d.check_all_free()
@@ -111,7 +111,7 @@ def test_the_receiver_checks_the_hashes_that_come_back(disagg, monkeypatch):
 
 # ---------------------------------------------------------------- 2. malformed params
 def good_params(spec: dict) -> dict:
-    return {"do_remote_prefill": True, "remote_session": "127.0.0.1:5", "remote_request_id": "r",
+    return {"do_remote_prefill": True, "remote_sessions": ["127.0.0.1:5"], "remote_request_id": "r",
             "num_tokens": 6, "spec": spec, "block_hashes": ["ab" * 32] * 2}
 
 
@@ -121,8 +121,10 @@ BAD = [
     ({"num_tokens": 0}, "num_tokens"),
     ({"num_tokens": True}, "num_tokens"),
     ({"num_tokens": 9}, "block_hashes"),                 # 9 tokens need 3 hashes of blocks of 4
-    ({"remote_session": 5}, "remote_session"),
-    ({"remote_session": "nohost"}, "host:port"),
+    ({"remote_sessions": 5}, "remote_sessions"),
+    ({"remote_sessions": "127.0.0.1:5"}, "remote_sessions"),
+    ({"remote_sessions": ["nohost"]}, "host:port"),
+    ({"remote_sessions": ["127.0.0.1:5", "127.0.0.1:6"]}, "2 addresses for a prefill node of 1 ranks"),
     ({"remote_request_id": ""}, "remote_request_id"),
     ({"do_remote_prefill": "yes"}, "do_remote_prefill"),
     ({"do_remote_decode": True}, "not both"),
@@ -153,7 +155,8 @@ def test_malformed_params_are_refused_in_add_request(metadata_service, pool_conf
 
 
 def test_canonical_form_is_what_the_request_carries():
-    spec = {"model": "m", "block_size": 4, "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16"}
+    spec = {"model": "m", "block_size": 4, "num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16",
+            "tp_size": 1, "pp_size": 1}
     assert parse_kv_transfer_params(None) is None
     assert parse_kv_transfer_params({}) is None
     assert parse_kv_transfer_params({"do_remote_decode": False}) is None
@@ -184,7 +187,7 @@ def test_another_models_block_hashes_never_hit(metadata_service, pool_config, mo
         a.run("a", prompt)
         assert metadata_service.server.get_stats()["blocks"] == 10
         rb = b.run("b", prompt + [1], max_tokens=2)
-        assert rb.external_tokens == 0 and b.connector.stats["hit_blocks"] == 0
+        assert rb.external_tokens == 0 and b.kv_stats["hit_blocks"] == 0
         assert torch.equal(rb.kv, b.model.reference_kv(prompt + [1]))
         b.check_all_free()
     finally:

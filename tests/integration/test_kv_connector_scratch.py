@@ -13,6 +13,7 @@ import pytest
 import kv_connector_cases as cases
 from kv_connector_cases import BLOCK, ENGINE_KW, assert_recomputed, on_decode, on_prefill, publish
 from mini_vllm.sampling_params import SamplingParams
+from mini_vllm.engine_process import worker_connector
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +117,7 @@ def test_corrupted_payload(cluster, prompts, reference):
 
 def test_timeout_on_a_silent_prefill_node(cluster, prompts, reference):
     prompt = publish(cluster, prompts, 201)
-    extra = cluster.connector.config.extra
+    extra = worker_connector(cluster.decode).config.extra                # the load's deadline is the worker's
     extra["load_timeout_s"], saved = 1.0, extra["load_timeout_s"]     # this test waits 1 s, not 8
     cluster.prefill.pause()                                            # SIGSTOP: alive, silent
     try:
