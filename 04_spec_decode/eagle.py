@@ -42,7 +42,7 @@ from torch import nn
 from kvcache import KVCacheManager, RequestTooLargeError
 from paged_attention.block_table import build_attention_metadata
 from paged_attention.model.layers import RMSNorm, RotaryEmbedding
-from paged_attention.model.linear import Linear
+from model_executor.linear import Linear
 from paged_attention.model.llama import STACKED_PARAMS_MAPPING, LlamaDecoderLayer
 from spec_decode.attention import CausalMetadata, TreeAttention
 from spec_decode.draft_model import PagedRequestState

@@ -17,7 +17,7 @@ from torch import nn
 
 from paged_attention.block_table import build_attention_metadata
 from paged_attention.model.layers import RMSNorm, RotaryEmbedding
-from paged_attention.model.linear import Linear, VocabEmbedding
+from model_executor.linear import Linear, VocabEmbedding
 from paged_attention.model.llama import LlamaDecoderLayer
 from spec_decode.attention import TreeAttention
 

@@ -50,7 +50,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="HF-format checkpoint directory (default: SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto")
     g.add_argument("--device", default="auto")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "cuda", "reference"])
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "triton", "cuda", "reference"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)

@@ -40,7 +40,6 @@ from mini_vllm.engine_messages import EngineCoreRequest
 from mini_vllm.engine_scheduler import make_scheduler
 from mini_vllm.executor import Executor, ExecutorError
 from mini_vllm.executor.abstract import FutureOutput
-from mini_vllm.model_inputs import ModelInputs
 from mini_vllm.kv_memory import (DEFAULT_CPU_KV_CACHE_MEMORY, GPUMemorySnapshot, KVCacheReport,
                                  check_enough_kv_cache_memory, gpu_kv_cache_bytes, num_blocks_for_bytes)
 from mini_vllm.model_runner import ModelRunnerOutput
@@ -52,14 +51,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EngineCoreStep:
-    """Everything one step produced. The LLMEngine turns it into RequestOutputs; the notebook
-    reads scheduler_output and model_inputs to trace a request."""
+    """Everything one step produced. The LLMEngine turns it into RequestOutputs; a trace reads
+    scheduler_output (and, wrapping the runner from outside, the model's inputs: step_trace.py)."""
     scheduler_output: SchedulerOutput
     outputs: list[EngineCoreOutput]
     logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)   # per emitted token
     errors: dict[str, str] = field(default_factory=dict)     # requests that failed this step: the reason
     prompt_logprobs: dict[str, list[tuple[list[int], list[float], int]]] = field(default_factory=dict)
-    model_inputs: ModelInputs | None = None
     start_time: float = 0.0                                   # time.monotonic() when the step began
     spec_decode: SpecDecodeStepStats | None = None            # speculative decoding: drafts verified, times
     # What requests that finished this step produced for another engine (a prefill node's: where
@@ -98,8 +96,7 @@ class EngineCore:
             logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", config.capture_sizes(),
                         time.perf_counter() - t0)
 
-        # Chapter 02's v1 manager with vLLM v0's two additions: copy-on-write (parallel sampling
-        # forks its children on it) and the CPU tier of swap preemption (0 blocks: none).
+        # Chapter 02's v1 manager with vLLM v0's CPU tier for swap preemption (0 blocks: none).
         self.kv_cache_manager: KVCacheManager = BlockSpaceManager(
             self.kv_cache_report.num_blocks, config.block_size, enable_caching=config.enable_prefix_caching,
             num_cpu_blocks=self.kv_cache_report.num_cpu_blocks)
@@ -364,9 +361,7 @@ class EngineCore:
             raise RuntimeError(f"the scheduler could schedule none of {self.scheduler.get_num_unfinished_requests()} "
                                "waiting requests with an idle engine: this is a bug, not a full cache")
         return EngineCoreStep(scheduler_output, outputs, runner_output.logprobs, errors,
-                              runner_output.prompt_logprobs,
-                              self.model_executor.last_inputs if not scheduler_output.is_empty else None, start,
-                              runner_output.spec_decode, self._take_kv_transfer_params(outputs))
+                              runner_output.prompt_logprobs, start, runner_output.spec_decode, self._take_kv_transfer_params(outputs))
 
     def _fail_all_requests(self, message: str, scheduler_output: SchedulerOutput, start: float) -> EngineCoreStep:
         """The executor cannot step any more: finish every request with `message` — the scheduled

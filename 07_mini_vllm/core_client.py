@@ -94,7 +94,7 @@ def step_from_outputs(outputs: EngineCoreOutputs) -> EngineCoreStep:
     view = SchedulerOutputView([_NewRequestView(r) for r in outputs.scheduled_new_req_ids],
                                outputs.num_scheduled_tokens)
     return EngineCoreStep(view, outputs.outputs, outputs.logprobs, outputs.errors, outputs.prompt_logprobs,
-                          None, outputs.start_time, outputs.spec_decode, outputs.kv_transfer_params)
+                          outputs.start_time, outputs.spec_decode, outputs.kv_transfer_params)
 
 
 class EngineCoreProcHandle(ChildProcess):

@@ -79,8 +79,8 @@ class _BufferSet:
 class InputStaging:
     """`num_sets` buffer sets, used in turn: a step's `ModelInputs` keep their values until `num_sets`
     more steps have been prepared. With async scheduling one step is in flight while the next is
-    prepared, and the engine reads the older step's inputs (its trace, `EngineCoreStep.model_inputs`)
-    after that: two sets keep it true."""
+    prepared, and a trace reads the older step's inputs after that (step_trace.py): two sets keep
+    it true."""
 
     def __init__(self, device: str | torch.device, max_num_tokens: int, max_num_reqs: int,
                  max_num_blocks_per_req: int, num_sets: int = 2, pin_memory: bool | None = None):

@@ -132,7 +132,6 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.cuda_graph_runner: CUDAGraphRunner | None = None
         self._sampling_metadata: tuple[tuple[str, ...], SamplingMetadata] | None = None   # (row ids, metadata)
-        self.last_inputs: ModelInputs | None = None          # the last step's tensors (the notebook traces them)
 
     # ================================================================== set-up
     @staticmethod
@@ -231,7 +230,6 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
         ### BEGIN SOLUTION
         inputs, sample_rows = self.input_batch.prepare_inputs(num_scheduled, self.block_size, self.device, rows)
         inputs = self._with_attention_plan(inputs)
-        self.last_inputs = inputs
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(inputs):
             hidden = self.cuda_graph_runner.run(inputs)                              # [T, hidden]
         else:

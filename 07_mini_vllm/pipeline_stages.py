@@ -9,7 +9,7 @@ batch B while stage 1 runs batch A.
 """
 from __future__ import annotations
 
-from paged_attention.model.parallel_state import get_pp_group
+from model_executor.parallel_state import get_pp_group
 from scheduler import SchedulerOutput
 
 

@@ -4,8 +4,9 @@ Mirrors vLLM's `vllm/sampling_params.py: SamplingParams` (same names, same meani
 once in `__post_init__` so that the sampler and the stop checks can trust every field and a
 bad value fails at `generate()` time with a message naming it — not as a NaN three layers down.
 
-    n            parallel sampling: n completions of the one prompt, whose K/V is computed once and
-                 shared (copy-on-write); child i samples with seed + i when a seed is given. Needs
+    n            parallel sampling: n completions of the one prompt, fanned out into n child requests
+                 whose prompt K/V is shared through the prefix cache; child i samples with seed + i
+                 when a seed is given (vLLM's ParentRequest). Needs
                  temperature > 0 (vLLM's rule: n greedy completions would be n copies)
     temperature  0 -> greedy (argmax, deterministic); > 0 -> sample from softmax(logits / T);
                  below 1e-5 (vLLM's _SAMPLING_EPS) is greedy too: logits / 1e-40 would overflow

@@ -40,7 +40,7 @@ import torch
 
 from kvcache import KVCacheManager
 from kvcache.cache_engine import KVCacheSpec
-from paged_attention.model.parallel_state import (get_tensor_model_parallel_world_size, whole_model_on_this_rank,
+from model_executor.parallel_state import (get_tensor_model_parallel_world_size, whole_model_on_this_rank,
                                                   whole_model_on_this_stage)
 from spec_decode import (DraftModelProposer, DraftRequest, EagleHead, EagleProposer, LayerSkipDraftModel,
                          NgramProposer, RejectionSampler, SpecDecodeMetadata, SpecDecodingStats,

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from paged_attention.model import parallel_state
+from model_executor import parallel_state
 
 from mini_vllm.config import ModelConfig
 from mini_vllm.engine_config import EngineConfig

@@ -160,6 +160,7 @@ def decode_steps(llm, batch_sizes: list[int], context: int, steps: int = 12) -> 
     filled until one step decodes all of them (with chunked prefill, the first requests of a big
     batch decode while the last ones still prefill), timed for `steps` steps, then aborted."""
     from benchmarks.profile_decode_step import fill_decode_batch, is_full_decode
+    from mini_vllm.step_trace import ModelInputsTrace
 
     engine = llm.llm_engine
     runner = engine.engine_core.model_runner
@@ -167,17 +168,19 @@ def decode_steps(llm, batch_sizes: list[int], context: int, steps: int = 12) -> 
     kv_bytes_per_token = runner.kv_cache_spec.bytes_per_block // engine.config.block_size
     rows = []
     for b in batch_sizes:
-        ids = fill_decode_batch(engine, b, context, prefix="dec")
         times, kv_tokens = [], []
-        for _ in range(steps):
-            sync()
-            t0 = time.perf_counter()
-            engine.step()
-            sync()
-            if not is_full_decode(engine, b):
-                raise RuntimeError(f"batch {b}: a step after the fill was not a pure decode")
-            times.append(time.perf_counter() - t0)
-            kv_tokens.append(int(engine.last_step.model_inputs.attn_metadata.seq_lens.sum()))
+        with ModelInputsTrace(engine) as trace:       # before the fill: async has a step in flight after it
+            ids = fill_decode_batch(engine, b, context, prefix="dec")
+            for _ in range(steps):
+                sync()
+                t0 = time.perf_counter()
+                engine.step()
+                sync()
+                if not is_full_decode(engine, b):
+                    raise RuntimeError(f"batch {b}: a step after the fill was not a pure decode")
+                times.append(time.perf_counter() - t0)
+                inputs = trace.inputs_of(engine.last_step.scheduler_output)
+                kv_tokens.append(int(inputs.attn_metadata.seq_lens.sum()))
         engine.abort_request(ids)
         step_s = statistics.median(times)
         read = weight_bytes + statistics.median(kv_tokens) * kv_bytes_per_token

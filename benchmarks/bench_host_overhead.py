@@ -111,39 +111,48 @@ def _graph_fill_seconds(buffers, inputs) -> float:
     return time.perf_counter() - t0
 
 
+def _timed_step(engine, batch_size: int, buffers, trace, per_step: dict, per_step_cpu: dict, digest) -> None:
+    """One engine step, its phases timed; the graph buffer fill timed on its inputs."""
+    from benchmarks.profile_decode_step import is_full_decode
+
+    totals: dict[str, float] = defaultdict(float)
+    cpu_totals: dict[str, float] = defaultdict(float)
+    with timed_phases(engine, totals, cpu_totals):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        outputs = engine.step()
+        totals["step"], cpu_totals["step"] = time.perf_counter() - t0, time.thread_time() - c0
+    if not is_full_decode(engine, batch_size):
+        raise RuntimeError(f"batch {batch_size}: a timed step was not a pure decode")
+    c0 = time.thread_time()
+    inputs = trace.inputs_of(engine.last_step.scheduler_output)
+    totals["graph buffer fill (CPU copy)"] = _graph_fill_seconds(buffers, inputs)
+    cpu_totals["graph buffer fill (CPU copy)"] = time.thread_time() - c0
+    for out in sorted(outputs, key=lambda o: o.request_id):
+        digest.update(f"{out.request_id}:{out.outputs[0].token_ids[-1]};".encode())
+    for name in totals:
+        per_step[name].append(totals[name])
+        per_step_cpu[name].append(cpu_totals[name])
+
+
 def measure_batch(llm, batch_size: int, context: int, steps: int, warmup: int, vocab_size: int) -> dict:
     """Per-phase host ms per pure decode step of `batch_size` requests (medians over `steps`)."""
-    from benchmarks.profile_decode_step import is_full_decode
     from mini_vllm.cuda_graph import DecodeBuffers
+    from mini_vllm.step_trace import ModelInputsTrace
 
     engine = llm.llm_engine
     runner = engine.engine_core.model_runner
     capture_sizes = engine.config.capture_sizes()
     buffers = DecodeBuffers(capture_sizes[-1], runner.max_num_blocks_per_req, torch.device("cpu"))
     buffers.capture_sizes = capture_sizes
-    ids = fill_decode(engine, batch_size, context, vocab_size)
-    for _ in range(warmup):
-        engine.step()
     per_step: dict[str, list[float]] = defaultdict(list)
     per_step_cpu: dict[str, list[float]] = defaultdict(list)
     digest = hashlib.sha1()
-    for _ in range(steps):
-        totals: dict[str, float] = defaultdict(float)
-        cpu_totals: dict[str, float] = defaultdict(float)
-        with timed_phases(engine, totals, cpu_totals):
-            t0, c0 = time.perf_counter(), time.thread_time()
-            outputs = engine.step()
-            totals["step"], cpu_totals["step"] = time.perf_counter() - t0, time.thread_time() - c0
-        if not is_full_decode(engine, batch_size):
-            raise RuntimeError(f"batch {batch_size}: a timed step was not a pure decode")
-        c0 = time.thread_time()
-        totals["graph buffer fill (CPU copy)"] = _graph_fill_seconds(buffers, engine.last_step.model_inputs)
-        cpu_totals["graph buffer fill (CPU copy)"] = time.thread_time() - c0
-        for out in sorted(outputs, key=lambda o: o.request_id):
-            digest.update(f"{out.request_id}:{out.outputs[0].token_ids[-1]};".encode())
-        for name in totals:
-            per_step[name].append(totals[name])
-            per_step_cpu[name].append(cpu_totals[name])
+    with ModelInputsTrace(engine) as trace:      # from the fill on: async keeps a step in flight
+        ids = fill_decode(engine, batch_size, context, vocab_size)
+        for _ in range(warmup):
+            engine.step()
+        for _ in range(steps):
+            _timed_step(engine, batch_size, buffers, trace, per_step, per_step_cpu, digest)
     engine.abort_request(ids)
     phases = {name: round(1000 * statistics.median(v), 4) for name, v in per_step.items()}
     phases_cpu = {name: round(1000 * statistics.median(v), 4) for name, v in per_step_cpu.items()}

@@ -17,7 +17,7 @@ the prefix cache reset between: the second time their prompts come from the pool
 
 Paths: "llm" is `LLM(...)` (data parallelism has none: vLLM's offline LLM runs one engine); "serve"
 is `AsyncLLM` behind the OpenAI server in this process (its core always in a process of its own),
-asked over HTTP like any client. tests/integration/test_composition.py runs every pair through both.
+asked over HTTP like any client. tests/integration/test_composition_llm.py and test_composition_serve_*.py run every pair through both.
 """
 from __future__ import annotations
 

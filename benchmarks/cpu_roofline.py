@@ -100,6 +100,7 @@ def traced_run(llm, workload) -> tuple[float, list[tuple[int, float, float]]]:
     """Run the workload greedily, stepping the engine by hand: (wall seconds, per step
     (num_tokens, FLOPs, bytes)). Reading the metadata costs microseconds per step."""
     from mini_vllm import SamplingParams
+    from mini_vllm.step_trace import ModelInputsTrace
 
     engine, shape = llm.llm_engine, model_shape(llm)
     assert llm.reset_prefix_cache()
@@ -108,12 +109,13 @@ def traced_run(llm, workload) -> tuple[float, list[tuple[int, float, float]]]:
                                                          detokenize=False), prompt_token_ids=prompt)
     steps = []
     t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-        inputs = engine.last_step.model_inputs
-        if inputs is not None:
-            flops, nbytes = step_cost(inputs.attn_metadata, len(inputs.logits_indices), shape)
-            steps.append((int(inputs.input_ids.shape[0]), flops, nbytes))
+    with ModelInputsTrace(engine) as trace:
+        while engine.has_unfinished_requests():
+            engine.step()
+            inputs = trace.inputs_of(engine.last_step.scheduler_output)
+            if inputs is not None:
+                flops, nbytes = step_cost(inputs.attn_metadata, len(inputs.logits_indices), shape)
+                steps.append((int(inputs.input_ids.shape[0]), flops, nbytes))
     return time.perf_counter() - t0, steps
 
 

@@ -56,13 +56,16 @@ def wrapped_phases(engine, phases, wrap):
         obj = _resolve(engine, path)
         if obj is None or not hasattr(obj, method):
             continue
+        patched.append((obj, method, obj.__dict__.get(method)))
         setattr(obj, method, wrap(getattr(obj, method), label))
-        patched.append((obj, method))
     try:
         yield
     finally:
-        for obj, method in patched:
-            delattr(obj, method)          # the instance attribute goes; the class method shows again
+        for obj, method, before in reversed(patched):
+            if before is None:
+                delattr(obj, method)      # the instance attribute goes; the class method shows again
+            else:
+                setattr(obj, method, before)   # another wrapper (a trace) was there: it stays
 
 
 def named_phases(engine):

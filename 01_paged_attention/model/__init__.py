@@ -1,21 +1,17 @@
-"""The Llama model code around this chapter's ops: one decoder layer, shared by chapter 04 and the engine.
+"""The Llama decoder layer around this chapter's ops, shared by chapter 04 and the engine.
 
-Mirrors vLLM's `vllm/model_executor/` and `vllm/distributed/`:
+Mirrors vLLM's `vllm/model_executor/models/llama.py` and `vllm/model_executor/layers/`:
 
-    custom_op.py   CustomOp: a readable `forward_native` and, optionally, a faster `forward_cpu`, bound once
-    linear.py      Linear (+ the linear-method seam: LinearMethodBase, UnquantizedLinearMethod),
-                   MergedColumnLinear, QKVLinear, VocabEmbedding
-                   (vLLM: layers/linear.py, layers/vocab_parallel_embedding.py)
-    parallel_linear.py  ColumnParallelLinear, RowParallelLinear, MergedColumnParallelLinear,
-                   QKVParallelLinear, VocabParallelEmbedding, ParallelLMHead: the linears above split over
-                   tensor-parallel ranks (vLLM: layers/linear.py, vocab_parallel_embedding.py)
-    parallel_state.py  the TP / PP groups and their collectives (vLLM: distributed/parallel_state.py);
-                   one rank unless chapter 07's worker sets them up, and then the layers are chapter 01's
     layers.py      RMSNorm (fused residual add), rope_inv_freq + RotaryEmbedding (rope scaling),
                    apply_rotary_emb, SiluAndMul
                    (vLLM: layers/layernorm.py, layers/rotary_embedding/, layers/activation.py)
     llama.py       SelfAttention (vLLM's LlamaAttention), LlamaMLP, LlamaDecoderLayer, STACKED_PARAMS_MAPPING
                    (vLLM: models/llama.py)
+    triton_layer_ops.py  the small layers' fused Triton kernels (their `forward_cuda`)
+
+Built on the package every chapter shares, `model_executor/`: CustomOp (a readable forward per
+platform), the linear layers with their seam for a faster matmul, and tensor parallelism (the rank
+groups and the linears split over them; one rank unless chapter 07's worker sets them up).
 
 The decoder layer does not choose its attention: it is built with an attention op,
 `attn(query, key, value, kv_cache, attn_metadata) -> out`, that writes this step's K/V into the

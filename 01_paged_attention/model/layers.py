@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged_attention.model.custom_op import CustomOp
+from model_executor.custom_op import CustomOp
 
 
 class RMSNorm(CustomOp):

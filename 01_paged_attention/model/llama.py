@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paged_attention.model.custom_op import CustomOp
+from model_executor.custom_op import CustomOp
 from paged_attention.model.layers import RMSNorm, SiluAndMul, apply_rotary_emb
-from paged_attention.model.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from model_executor.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]   # (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
 

@@ -41,8 +41,8 @@ def get_output(value):
 class Executor:
     """Subclasses implement collective_rpc (run a Worker method on every rank) and shutdown."""
 
-    # The model runner in this process, if the executor has one (UniProcExecutor); the notebook
-    # and the in-process-only features (speculative decoding, KV connectors) use it.
+    # The model runner in this process, if the executor has one (UniProcExecutor): what the
+    # notebook and the tests inspect. The engine itself reaches the runners only through calls.
     model_runner = None
 
     @staticmethod
@@ -143,11 +143,6 @@ class Executor:
     def output_rank(self) -> int:
         pc = self.parallel_config
         return (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
-
-    @property
-    def last_inputs(self):
-        """The last step's tensors, where the runner is in this process (for tracing)."""
-        return self.model_runner.last_inputs if self.model_runner is not None else None
 
     def wait_in_flight(self) -> None:
         """Return once every step sent so far has run (their outputs are still the engine's to

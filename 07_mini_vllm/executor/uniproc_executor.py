@@ -28,37 +28,23 @@ class UniProcExecutor(Executor):
         self.attn_backend = self.model_runner.attn_backend
         self._thread = (ThreadPoolExecutor(1, thread_name_prefix="execute_model")
                         if self.config.async_scheduling else None)
-        self._last_inputs = None            # async: the inputs of the step whose output was taken last
 
     def execute_model_async(self, scheduler_output) -> FutureOutput:
         """Async scheduling: the step goes to the worker thread; `.result()` waits for it, then for
         its sampled tokens' host copy (`get_output`), and nothing before."""
         if self._thread is None:
             return super().execute_model_async(scheduler_output)
-        runner = self.model_runner
-
-        def run():
-            output = self.driver_worker.execute_model(scheduler_output)
-            return output, runner.last_inputs
-
-        future = self._thread.submit(run)
+        future = self._thread.submit(self.driver_worker.execute_model, scheduler_output)
 
         def wait():
-            output, self._last_inputs = future.result()
-            return self._step_output([get_output(output)])
+            return self._step_output([get_output(future.result())])
         return FutureOutput(wait)
 
     def wait_in_flight(self) -> None:
         """One worker thread runs the steps in order: once a no-op sent after them has run, they
-        have all run. (Waiting on their futures would take their outputs and move last_inputs.)"""
+        have all run (without taking their outputs)."""
         if self._thread is not None:
             self._thread.submit(lambda: None).result()
-
-    @property
-    def last_inputs(self):
-        """With a step possibly running in the worker thread, the runner's `last_inputs` may be a
-        later step's: the inputs of the step whose output the engine took last instead."""
-        return self._last_inputs if self._thread is not None else self.model_runner.last_inputs
 
     def collective_rpc(self, method: str, args: tuple = (), unique_reply_rank: int | None = None):
         result = getattr(self.driver_worker, method)(*args)

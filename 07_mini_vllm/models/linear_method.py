@@ -4,7 +4,7 @@ Mirrors vLLM: a linear layer's forward calls `self.quant_method.apply(self, x, b
 (`vllm/model_executor/layers/linear.py: LinearMethodBase`), whose unquantized method is plain
 `F.linear` (`UnquantizedLinearMethod`); on a CPU, once the weights are loaded,
 `vllm/model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm` packs each weight once for
-oneDNN's matmul. Here chapter 01's `Linear` (paged_attention/model/linear.py, with the base class
+oneDNN's matmul. Here `model_executor/linear.py`'s `Linear` (with the base class
 and the unquantized default) calls `self.linear_method.apply(self, x)`; this file adds the CPU
 methods, and the method is chosen once per model after loading (`loader.process_weights_after_loading`,
 by `EngineConfig.cpu_gemm_backend`):
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kernels_cpu import gemm
-from paged_attention.model.linear import UNQUANTIZED, LinearMethodBase, UnquantizedLinearMethod
+from model_executor.linear import UNQUANTIZED, LinearMethodBase, UnquantizedLinearMethod
 
 __all__ = ["CPU_GEMMS", "LinearMethodBase", "OneDNNLinearMethod", "PanelLinearMethod", "UNQUANTIZED",
            "UnquantizedLinearMethod", "dispatch_cpu_unquantized_gemm", "select_cpu_linear_method"]

@@ -19,8 +19,8 @@ vocabulary projection: for a 500-token prefill that is 1 row, not 500.
 
 Qwen2 and Qwen3 differ from Llama in three switches, chosen by `attention_options` (qwen2.py, qwen3.py).
 
-Parallel (set up by the worker, `paged_attention.model.parallel_state`; one rank otherwise):
-  * tensor parallel: the layers split themselves (chapter 01's parallel_linear.py); here the
+Parallel (set up by the worker, `model_executor.parallel_state`; one rank otherwise):
+  * tensor parallel: the layers split themselves (model_executor/parallel_linear.py); here the
     embedding and the LM head are split by vocabulary and the logits all-gathered, so every rank
     samples the same token from the same [N, vocab] logits.
   * pipeline parallel: this rank builds only its layers [start_layer, end_layer) (the others are
@@ -39,8 +39,8 @@ from torch import nn
 from paged_attention.metadata import AttentionMetadata
 from paged_attention.model.layers import RMSNorm, RotaryEmbedding
 from paged_attention.model.llama import STACKED_PARAMS_MAPPING, KVCache, LlamaDecoderLayer, LlamaMLP
-from paged_attention.model.parallel_linear import ParallelLMHead, VocabParallelEmbedding
-from paged_attention.model.parallel_state import get_pp_group
+from model_executor.parallel_linear import ParallelLMHead, VocabParallelEmbedding
+from model_executor.parallel_state import get_pp_group
 
 from mini_vllm.config import ModelConfig
 from mini_vllm.models.attention import PagedAttention

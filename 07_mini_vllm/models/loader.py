@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from kernels_cpu import layer_ops
-from paged_attention.model.custom_op import CustomOp
-from paged_attention.model.linear import Linear, VocabEmbedding
+from model_executor.custom_op import CustomOp
+from model_executor.linear import Linear, VocabEmbedding
 
 from mini_vllm.config import ModelConfig, check_model_dir
 from mini_vllm.models.llama import PPMissingLayer

@@ -18,7 +18,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from paged_attention.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb, rope_inv_freq
-from paged_attention.model.linear import Linear, MergedColumnLinear, QKVLinear, VocabEmbedding
+from model_executor.linear import Linear, MergedColumnLinear, QKVLinear, VocabEmbedding
 from paged_attention.model.llama import STACKED_PARAMS_MAPPING, LlamaDecoderLayer
 
 ROPE_VARIANTS = {

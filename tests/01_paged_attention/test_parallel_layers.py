@@ -9,10 +9,10 @@ the real collectives across processes)."""
 import pytest
 import torch
 
-from paged_attention.model.linear import Linear, MergedColumnLinear, QKVLinear, VocabEmbedding
-from paged_attention.model.parallel_linear import (ColumnParallelLinear, MergedColumnParallelLinear,
+from model_executor.linear import Linear, MergedColumnLinear, QKVLinear, VocabEmbedding
+from model_executor.parallel_linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                                    QKVParallelLinear, RowParallelLinear, VocabParallelEmbedding)
-from paged_attention.model.parallel_state import GroupCoordinator, get_tp_group, set_groups_for_testing
+from model_executor.parallel_state import GroupCoordinator, get_tp_group, set_groups_for_testing
 
 
 class NoCommGroup(GroupCoordinator):

@@ -18,7 +18,7 @@ import torch
 from tolerances import assert_close
 
 from paged_attention.model import triton_layer_ops as L
-from paged_attention.model.custom_op import CustomOp
+from model_executor.custom_op import CustomOp
 from paged_attention.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul, apply_rotary_emb
 from paged_attention.model.llama import LlamaDecoderLayer
 

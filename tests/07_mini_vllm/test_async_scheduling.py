@@ -12,6 +12,7 @@ import pytest
 
 from mini_vllm import EngineConfig, SamplingParams
 from mini_vllm.async_output import PLACEHOLDER_TOKEN_ID, AsyncModelRunnerOutput
+from mini_vllm.step_trace import ModelInputsTrace
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -44,34 +45,36 @@ def run(llm, requests, abort_after: dict[str, int] | None = None):
     for rid, ids, params in requests:
         engine.add_request(rid, {"prompt_token_ids": ids}, params)
     finals, steps = {}, []
-    for n in range(1, 2000):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            finals[out.request_id] = out
-        steps.append(engine.last_step)
-        engine.engine_core.check_invariants()
-        _assert_inputs_are_the_steps(engine.last_step)
-        for rid, at in (abort_after or {}).items():
-            if at == n:
-                engine.abort_request(rid)
+    with ModelInputsTrace(engine) as trace:
+        for n in range(1, 2000):
+            if not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                finals[out.request_id] = out
+            steps.append(engine.last_step)
+            engine.engine_core.check_invariants()
+            _assert_inputs_are_the_steps(engine.last_step.scheduler_output, trace)
+            for rid, at in (abort_after or {}).items():
+                if at == n:
+                    engine.abort_request(rid)
     assert not engine.has_unfinished_requests(), "the engine stopped making progress"
     engine.engine_core.check_invariants()
     aborted = set(abort_after or ())
     return {rid: _summary(out, rid in aborted) for rid, out in finals.items()}, steps
 
 
-def _assert_inputs_are_the_steps(step):
+def _assert_inputs_are_the_steps(so, trace):
     """The traced model inputs are those of the batch whose output this step applied — not those
     of the batch still in flight (same requests, one position further). (Fewer tokens than
     scheduled where the runner dropped a request that failed in the batch before.)"""
-    so = step.scheduler_output
-    if step.model_inputs is None:
+    inputs = trace.inputs_of(so)
+    if inputs is None:
+        assert so.is_empty, "a step that ran the model has no traced inputs"
         return
     cached = so.scheduled_cached_reqs
     ends = {r.num_computed_tokens + so.num_scheduled_tokens[r.req_id] for r in so.scheduled_new_reqs}
     ends |= {c + so.num_scheduled_tokens[r] for r, c in zip(cached.req_ids, cached.num_computed_tokens)}
-    positions = step.model_inputs.positions.tolist()
+    positions = inputs.positions.tolist()
     assert len(positions) <= so.total_num_scheduled_tokens
     if any(d and d[0] == PLACEHOLDER_TOKEN_ID for d in so.scheduled_spec_decode_tokens.values()):
         assert max(positions) + 1 <= max(ends)     # drafts: the runner moved back what was rejected in flight
@@ -238,12 +241,13 @@ def test_the_runner_reads_the_placeholder_from_the_device_tensor(pair):
     engine = pair[1].llm_engine
     core = engine.engine_core
     engine.add_request("w", {"prompt_token_ids": prompts(1, start=1000)[0]}, GREEDY)
-    engine.step()
-    engine.step()
-    core.model_executor.wait_in_flight()
+    with ModelInputsTrace(engine) as trace:
+        engine.step()
+        engine.step()
+        core.model_executor.wait_in_flight()
     state = core.model_runner.requests["w"]
     assert PLACEHOLDER_TOKEN_ID in state.output_token_ids          # the in-flight step's token
-    inputs = core.model_executor.model_runner.last_inputs
+    inputs = trace.inputs_of(trace.last_scheduler_output)          # the batch in flight
     assert int(inputs.input_ids.min()) >= 0                        # no placeholder reached the model
     while engine.has_unfinished_requests():
         engine.step()

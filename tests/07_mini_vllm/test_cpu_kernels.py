@@ -27,7 +27,7 @@ from mini_vllm.config import ModelConfig
 from mini_vllm.engine_config import KEEP_FREED_MEMORY_ENV, EngineConfig
 from mini_vllm.models.linear_method import UNQUANTIZED
 from mini_vllm.models.loader import get_model, use_cpu_layer_ops
-from paged_attention.model.custom_op import CustomOp
+from model_executor.custom_op import CustomOp
 
 MAX_NEW = 16
 TEXTS = [

@@ -14,7 +14,7 @@ import torch
 from mini_vllm.config import ModelConfig
 from mini_vllm.engine_config import EngineConfig
 from mini_vllm.models.loader import get_model, use_cuda_layer_ops
-from paged_attention.model.custom_op import CustomOp
+from model_executor.custom_op import CustomOp
 
 PROMPTS = {"a": [5, 17, 99, 3, 250, 7, 41], "b": [300, 12, 8], "c": list(range(20, 58))}
 MAX_NEW = 6

@@ -1,4 +1,4 @@
-"""One request cannot hurt the others (issue 9, items 2, 3, 8): a reused request id gets its
+"""One request cannot hurt the others: a reused request id gets its
 NEW sampling settings; bad prompt ids are refused on every path; a fault injected while
 preparing, running or sampling ONE request finishes that request with finish_reason "error"
 and a message, frees its blocks, and leaves every other request's tokens exactly as they are

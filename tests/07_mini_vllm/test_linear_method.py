@@ -14,7 +14,7 @@ from mini_vllm.config import ModelConfig
 from mini_vllm.engine_config import EngineConfig
 from mini_vllm.models.linear_method import UNQUANTIZED, OneDNNLinearMethod, PanelLinearMethod
 from mini_vllm.models.loader import get_model, process_weights_after_loading
-from paged_attention.model.linear import Linear
+from model_executor.linear import Linear
 
 needs_onednn = pytest.mark.skipif(not cpu_gemm.onednn_available(), reason="this torch build has no oneDNN")
 

@@ -7,4 +7,5 @@ import pytest
 def test_notebook_runs():
     from notebook_runner import run_notebook
 
-    run_notebook("07_mini_vllm", budget_s=120)
+    # 118 s on a 2-core machine busy with other test processes (2026-12-05): room for a loaded CI
+    run_notebook("07_mini_vllm", budget_s=240)

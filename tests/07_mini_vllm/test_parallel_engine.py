@@ -6,8 +6,8 @@ chunked prefill and preemption all happening in the run (asserted, not hoped for
 impossible splits fail at start-up before any process exists; a worker killed mid-run fails every
 request with the reason within seconds; after shutdown no worker process or rendezvous port is left.
 
-Each multiprocess engine costs a few seconds to start (spawned workers import torch and load the
-checkpoint): the tests share what they can and use the tiny checkpoints.
+Each multiprocess engine costs a few seconds to start (workers forked from a forkserver join
+the process groups and load the checkpoint): the tests share what they can and use the tiny checkpoints.
 """
 from __future__ import annotations
 

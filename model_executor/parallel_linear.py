@@ -2,7 +2,7 @@
 
 Mirrors vLLM's `vllm/model_executor/layers/linear.py` (`ColumnParallelLinear`, `RowParallelLinear`,
 `MergedColumnParallelLinear`, `QKVParallelLinear`) and `vocab_parallel_embedding.py`
-(`VocabParallelEmbedding`, `ParallelLMHead`). Each class is chapter 01's single-device layer
+(`VocabParallelEmbedding`, `ParallelLMHead`). Each class is the single-device layer
 (linear.py) whose parameters hold only this rank's shard; its `weight_loader` cuts that shard out of
 the full checkpoint tensor. With one rank (`parallel_state`'s default) every shard is the whole
 tensor and the classes behave exactly like their parents.
@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged_attention.model.linear import Linear, MergedColumnLinear, QKVLinear, VocabEmbedding
-from paged_attention.model.parallel_state import get_tp_group
+from model_executor.linear import Linear, MergedColumnLinear, QKVLinear, VocabEmbedding
+from model_executor.parallel_state import get_tp_group
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:

@@ -2,7 +2,8 @@
 
 Mirrors vLLM's `vllm/model_executor/custom_op.py: CustomOp`: a subclass writes `forward_native`
 (plain torch: the oracle, what HF computes op for op) and may add `forward_cpu` (a fused C++ op of
-kernels_cpu/layer_ops.py) or `forward_cuda` (fused Triton kernels of model/triton_layer_ops.py). Which one runs is bound ONCE,
+kernels_cpu/layer_ops.py) or `forward_cuda` (fused Triton kernels of chapter 01's
+paged_attention/model/triton_layer_ops.py). Which one runs is bound ONCE,
 by `dispatch_forward`, so `forward` itself never asks which platform it is on. Every op starts on
 `forward_native`; only chapter 07's loader rebinds (`loader.use_cpu_layer_ops`, by
 `EngineConfig.cpu_kernels`; `loader.use_cuda_layer_ops`, by `EngineConfig.cuda_layer_ops`), so

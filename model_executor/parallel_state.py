@@ -8,7 +8,7 @@ Why global state: a layer deep inside the model (a RowParallelLinear in layer 17
 and how to all-reduce, but the model code should read like the single-device model — so, as in vLLM
 and Megatron, the groups are set once per process (by chapter 07's worker, before it builds the model)
 and the layers ask `get_tp_group()`. Until then every group is a single rank: the layers are exactly
-chapter 01's single-device layers and nothing touches `torch.distributed` (chapter 04's EAGLE head
+the single-device layers and nothing touches `torch.distributed` (chapter 04's EAGLE head
 and every single-process test run this way).
 
 Rank layout (vLLM's): world rank = pp_rank * tp_size + tp_rank. TP groups are consecutive ranks
