@@ -40,6 +40,7 @@ request under `kv_load_failure_policy`), and its blocks are never written after 
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,6 +148,25 @@ class KVOutputAggregator:
     def pending(self) -> int:
         """Requests some but not all ranks are done with."""
         return len(self._recving) + len(self._sending)
+
+
+class PoolHealth:
+    """Both halves' circuit breaker for the pool: a failed call is counted by reason, and after the
+    pool's server did not answer the half leaves it alone for `pool_retry_s` (every step would
+    otherwise wait for the timeout). The host class has `config` and `stats["failures"]`."""
+    last_error: str = ""
+    _pool_down_until: float = 0.0
+
+    def _pool_failed(self, error: BaseException) -> None:
+        self._count_failure("unreachable")
+        self.last_error = str(error)
+        self._pool_down_until = time.monotonic() + self.config.extra["pool_retry_s"]
+
+    def _pool_is_down(self) -> bool:
+        return time.monotonic() < self._pool_down_until
+
+    def _count_failure(self, reason: str) -> None:
+        self.stats["failures"][reason] = self.stats["failures"].get(reason, 0) + 1
 
 
 def merge_stats(*stats: dict) -> dict:

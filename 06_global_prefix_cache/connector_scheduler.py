@@ -8,14 +8,13 @@ and saves into the metadata every worker half receives (`connector_worker.py`).
 """
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from global_prefix_cache.config import KVConnectorRole, KVTransferConfig
 from global_prefix_cache.connector import (CONNECTORS, GlobalPrefixCacheConnectorMetadata, KVConnectorOutput,
-                                           LoadSpec, SaveSpec)
+                                           LoadSpec, PoolHealth, SaveSpec)
 from global_prefix_cache.kv_layout import NodeSpec
 from global_prefix_cache.layers import pool_key
 from global_prefix_cache.rpc import RpcError
@@ -33,7 +32,7 @@ class _SaveState:
     staged: bool = False
 
 
-class ConnectorScheduler(KVConnectorBase):
+class ConnectorScheduler(PoolHealth, KVConnectorBase):
     """The scheduler-side half (`scheduler.KVConnectorBase`): plans loads and saves for every rank."""
 
     role = KVConnectorRole.SCHEDULER
@@ -55,8 +54,6 @@ class ConnectorScheduler(KVConnectorBase):
         self._save_state: dict[str, _SaveState] = {}
         self._staged: dict[str, tuple[int, list[int]]] = {}   # request -> (tokens, hashes) every rank staged
         self._no_remote: set[str] = set()            # failed once: compute locally from now on
-        self.last_error = ""
-        self._pool_down_until = 0.0
         self.finished_request_ids: set[str] = set()  # request_finished seen (the engine calls it once)
         self._params_out: dict[str, dict] = {}
         self.external_tokens: dict[str, int] = {}    # live request -> tokens planned to load (stats)
@@ -310,20 +307,6 @@ class ConnectorScheduler(KVConnectorBase):
         remote K/V again (a dead node must not make it fail in a loop)."""
         self._no_remote.add(request.request_id)
         self._matched.pop(request.request_id, None)
-
-    # ================================================================ the pool's health
-    def _pool_failed(self, error: BaseException) -> None:
-        """The pool's server did not answer: count it, and leave the pool alone for
-        `pool_retry_s` (a circuit breaker: every step would otherwise wait for the timeout)."""
-        self._count_failure("unreachable")
-        self.last_error = str(error)
-        self._pool_down_until = time.monotonic() + self.config.extra["pool_retry_s"]
-
-    def _pool_is_down(self) -> bool:
-        return time.monotonic() < self._pool_down_until
-
-    def _count_failure(self, reason: str) -> None:
-        self.stats["failures"][reason] = self.stats["failures"].get(reason, 0) + 1
 
     def shutdown(self) -> None:
         self.layer.close()

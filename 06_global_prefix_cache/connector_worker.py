@@ -22,7 +22,7 @@ import torch
 
 from global_prefix_cache.config import KVConnectorRole, KVTransferConfig
 from global_prefix_cache.connector import (CONNECTORS, GlobalPrefixCacheConnectorMetadata, KVConnectorOutput,
-                                           LoadFailure, LoadSpec, SaveSpec)
+                                           LoadFailure, LoadSpec, PoolHealth, SaveSpec)
 from global_prefix_cache.grouping import Region, build_transfer_params
 from global_prefix_cache.kv_layout import BlockSegment, KVLayout, NodeSpec
 from global_prefix_cache.layers import LoadError, classify, hit_node_id, pool_key
@@ -57,7 +57,7 @@ class _Staged:
     sent: bool = False
 
 
-class ConnectorWorker:
+class ConnectorWorker(PoolHealth):
     """The worker-side half of rank `rank` (node `{node_id}/rank{rank}` in the pool; rank 0 is `node_id`)."""
 
     role = KVConnectorRole.WORKER
@@ -78,8 +78,6 @@ class ConnectorWorker:
         self._failed_staging: set[str] = set()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-load")
         self._tags = itertools.count()
-        self._pool_down_until = 0.0
-        self.last_error = ""
         self.send_segment: BlockSegment | None = None
         self.side_channel: RpcServer | None = None
         self._staged: dict[str, _Staged] = {}
@@ -363,19 +361,6 @@ class ConnectorWorker:
                     self._finished_sending.add(rid)
             done, self._finished_sending = self._finished_sending, set()
         return done
-
-    # ================================================================ the pool's health
-    def _pool_failed(self, error: BaseException) -> None:
-        """The pool's server did not answer: count it, and publish nothing for `pool_retry_s`."""
-        self._count_failure("unreachable")
-        self.last_error = str(error)
-        self._pool_down_until = time.monotonic() + self.config.extra["pool_retry_s"]
-
-    def _pool_is_down(self) -> bool:
-        return time.monotonic() < self._pool_down_until
-
-    def _count_failure(self, reason: str) -> None:
-        self.stats["failures"][reason] = self.stats["failures"].get(reason, 0) + 1
 
     def get_kv_connector_stats(self) -> dict:
         """This rank's counters and load times (vLLM: get_kv_connector_stats)."""

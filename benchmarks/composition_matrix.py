@@ -277,9 +277,15 @@ def run_pair_llm(ctx: Context, pair: tuple[str, str], expect: dict, registry=Non
         if registry is not None:
             registry.remove(llm)
         llm.shutdown()
+    return verdict(pair, "LLM", got, expect)
+
+
+def verdict(pair: tuple[str, str], path: str, got: dict, expect: dict) -> str:
+    """'same tokens', or an AssertionError: the pair's answer differs from the plain engine's, or it
+    composed where vLLM refuses it (our refusal is missing)."""
     diffs = compare(got, expect)
     if diffs:
-        raise AssertionError(f"{pair} through LLM differs from the plain engine: " + "; ".join(diffs))
+        raise AssertionError(f"{pair} through {path} differs from the plain engine: " + "; ".join(diffs))
     if frozenset(pair) in VLLM_REFUSES:
         raise AssertionError(f"{pair}: composed, but vLLM refuses it (our refusal is missing)")
     return "same tokens"
@@ -302,12 +308,7 @@ def run_pair_serve(ctx: Context, pair: tuple[str, str], expect_served: dict) -> 
         server.wait_idle()
     finally:
         server.stop()
-    diffs = compare(got, expect_served)
-    if diffs:
-        raise AssertionError(f"{pair} through the server differs from the plain engine: " + "; ".join(diffs))
-    if frozenset(pair) in VLLM_REFUSES:
-        raise AssertionError(f"{pair}: composed, but vLLM refuses it (our refusal is missing)")
-    return "same tokens"
+    return verdict(pair, "the server", got, expect_served)
 
 
 class ServerThread:
