@@ -3,7 +3,7 @@
 Mirrors vLLM's `vllm/model_executor/models/llama.py` and `vllm/model_executor/layers/`:
 
     layers.py      RMSNorm (fused residual add), rope_inv_freq + RotaryEmbedding (rope scaling),
-                   apply_rotary_emb, SiluAndMul
+                   apply_rotary_emb + QKRotation (the rotation as a CustomOp), SiluAndMul
                    (vLLM: layers/layernorm.py, layers/rotary_embedding/, layers/activation.py)
     llama.py       SelfAttention (vLLM's LlamaAttention), LlamaMLP, LlamaDecoderLayer, STACKED_PARAMS_MAPPING
                    (vLLM: models/llama.py)

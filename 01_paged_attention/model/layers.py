@@ -10,8 +10,9 @@ math op for op), `forward_cpu` one fused C++ pass of kernels_cpu/layer_ops.py, `
 fused Triton kernel of triton_layer_ops.py. The C++ is imported only when chapter 07 binds that
 forward (`EngineConfig.cpu_kernels="auto"`): with "off", and in chapter 04's EAGLE head and toy
 target, nothing of kernels_cpu is touched. Likewise the Triton module is imported only by forward_cuda.
-RoPE's fused kernel sits in `SelfAttention.forward_cuda` (llama.py): RotaryEmbedding is a table
-the model looks up once per step, the rotation happens in each attention block.
+RotaryEmbedding is a table the model looks up once per step; the rotation happens in each
+attention block, through QKRotation (a CustomOp: on a GPU one Triton kernel rotates q and k and
+copies v; on a CPU the attention block's own forward_cpu fuses it with the split of qkv).
 """
 from __future__ import annotations
 
@@ -149,6 +150,27 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     x1, x2 = x.chunk(2, dim=-1)                                                    # [T, heads, d/2] each
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
     ### END SOLUTION
+
+
+class QKRotation(CustomOp):
+    """q and k rotated by the step's (cos, sin), v copied beside them: what the attention block hands
+    the attention op. q [T, H, D], k and v [T, KVH, D] (views of the qkv projection), cos/sin [T, 1, D]
+    -> three new contiguous tensors of the same shapes.
+
+    forward_native: `apply_rotary_emb` on q and on k. forward_cuda: both rotations and v's copy in
+    one Triton launch (triton_layer_ops.rotary_embedding, exactly apply_rotary_emb's rounding) —
+    vLLM's `RotaryEmbedding.forward_cuda` (csrc/pos_encoding_kernels.cu) in the same place."""
+
+    def forward_native(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin), v.contiguous()
+
+    def forward_cuda(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):   # training: keep autograd's graph
+            return self.forward_native(q, k, v, cos, sin)
+        from paged_attention.model import triton_layer_ops                      # only once chapter 07 bound this forward
+        return triton_layer_ops.rotary_embedding(q, k, cos, sin, v)
 
 
 class SiluAndMul(CustomOp):

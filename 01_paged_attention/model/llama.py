@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from model_executor.custom_op import CustomOp
-from paged_attention.model.layers import RMSNorm, SiluAndMul, apply_rotary_emb
+from paged_attention.model.layers import QKRotation, RMSNorm, SiluAndMul
 from model_executor.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]   # (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
@@ -53,8 +53,9 @@ class SelfAttention(CustomOp):
     qkv_bias: Qwen2 (and Llama/Qwen3 with attention_bias) add a bias to q/k/v; o_bias likewise on o_proj.
     qk_norm:  Qwen3 RMS-normalises each head of q and k before RoPE (stabilises attention logits).
     A CustomOp: on a CPU its forward_cpu splits q/k/v out of the qkv projection and rotates q and k in
-    one C++ pass; on a GPU its forward_cuda rotates q and k and copies v in one Triton kernel
-    (triton_layer_ops.rotary_embedding; Qwen3's q/k norms run first, as their own Triton kernels).
+    one C++ pass. The rotation is a CustomOp of its own, `self.rotary` (layers.QKRotation: q and k
+    rotated, v copied; on a GPU one Triton kernel), so on a GPU this block runs forward_native with
+    its norms and its rotation bound to their Triton forwards.
 
     Tensor parallel (parallel_linear.py; one rank unless chapter 07's worker set up a TP group): the
     projections are split by heads, so num_heads / num_kv_heads here are THIS rank's heads
@@ -74,6 +75,7 @@ class SelfAttention(CustomOp):
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, rms_norm_eps) if qk_norm else None
+        self.rotary = QKRotation()
         self.attn = attn
 
     def forward_native(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
@@ -87,9 +89,8 @@ class SelfAttention(CustomOp):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
-        out = self.attn(q, k, v.contiguous(), kv_cache, attn_metadata)             # [T, H, D]
+        q, k, v = self.rotary(q, k, v, *rope)                                         # contiguous [T, H|KVH, D]
+        out = self.attn(q, k, v, kv_cache, attn_metadata)                            # [T, H, D]
         return self.o_proj(out.view(T, self.q_size))                                 # [T, hidden]
         ### END SOLUTION
 
@@ -105,27 +106,6 @@ class SelfAttention(CustomOp):
         cos, sin = rope                                                              # [T, 1, D] each
         q, k, v = layer_ops.rope_split_qkv(self.qkv_proj(hidden_states), cos.view(T, -1), sin.view(T, -1),
                                            self.num_heads, self.num_kv_heads, self.head_dim)
-        out = self.attn(q, k, v, kv_cache, attn_metadata)                            # [T, H, D]
-        return self.o_proj(out.view(T, self.q_size))                                 # [T, hidden]
-
-    def forward_cuda(self, hidden_states: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                     kv_cache: KVCache | None, attn_metadata) -> torch.Tensor:
-        """forward_native, with both rotations and v's copy in one Triton kernel
-        (triton_layer_ops.rotary_embedding, exactly apply_rotary_emb's rounding); the q/k norms
-        (Qwen3) are RMSNorms, bound to their own forward_cuda by the loader."""
-        if torch.is_grad_enabled() and hidden_states.requires_grad:                  # training: keep autograd's graph
-            return self.forward_native(hidden_states, rope, kv_cache, attn_metadata)
-        from paged_attention.model import triton_layer_ops                           # only once chapter 07 bound this forward
-        T = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)                                           # [T, (H + 2 KVH) * D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)                                 # [T, H, D] views of qkv
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope                                                              # [T, 1, D] each
-        q, k, v = triton_layer_ops.rotary_embedding(q, k, cos, sin, v)               # new contiguous tensors
         out = self.attn(q, k, v, kv_cache, attn_metadata)                            # [T, H, D]
         return self.o_proj(out.view(T, self.q_size))                                 # [T, hidden]
 

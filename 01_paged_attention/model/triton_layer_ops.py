@@ -7,7 +7,7 @@ pow, mean, rsqrt, mul, chunk, cat... each a full read and write of the activatio
 Fused, each is one pass: the activations are read once and written once. vLLM has the same three
 (csrc/layernorm_kernels.cu: `rms_norm`, `fused_add_rms_norm`; csrc/activation_kernels.cu:
 `silu_and_mul`; csrc/pos_encoding_kernels.cu: `rotary_embedding`), reached through
-`CustomOp.forward_cuda` of `RMSNorm`, `SiluAndMul` and `RotaryEmbedding`.
+`CustomOp.forward_cuda` of `RMSNorm`, `SiluAndMul` and `RotaryEmbedding` (ours: `QKRotation`).
 
 Numerics: every kernel computes in fp32 and rounds to the model dtype exactly where the PyTorch
 forward rounds (the comments say where), so the result is forward_native's bit for bit except:

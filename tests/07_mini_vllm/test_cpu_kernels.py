@@ -216,9 +216,11 @@ def test_a_model_switched_to_the_kernels_computes_what_the_torch_layers_do(tiny_
     plain = get_model(tiny_config, cpu_layer_ops="torch")
     fused = get_model(tiny_config, cpu_layer_ops="cpu")
     layers = tiny_config.num_hidden_layers
-    # per layer: 2 norms, the activation, the attention block (+ Qwen3's q/k norms: bound too, but
-    # they take the kernel only for 2-D inputs, so they run torch for [T, heads, D]); + the final norm
-    assert len(bound_to_cpu(fused)) == layers * (4 + 2 * (tiny_config.architecture.startswith("Qwen3"))) + 1
+    # per layer: 2 norms, the activation, the attention block and its rotation (bound too; the block's
+    # forward_cpu fuses the rotation into its own C++ pass, so it runs only under Qwen3's
+    # forward_native) (+ Qwen3's q/k norms: bound too, but they take the kernel only for 2-D inputs,
+    # so they run torch for [T, heads, D]); + the final norm
+    assert len(bound_to_cpu(fused)) == layers * (5 + 2 * (tiny_config.architecture.startswith("Qwen3"))) + 1
     assert not bound_to_cpu(plain)
     assert_close(logits(fused), logits(plain), dtype=torch.float32)
     assert use_cpu_layer_ops(plain, "torch") == 0
