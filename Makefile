@@ -4,7 +4,7 @@
 #   make test-gpu       CUDA kernels + native Triton, on a machine with a GPU
 #   make gpu-check      the prepared device check: GPU benchmarks + every gpu test, offline, < 8 min
 #   make bench          the side-by-side benchmarks (ours vs a peer, one run)
-#   make assignments    the student edition in build/student: every task (CH=02: chapter 02's edition)
+#   make assignments    the student edition in build/student: every task (CH=02: chapter 02's, in build/student-ch02)
 #   make grade          grade a student tree: make grade STUDENT=build/student [CH=02]; STUDENT=. grades the reference
 #   make proof          prove the assignments, every task's full test set (CI runs a rotating share)
 #   make notebooks      execute every notebook in place (outputs + figures committed)
@@ -81,9 +81,12 @@ bench: setup
 
 # Course assignments (course/): the student edition, grading one (STUDENT=. grades the reference
 # itself), and the proof that every task fails stubbed and passes alone (README, "Course assignments").
-STUDENT ?= build/student
+# Each edition has its own folder (build/student, build/student-ch02: OUT= to choose another); a
+# build never overwrites a folder holding changes it did not write.
+EDITION = $(if $(CH),$(shell $(PY) -c "from course.build import default_out; print(default_out('$(CH)'.split()).relative_to(__import__('pathlib').Path.cwd()))"),build/student)
+STUDENT ?= $(EDITION)
 assignments: setup model
-	$(PY) -m course build $(CH) --out $(STUDENT)
+	$(PY) -m course build $(CH) $(if $(OUT),--out $(OUT))
 
 grade: setup model
 	@test -d "$(STUDENT)" || { echo "make grade: no student tree at $(STUDENT) (make assignments, or STUDENT=path)" >&2; exit 2; }

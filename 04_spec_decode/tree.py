@@ -40,6 +40,7 @@ import torch
 from paged_attention.block_table import slot_mapping_for_request
 from paged_attention.metadata import AttentionMetadata
 from paged_attention.reference import dense_attention
+from spec_decode.reference import race, recover_token
 
 
 # ----------------------------------------------------------------------------- tree shape
@@ -212,10 +213,12 @@ def verify_tree_random(tokens: Sequence[int], parents: Sequence[int], target_pro
 
     At a node with target distribution p, try its children in order: accept child c with
     probability r(c) / sum(r), where r starts as p; on rejection zero r(c) and try the next
-    (the residual of a one-hot q, renormalised). If every child is rejected, emit a sample of
-    r — the recovered token — and stop. Each step is a single-draft rejection step on the
-    residual, so the emitted token is distributed exactly as p (SpecInfer's multi-step
-    speculative sampling with deterministic candidates).
+    (the residual of a one-hot q, renormalised). If every child is rejected, emit the recovered
+    token of the last rejection — chapter 04's single-draft rule (`reference.recover_token`, q
+    one-hot at that child) applied to r — and stop; a node without children emits a sample of p
+    (the bonus token). Each step is a single-draft rejection step on the residual, so the emitted
+    token is distributed exactly as p (SpecInfer's multi-step speculative sampling with
+    deterministic candidates).
     target_probs [n, V] (node i: the distribution after it), uniform [n] (one per node, used
     when that node is tested), inv_exponential [V]. Returns (accepted nodes, emitted tokens).
     """
@@ -226,17 +229,19 @@ def verify_tree_random(tokens: Sequence[int], parents: Sequence[int], target_pro
     accepted, node = [], 0
     while True:
         residual = target_probs[node].clone()
-        nxt = None
+        nxt, rejected = None, None
         for c in children.get(node, ()):
+            if rejected is not None:
+                residual[rejected] = 0.0                  # the residual of the children rejected so far
             tok = int(tokens[c])
             if uniform[c] * residual.sum() < residual[tok]:
                 nxt = c
                 break
-            residual[tok] = 0.0
+            rejected = tok
         if nxt is None:
-            if not bool((residual * inv_exponential).max() > 0):
-                residual = target_probs[node]             # rounding only
-            return accepted, [int(tokens[a]) for a in accepted] + [int(torch.argmax(residual * inv_exponential))]
+            last = (recover_token(residual, None, rejected, inv_exponential) if rejected is not None
+                    else race(residual, inv_exponential))
+            return accepted, [int(tokens[a]) for a in accepted] + [last]
         accepted.append(nxt)
         node = nxt
 

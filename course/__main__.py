@@ -12,7 +12,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("build", help="write the student edition")
     p.add_argument("chapters", nargs="*", help="chapters to strip (02, ch02, kvcache, cuda...); default: all marked")
-    p.add_argument("--out", default="build/student")
+    p.add_argument("--out", default=None, help="default: build/student (the full edition), build/student-ch02 (CH=02's)")
+    p.add_argument("--force", action="store_true", help="replace the folder even if it holds changes the build did not write")
 
     p = sub.add_parser("grade", help="grade a student tree")
     p.add_argument("student")
@@ -52,9 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cmd == "build":
         from course.build import build
-        info = build(args.chapters, pathlib.Path(args.out))
+        info = build(args.chapters, pathlib.Path(args.out) if args.out else None, force=args.force)
         print(f"{info['edition']} edition: {len(info['assigned'])} tasks assigned ({', '.join(info['chapters'])}), "
-              f"{len(info['solved'])} given solved, {len(info['later'])} stubbed for later -> {args.out}")
+              f"{len(info['solved'])} given solved, {len(info['later'])} stubbed for later -> {info['out']}")
         return 0
     if args.cmd == "grade":
         from course.grade import main as grade_main

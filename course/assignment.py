@@ -98,7 +98,7 @@ def _task_section(task: Task, manifest: Manifest, info: dict, cache: dict) -> li
     lines.append("")
     hidden = manifest.hidden_ids()
     public = [t for t in task.public if t not in hidden and not t.startswith("tests/course/")]
-    secret = [t for t in task.tests if t not in public]
+    secret = [t for t in task.all_tests if t not in public]
     lines += [f"**Rules its tests enforce** (public: run them with `make test-task T={task.id}`, or "
               f"`pytest -m {task.id}`):", ""]
     lines += [f"- {rule_of(t, cache)} — `{t}`" for t in public] or ["- (no public test)"]
@@ -122,9 +122,11 @@ def _task_section(task: Task, manifest: Manifest, info: dict, cache: dict) -> li
                          "while grading this task, so its grade does not depend on them")
         lines += [text + "; ".join(parts) + ".", ""]
     lines.append(f"**Graded**: each of its {len(task.tests)} tests passes or not (score = the share passed; the "
-                 f"task passes when all do); time limit {task.timeout_s:.0f} s, a task that runs out of time "
-                 "scores 0." + (" Optional: the score table lists it apart and it never fails the grade."
-                                if task.optional else ""))
+                 f"task passes when all do); each test has {task.test_timeout_s:.0f} s, the task {task.timeout_s:.0f} s "
+                 "in all; a test that runs out of time fails, the others still count."
+                 + (" Optional: the score table lists it apart and it never fails the grade." if task.optional else "")
+                 + (f" Not graded, yours to run: {', '.join(f'`{u}`' for u in task.unjudged)} — {task.unjudged_why}"
+                    if task.unjudged else ""))
     if task.notes:
         lines += ["", task.notes]
     lines.append("")
@@ -163,9 +165,12 @@ def render(chapter: Chapter, manifest: Manifest, info: dict) -> str:
               "(Triton kernels run under `TRITON_INTERPRET=1` on a CPU; CUDA kernels run in the CPU emulator, "
               "compiled with g++ — no GPU needed);",
               "- grading (instructor): `python -m course grade <your tree>` runs the public and hidden tests of "
-              "every task, each task in a process of its own that imports only your code, with the reference "
-              "filled in for the tasks it builds on; it prints a score table and the first line of every "
-              "failure, and writes a JSON report. A task that hangs is stopped at its time limit and scores 0.",
+              "every task, with the reference filled in for the tasks it builds on. Each test is judged from "
+              "what your code computes: your code runs in a sandboxed process that logs every call into the "
+              "task's code, and the test's assertions run in the judge's process on those outputs (README.md, "
+              "'How you are graded'). It prints a score table and the first line of every failure, lists every "
+              "test that did not run and why, and writes a JSON report. A test that hangs is stopped at its "
+              "time limit and fails; the others still count.",
               "", "## Tasks", ""]
     cache: dict = {}
     for task in tasks:

@@ -7,6 +7,13 @@ Which code is solved, assigned or stripped:
     later chapters, kernel packages not chosen — is stripped too, unassigned, so that releasing
     chapters one at a time never hands out a later chapter's solution.
 
+What it is built from: the files git tracks (`git ls-files`: committed or staged), as they are in
+the working tree — never an untracked file (a scratch copy, a `.orig`, a report a grading left).
+Where: an edition-named folder (`build/student` for the full edition, `build/student-ch02` for
+chapter 02's: `default_out`). A folder the build finds there is replaced only if it is an edition
+it wrote and nothing in it has changed since (course_build.json lists every file it wrote, with its
+hash): a student's work, or another edition, is never overwritten (`--force` to replace anyway).
+
 The tree written:
   * every stripped region holds a stub naming its task (markers kept: course/regions.py);
   * notebooks lose their outputs and their solution cells (nbgrader-style);
@@ -37,6 +44,68 @@ BUILD_INFO = "course_build.json"
 EXCLUDE_TOPS = {"course", "build", ".ci"}
 REPLACED = {"README.md", "Makefile", "pyproject.toml", "conftest.py"}     # written for students instead
 INSTRUCTOR_ONLY = {"tests/test_repository.py", "tests/test_self_contained.py"}   # checks of this repository
+
+
+# What a student edition may gain without its build being "changed": its virtual environment,
+# caches, an editable install's metadata, the local grade's report.
+SCRATCH = (".venv", "__pycache__", ".pytest_cache", ".hypothesis", ".ipynb_checkpoints", ".egg-info",
+           "grade_report.json", ".installed")
+
+
+def default_out(names: list[str]) -> pathlib.Path:
+    """build/student (the full edition), build/student-ch02 (chapter 02's), build/student-ch02-cuda."""
+    if not names:
+        return ROOT / "build" / "student"
+    return ROOT / "build" / ("student-" + "-".join(c.prefix for c in selected_chapters(names)))
+
+
+def _digest(path: pathlib.Path) -> str:
+    import hashlib
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _scratch(rel: str) -> bool:
+    return any(part in SCRATCH or part.endswith(".egg-info") for part in pathlib.PurePosixPath(rel).parts)
+
+
+def changes_since_build(out: pathlib.Path) -> list[str]:
+    """What differs in `out` from what the build wrote there (course_build.json's file list):
+    files changed, added or removed, scratch (caches, .venv) aside. A folder without the list (or
+    the list from an older build) counts as changed if it has any file."""
+    info_path = out / BUILD_INFO
+    if not info_path.exists():
+        return [p.relative_to(out).as_posix() for p in sorted(out.rglob("*"))
+                if p.is_file() and not _scratch(p.relative_to(out).as_posix())][:20]
+    written = json.loads(info_path.read_text()).get("files")
+    if written is None:
+        return ["(course_build.json lists no files: built by an older version; pass --force)"]
+    out_files = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() or p.is_symlink()}
+    changed = []
+    for rel in sorted(out_files - {BUILD_INFO}):
+        if _scratch(rel):
+            continue
+        if rel not in written:
+            changed.append(f"{rel} (added)")
+        elif _digest(out / rel) != written[rel]:
+            changed.append(f"{rel} (changed)")
+    changed += [f"{rel} (removed)" for rel in sorted(set(written) - out_files)]
+    return changed
+
+
+def _may_replace(out: pathlib.Path, names: list[str]) -> None:
+    """Refuse (SystemExit) to replace `out` unless it is this very edition, untouched since built."""
+    changed = changes_since_build(out)
+    if changed:
+        raise SystemExit(f"{out} holds changes this build did not write — refusing to overwrite it (a student's "
+                         f"work, or files added there; move it away or pass --force):\n  "
+                         + "\n  ".join(changed[:20]) + ("\n  ..." if len(changed) > 20 else ""))
+    old = json.loads((out / BUILD_INFO).read_text())
+    want = "full" if not names else "chapters"
+    folders = sorted({c.folder for c in selected_chapters(names)}) if names else None
+    if old.get("edition") != want or (names and sorted(old.get("chapters", [])) != folders):
+        what = "the full edition" if old.get("edition") == "full" else f"the edition of {', '.join(old.get('chapters', []))}"
+        raise SystemExit(f"{out} holds {what}, not this one: refusing to overwrite it (build into another folder — "
+                         f"the default is {default_out(names)} — or pass --force)")
 
 
 def _excluded(rel: str) -> bool:
@@ -97,11 +166,16 @@ def edition(manifest: Manifest, names: list[str]) -> tuple[list[Task], list[Task
     return assigned, solved, later
 
 
-def build(names: list[str], out: pathlib.Path, *, minimal: bool = False, restore: set[str] = frozenset(),
-          manifest: Manifest | None = None, check: bool = True) -> dict:
+def build(names: list[str], out: pathlib.Path | None = None, *, minimal: bool = False, restore: set[str] = frozenset(),
+          manifest: Manifest | None = None, check: bool = True, share: bool = True, force: bool = False,
+          strip_regions: set[str] | None = None, link_big: bool | None = None) -> dict:
     """Write the student edition of `names` (the full edition if empty) to `out`.
     minimal: only what grading needs (chapter folders, benchmarks) — the proof's trees.
-    restore: task ids whose reference stays in (the proof puts tasks back one at a time)."""
+    restore: task ids whose reference stays in (the proof puts tasks back one at a time).
+    share (minimal trees): link big files to this repository and C++ sources to a shared cache of
+    the grader's (their builds are shared); False: a tree the student's sandboxed process reads,
+    which sees neither, so everything is copied. link_big: override for big files alone (the
+    judge's trees copy them: its process does not see this repository either)."""
     manifest = manifest or load()
     if check:
         errors = problems(manifest)
@@ -110,12 +184,21 @@ def build(names: list[str], out: pathlib.Path, *, minimal: bool = False, restore
     assigned, solved, later = edition(manifest, names)
     stripped = [t for t in assigned + later if t.id not in restore]
     task_of = {key: (t.id, t.title, t.error_stub) for t in stripped for key in t.regions}
+    if strip_regions is not None:         # the proof's (4): these regions alone, the rest the reference
+        stripped = []
+        task_of = {key: (t.id, t.title, t.error_stub) for t in manifest.tasks for key in t.regions
+                   if key in strip_regions}
     keys = set(task_of)
     hidden = hidden_by_file(manifest)
-    out = pathlib.Path(out)
+    out = pathlib.Path(out) if out is not None else default_out(names)
     if out.exists():
-        if not (out / BUILD_INFO).exists() and any(out.iterdir()):
-            raise SystemExit(f"{out} exists and is not a student edition: refusing to overwrite it")
+        if force or not any(out.iterdir()):
+            pass
+        elif minimal:
+            if not (out / BUILD_INFO).exists():
+                raise SystemExit(f"{out} exists and is not a student edition: refusing to overwrite it")
+        else:
+            _may_replace(out, names)
         shutil.rmtree(out)
 
     def transform(rel: str, text: str) -> str | None:
@@ -126,15 +209,16 @@ def build(names: list[str], out: pathlib.Path, *, minimal: bool = False, restore
         return None
 
     if minimal:
-        files = code_files()
-    else:
-        files = [f for f in repo_files(untracked=True) if not _excluded(f) and not (f in hidden and hidden[f] is None)]
+        files = code_files()              # grading's throw-away trees: the working tree as it is
+    else:                                 # an edition: what git tracks, nothing else
+        files = [f for f in repo_files(untracked=False) if not _excluded(f) and not (f in hidden and hidden[f] is None)]
     notebooks = [f for f in files if f.endswith(".ipynb")]
-    write_tree(out, [f for f in files if f not in notebooks], transform, link_big=minimal)
+    link_big = (minimal and share) if link_big is None else link_big
+    write_tree(out, [f for f in files if f not in notebooks], transform, link_big=link_big)
     for nb in notebooks:
         (out / nb).parent.mkdir(parents=True, exist_ok=True)
         (out / nb).write_text(strip_notebook((ROOT / nb).read_text()))
-    if minimal:
+    if minimal and share:
         share_csrc(out)
     folders = sorted({t.chapter for t in assigned})
     info = {"edition": "full" if not names else "chapters", "chapters": folders,
@@ -146,5 +230,7 @@ def build(names: list[str], out: pathlib.Path, *, minimal: bool = False, restore
         chosen = [c for c in chapters() if c.folder in folders]
         write_assignments(out, chosen, manifest, info)
         write_student_files(out, manifest, info)
+        info["files"] = {p.relative_to(out).as_posix(): _digest(p) for p in sorted(out.rglob("*")) if p.is_file()}
     (out / BUILD_INFO).write_text(json.dumps(info, indent=1) + "\n")
+    info["out"] = str(out)
     return info

@@ -55,7 +55,9 @@ _REF_DIRS = [os.path.realpath(p) for p in json.loads(os.environ.get("COURSE_REF_
 _LIMITS = json.loads(os.environ.get("COURSE_LIMITS", "{}"))
 _STANDINS = json.loads(os.environ.get("COURSE_STANDINS", "[]"))   # stand-in files for this whole process
 _standin_patch = pytest.MonkeyPatch()
-_TEST_LIMIT = float(os.environ.get("COURSE_TEST_LIMIT", "0"))   # tests of no task (discovery)
+_TEST_LIMIT = float(os.environ.get("COURSE_TEST_LIMIT", "0"))   # tests of no task (discovery), or the judge's default
+_TEST_LIMITS = json.loads(os.environ.get("COURSE_TEST_LIMITS", "{}"))   # {test id: seconds}: per-test limits (the judge)
+_UNIVERSE = json.loads(os.environ.get("COURSE_UNIVERSE", "null"))    # the judge: every test of the task, reported once
 _SELECT = json.loads(os.environ.get("COURSE_SELECT", "null"))   # manifest test ids to narrow collection to
 _stream = open(_RESULTS, "a", buffering=1) if _RESULTS else None
 _outcomes: dict = {}
@@ -90,17 +92,22 @@ def _real_dir(folder: str) -> str:
     return os.path.realpath(folder)
 
 
+def _refuse_reference(fullname, spec):
+    if _in_reference(spec.origin):
+        raise ImportError(f"grading must not import the reference solution: {fullname} -> {spec.origin}")
+
+
 class _ReferenceGuard:
     """A meta-path finder placed first: asks the other finders, refuses reference files."""
+    _course_delegating = True
 
     def find_spec(self, fullname, path=None, target=None):
         for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+            if getattr(finder, "_course_delegating", False) or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
-                if _in_reference(spec.origin):
-                    raise ImportError(f"grading must not import the reference solution: {fullname} -> {spec.origin}")
+                _refuse_reference(fullname, spec)
                 return spec
         return None
 
@@ -132,6 +139,112 @@ if os.environ.get("COURSE_HYPOTHESIS_SHRINK") == "0":
     _no_shrinking()
 
 
+# ------------------------------------------------------------------ the judge (course/judge.py)
+def _peek_guard():
+    """The student's process: stop it if its code reads the test's frames (course/judge_peek.py).
+    The grader's code is the tests, the grader's files in the workspace (its root is sticky: the
+    student's process cannot replace them) and the zygote that forked this process."""
+    import _course_judge_peek as peek
+    ws = os.environ.get("COURSE_JUDGE_WORKSPACE", os.getcwd())
+    files = [os.path.join(ws, n) for n in ("_course_grader_plugin.py", "_course_judge.py", "_course_judge_peek.py",
+                                            "_course_testids.py", "sitecustomize.py")]
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main and os.path.basename(main) == "zygote.py":
+        files.append(main)
+    trusted = [_judge.TESTS_DIR] + files
+    trusted = sorted({p for t in trusted for p in (t, os.path.realpath(t) + (os.sep if t.endswith(os.sep) else ""))})
+    peek.install(trusted, peek.library_prefixes(), os.path.join(os.environ["COURSE_JUDGE_LOG"], "peek.txt"))
+
+
+
+# COURSE_JUDGE_MODE=record: this is the student's process, its boundary calls are logged and
+# nothing it reports is believed; =replay: this is the judge's process (the reference, the task
+# stubbed), its boundary calls are answered from that log and its outcomes are the grade.
+_JUDGE_MODE = os.environ.get("COURSE_JUDGE_MODE", "")
+_judge = None
+if _JUDGE_MODE:
+    import _course_judge as _judge
+    _judge.SPEC_CHECK = _refuse_reference if _REF_DIRS else None
+    _judge.early()
+    if _JUDGE_MODE == "record":
+        _judge.RUNTIME.start_record(os.environ["COURSE_JUDGE_LOG"])
+        _peek_guard()
+    else:
+        _judge.RUNTIME.start_replay(os.environ["COURSE_JUDGE_LOG"],
+                                    set(json.loads(os.environ.get("COURSE_JUDGE_PACKAGES", "[]"))))
+_JUDGE_SEED = int(os.environ.get("COURSE_JUDGE_SEED", "0") or 0)
+
+
+def _judge_profile():
+    """Both processes generate the same examples in the same order (the seed is passed on the
+    command line, --hypothesis-seed), stop at the first failing one (no shrinking, which would
+    follow the student's process's own verdicts) and never fail on timing or health checks."""
+    try:
+        from hypothesis import HealthCheck, Phase, settings
+    except ImportError:             # pragma: no cover
+        return
+    settings.register_profile("course-judge", database=None, deadline=None, print_blob=False,
+                              suppress_health_check=list(HealthCheck),
+                              phases=[p for p in Phase if p not in (Phase.shrink, Phase.explain)])
+    settings.load_profile("course-judge")
+    # Hypothesis also draws constants it finds in the source of the modules loaded ("local
+    # constants"): the two processes load different code (the student's, the stubbed reference),
+    # so that pool would make them generate different examples. None in either.
+    try:
+        from hypothesis.internal.conjecture import providers
+        empty = providers.Constants()
+        providers._get_local_constants = lambda: empty
+    except (ImportError, AttributeError):      # pragma: no cover — another Hypothesis
+        pass
+
+
+if _JUDGE_MODE:
+    _judge_profile()
+
+
+def _seed_for(nodeid: str) -> int:
+    import zlib
+    return zlib.crc32(f"{_JUDGE_SEED}:{nodeid}".encode()) & 0x7FFFFFFF
+
+
+def _judge_test_start(nodeid: str) -> None:
+    """The same start in both processes: the same seeds, uuids from a seeded generator, and no
+    object known yet (each side forgets the last test's)."""
+    import random
+    import uuid
+    seed = _seed_for(nodeid)
+    _judge.RUNTIME.set_phase(nodeid)
+    _judge.RUNTIME.reset()
+    _judge.seed_everything(seed)
+    rng = random.Random(seed)
+    uuid.uuid4 = lambda: uuid.UUID(int=rng.getrandbits(128), version=4)
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _judge is None:
+        yield
+        return
+    _judge_test_start(item.nodeid)
+    yield
+    if _JUDGE_MODE == "record":
+        state = _judge_outcomes.pop(item.nodeid, ("passed", ""))
+        _judge.RUNTIME.end(item.nodeid, *state)
+    _judge.RUNTIME.set_phase("between")
+
+
+_judge_outcomes: dict = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if _JUDGE_MODE == "replay" and call.excinfo is not None:
+        where = getattr(call.excinfo.value, "_course_where", None)
+        if where:
+            outcome.get_result().user_properties.append(("course_where", where))
+
+
 def _task_of(nodeid):
     for test_id, value in _LIMITS.items():
         if _matches(nodeid, test_id):
@@ -161,6 +274,11 @@ def _subprocess_hits():
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_make_collect_report(collector):
+    if _judge is not None and isinstance(collector, pytest.Module):
+        _judge.RUNTIME.set_phase("collect:" + collector.nodeid)
+        yield
+        _judge.RUNTIME.set_phase("between")
+        return
     probe = _probe()
     if probe is None or not isinstance(collector, pytest.Module):
         yield
@@ -214,6 +332,10 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("skip")
         if marker is not None:
             _not_here[item.nodeid] = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
+    if _UNIVERSE is not None:
+        _emit(event="universe", nodeids=[item.nodeid for item in items
+                                         if any(_matches(item.nodeid, s) for s in _UNIVERSE) and _runnable_here(item)],
+              not_here={k: v for k, v in _not_here.items()})
     keep, drop = [], []
     for item in items:
         selected = _SELECT is None or any(_matches(item.nodeid, s) for s in _SELECT)
@@ -230,7 +352,11 @@ def pytest_collection_finish(session):
 def pytest_runtest_logstart(nodeid, location):
     entry = _task_of(nodeid)
     limit = None
-    if entry is not None:
+    per_test = next((s for t, s in _TEST_LIMITS.items() if _matches(nodeid, t)), None)
+    if per_test is not None:
+        limit = float(per_test)
+        faulthandler.dump_traceback_later(limit, exit=True)
+    elif entry is not None:
         task, seconds = entry
         limit = max(0.5, seconds - _spent.get(task, 0.0))
         faulthandler.dump_traceback_later(limit, exit=True)
@@ -248,6 +374,17 @@ def pytest_runtest_logstart(nodeid, location):
 def pytest_runtest_logreport(report):
     nodeid = report.nodeid
     state = _outcomes.setdefault(nodeid, {"outcome": "passed", "message": "", "summary": ""})
+    if _JUDGE_MODE == "replay" and report.when == "teardown" and state["outcome"] == "passed":
+        left = _judge.RUNTIME.pending(nodeid)
+        if left:
+            end = _judge.RUNTIME.ends.get(nodeid, {})
+            state["outcome"] = "failed"
+            state["summary"] = (f"JudgeError: your process made {left} more call(s) of the task's code in this test "
+                                "than the judge's test did: the test ran differently in your process"
+                                + (f" (it reported: {end.get('end')}: {end.get('summary', '')})" if end else ""))[:400]
+            state["message"] = state["summary"]
+    if _JUDGE_MODE == "record" and report.failed:
+        _judge_outcomes[nodeid] = ("failed", str(getattr(report.longrepr, "reprcrash", "") or "")[:300])
     if report.failed:
         if state["outcome"] != "failed":
             state["outcome"] = "failed" if report.when == "call" else "error"
@@ -278,6 +415,13 @@ def _summary(report, lines):
     if crash is not None:
         first = (crash.message or "").strip().splitlines()
         where = f" ({_shown_path(crash.path)}:{crash.lineno})" if crash.path else ""
+        if crash.path and os.path.basename(str(crash.path)) == "_course_judge.py":
+            # Raised by the judge's replay: the student's code raised it (the log says where), or
+            # the replay itself stopped (its message says why: no place in the judge's code to show).
+            raised = dict(getattr(report, "user_properties", []) or []).get("course_where")
+            where = f" (raised in your code: {raised})" if raised else ""
+            if first and first[0].startswith("_course_judge.JudgeError: "):
+                first[0] = "JudgeError: " + first[0].removeprefix("_course_judge.JudgeError: ")
         if first:
             return (first[0][:300] + where)[:400]
     e_lines = [ln[1:].strip() for ln in lines if ln.startswith("E ")]

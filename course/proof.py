@@ -5,36 +5,42 @@
       every module of every package imports, notebooks without outputs, hidden tests gone, no
       solution left (course/leaks.py: region bodies, known siblings), the grader absent, and
       every assigned task has public tests its marker collects (`pytest -m <task>` in the tree);
-  (2) grading the untouched edition fails every task;
+  (2) grading the untouched edition scores 0 on every task: not one of its tests passes stubbed
+      (a test that passes on stubs credits nothing the student wrote);
   (3) putting ONE task's reference back makes that task pass — every other task still stubbed
       (the grader fills in the reference of the tasks it builds on, course/grade.py) — and, with
-      --full, the other tasks of its chapter still fail.
+      --full, the other tasks of its chapter still fail;
+  (4) every region is graded: stubbing it alone (everything else the reference) fails some test of
+      its task (a region no test notices could be left unwritten for full marks).
+
+Gradings (2) and (3) are judged (course/judge.py) exactly as a student's are, so the proof also
+proves that every test replays under the judge. (4) only asks whether a test fails, on trees that
+are all the instructor's: it runs the task's tests directly and stops at the first failure.
 
 Why (3) on its own task is "exactly that task": a test belongs to a task only if every region it
 runs belongs to that task or to one the task builds on (course/testgen.py), and grading a task
 fills in those, so putting T back can change no other task's grade; `--full` checks that
 directly for T's chapter.
 
-Which tests: (2) each task's `fast` tests; (3) the FULL test set (public + hidden) for a
+Which tests: (2) every task's full test set; (3) the FULL test set (public + hidden) for a
 rotating share of the tasks — a different share each day, all of them every ROTATION days —
-and `fast` for the rest; `--full`: every task's full set (what to run before a release).
+and `fast` for the rest; (4) a rotating share of the regions; `--full`: every task's full set and
+every region (what to run before a release).
 
     python -m course proof                 # the CI proof (tests/course/test_proof.py)
-    python -m course proof --full          # every task's full test set: the complete check
+    python -m course proof --full          # every task's full test set, every region: the complete check
     python -m course proof --walk 02       # a student solving chapter 02 task by task
 
-Grading here runs property tests without Hypothesis's shrinking (grade_tree(shrink=False)): a
-grade is the same either way, and a stubbed task's property test, failing on every example, would
-otherwise shrink for up to its whole time limit (ch02_task7's ran out of its 60 s).
+Grading never shrinks a failing property test (it stops at the first failing example), so a
+stubbed task fails in seconds.
 
 Trees differ from the repository only in the stripped regions (course/build.py, minimal=True);
-configurations run in parallel (--jobs), each task's grading in a process forked from a zygote
-that has imported torch & co. once (course/zygote.py; --no-zygote: a fresh interpreter each).
+configurations run in parallel (--jobs), each task's grading in processes forked from a zygote
+that has imported torch & co. once (course/zygote.py).
 """
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -49,11 +55,11 @@ import time
 
 from course import regions as R
 from course.build import build, edition
-from course.grade import grade_tree
+from course.grade import JudgeTrees, grade_tree
 from course.layout import ROOT, chapters, repo_files
 from course.leaks import leaks
 from course.manifest import Manifest, load, problems
-from course.runner import Workspace, ZygoteClient
+from course.runner import Workspace, ZygoteClient, make_workspace, run_tests
 from course.testids import matches
 
 ROTATION = 7          # (3) runs every task's full set once in this many days (a week)
@@ -61,11 +67,12 @@ ROTATION = 7          # (3) runs every task's full set once in this many days (a
 
 @dataclasses.dataclass
 class Config:
-    label: str                 # "stripped", "only <task>"
+    label: str                 # "stripped", "only <task>", "region <key>"
     restore: frozenset[str]
     graded: tuple[str, ...]    # the tasks graded
     full: frozenset[str]       # graded on their full test set (the others: fast)
     expect_pass: frozenset[str]
+    region: str | None = None  # "region <key>": only this region stubbed; some test of its task must fail
 
 
 def rotating_share(task_ids: list[str], day: int | None = None, rotation: int = ROTATION) -> set[str]:
@@ -76,13 +83,30 @@ def rotating_share(task_ids: list[str], day: int | None = None, rotation: int = 
     return {t for i, t in enumerate(task_ids) if i % rotation == day % rotation}
 
 
-def configs(manifest: Manifest, assigned: list[str], full: set[str], exactly: bool) -> list[Config]:
-    out = [Config("stripped", frozenset(), tuple(assigned), frozenset(), frozenset())]
+def configs(manifest: Manifest, assigned: list[str], full: set[str], exactly: bool,
+            regions: list[str] = ()) -> list[Config]:
+    # (2) per chapter, so that the jobs share it: every task stubbed, its full set for the tasks of
+    # `full` (every task with --full), its fast set for the others
+    chapters_of = {}
+    for tid in assigned:
+        chapters_of.setdefault(manifest.by_id(tid).chapter, []).append(tid)
+    out = [Config(f"stripped {ch}", frozenset(), tuple(ids), frozenset(ids) & full, frozenset())
+           for ch, ids in chapters_of.items()]
     for tid in assigned:
         chapter = manifest.by_id(tid).chapter
         graded = [tid] + ([t for t in assigned if t != tid and manifest.by_id(t).chapter == chapter] if exactly else [])
         out.append(Config(f"only {tid}", frozenset({tid}), tuple(graded), frozenset({tid} & full), frozenset({tid})))
+    task_of = manifest.task_of_region()
+    for key in regions:
+        tid = task_of[key].id
+        out.append(Config(f"region {key}", frozenset(), (tid,), frozenset({tid}), frozenset(), region=key))
     return out
+
+
+def region_share(manifest: Manifest, assigned: list[str], every: bool, day: int | None = None) -> list[str]:
+    """The regions (4) checks: all of them (--full), else a rotating share, like (3)'s full sets."""
+    keys = [k for t in manifest.tasks if t.id in set(assigned) for k in t.regions]
+    return keys if every else sorted(rotating_share(keys, day))
 
 
 def _modules(tree: pathlib.Path, chs) -> list[str]:
@@ -195,46 +219,88 @@ _BUILD_LOCK = threading.Lock()
 
 
 def run_config(cfg: Config, names: list[str], manifest: Manifest, tmp: pathlib.Path,
-               zygote: ZygoteClient | None = None) -> dict:
+               zygote: ZygoteClient | None = None, trees: JudgeTrees | None = None) -> dict:
+    if cfg.region is not None:
+        return run_region(cfg, names, manifest, tmp, zygote)
     t0 = time.monotonic()
     tree = pathlib.Path(tempfile.mkdtemp(prefix="tree-", dir=tmp))
     shutil.rmtree(tree)
     with _BUILD_LOCK:
-        build(names, tree, minimal=True, restore=set(cfg.restore), manifest=manifest, check=False)
+        build(names, tree, minimal=True, restore=set(cfg.restore), manifest=manifest, check=False, share=False)
     grades = []
     for full in (True, False):                  # full sets and fast sets: two passes of grade_tree
         tasks = [manifest.by_id(t) for t in cfg.graded if (t in cfg.full) == full]
         if tasks:
             g, _ = grade_tree(tree, tasks, fast=not full, workspace_parent=tmp, zygote=zygote, manifest=manifest,
-                              shrink=False)
+                              judge_trees=trees, cache_key="proof")
             grades += g
     shutil.rmtree(tree, ignore_errors=True)
     passed = {g.task.id for g in grades if g.passed}
-    wrong_pass = sorted(passed - cfg.expect_pass)
+    stubbed = cfg.label.startswith("stripped")
+    # Stubbed, a task must score 0 (not one test passing); alone, its own task must pass.
+    scored = {g.task.id for g in grades if g.num_passed} if stubbed else passed
+    wrong_pass = sorted(scored - cfg.expect_pass)
     wrong_fail = sorted(cfg.expect_pass - passed)
     details = {}
     for g in grades:
         if g.task.id in wrong_pass + wrong_fail:
             details[g.task.id] = [f"{r.nodeid}: {r.outcome} {(r.summary or r.message)[-400:]}" for r in g.results
-                                  if (r.outcome == "passed") == (g.task.id in wrong_pass)][:4]
-    return {"config": cfg.label, "ok": not wrong_pass and not wrong_fail, "passed": sorted(passed),
-            "unexpected_pass": wrong_pass, "unexpected_fail": wrong_fail, "details": details,
-            "full": sorted(cfg.full), "graded": list(cfg.graded),
-            "task_seconds": {g.task.id: round(g.seconds, 1) for g in grades},
+                                  if (r.outcome == "passed") == (g.task.id in wrong_pass)][:6]
+    out = {"config": cfg.label, "ok": not wrong_pass and not wrong_fail, "passed": sorted(passed),
+           "unexpected_pass": wrong_pass, "unexpected_fail": wrong_fail, "details": details,
+           "full": sorted(cfg.full), "graded": list(cfg.graded),
+           "task_seconds": {g.task.id: round(g.seconds, 1) for g in grades},
+           "seconds": round(time.monotonic() - t0, 1)}
+    if stubbed:
+        out["stubbed_scores"] = {g.task.id: round(g.score, 3) for g in grades}
+    return out
+
+
+def run_region(cfg: Config, names: list[str], manifest: Manifest, tmp: pathlib.Path,
+               zygote: ZygoteClient | None = None) -> dict:
+    """(4): the reference with only `cfg.region` stubbed; its task's tests run (fast ones first)
+    until one fails. None failing: the region is graded by no test."""
+    t0 = time.monotonic()
+    task = manifest.by_id(cfg.graded[0])
+    tree = pathlib.Path(tempfile.mkdtemp(prefix="region-", dir=tmp))
+    shutil.rmtree(tree)
+    with _BUILD_LOCK:
+        build(names, tree, minimal=True, manifest=manifest, check=False, strip_regions={cfg.region})
+    failing = None
+    try:
+        ws = make_workspace(tree, pathlib.Path(tempfile.mkdtemp(prefix="ws-", dir=tmp)) / "ws")
+        rest = [t for t in task.tests if t not in task.fast]
+        for batch in ([t for t in task.tests if t in task.fast] or task.fast, rest):
+            if not batch or failing:
+                continue
+            limits = {t: (task.id, task.timeout_s) for t in batch}
+            run = run_tests(ws, batch, task_limits=limits, student=tree, zygote=zygote, guard=False,
+                            extra_env={"COURSE_HYPOTHESIS_SHRINK": "0"}, extra_args=["-x"], once=True)
+            bad = [r for r in run.results.values() if r.outcome not in ("passed", "not_here", "not run")]
+            if bad:
+                failing = f"{bad[0].nodeid}: {bad[0].outcome} {(bad[0].summary or bad[0].message)[:200]}"
+    finally:
+        shutil.rmtree(tree, ignore_errors=True)
+    return {"config": cfg.label, "ok": failing is not None, "passed": [] if failing else [task.id],
+            "unexpected_pass": [] if failing else [task.id], "unexpected_fail": [],
+            "details": {} if failing else {task.id: [f"stubbing {cfg.region} alone fails none of {task.id}'s tests"]},
+            "region": cfg.region, "caught_by": failing, "full": [task.id], "graded": [task.id], "task_seconds": {},
             "seconds": round(time.monotonic() - t0, 1)}
 
 
 def proof(names: list[str], *, fast: bool = True, jobs: int = 2, out_json: pathlib.Path | None = None,
           verbose: bool = True, use_zygote: bool = True, rotate: bool = True, exactly: bool | None = None,
-          collect: bool = True) -> dict:
-    """fast=False (--full): every task's full set, and (3) also grades the other tasks of the
-    task's chapter. fast=True: full sets for the rotating share (rotate=False: none)."""
+          collect: bool = True, only: list[str] | None = None) -> dict:
+    """fast=False (--full): every task's full set, (3) also grades the other tasks of the task's
+    chapter, and (4) checks every region. fast=True: full sets and regions for the rotating share
+    (rotate=False: none). only: these tasks' configurations alone (the stripped grading included)."""
     t0 = time.monotonic()
     manifest = load()
     errors = problems(manifest)
     assigned, _, _ = edition(manifest, names)
-    ids = [t.id for t in assigned]
+    ids = [t.id for t in assigned if only is None or t.id in only]
     full = set(ids) if not fast else (rotating_share(ids) if rotate else set())
+    regions = region_share(manifest, ids, every=not fast) if (not fast or rotate) else []
     exactly = (not fast) if exactly is None else exactly
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="course-proof-"))
     results = []
@@ -250,10 +316,11 @@ def proof(names: list[str], *, fast: bool = True, jobs: int = 2, out_json: pathl
                   f"{'ok' if not errors else 'FAILED'} ({step1_s:.0f} s)", flush=True)
             for e in errors:
                 print("   ", e)
-        cfgs = configs(manifest, ids, full, exactly) if not problems(manifest) else []
-        with ZygoteClient() if use_zygote else contextlib.nullcontext() as zygote, \
+        cfgs = configs(manifest, ids, full, exactly, regions) if not problems(manifest) else []
+        os.chmod(tmp, 0o711)              # the student's process (another user) reaches its tree inside
+        with ZygoteClient() as zygote, JudgeTrees(tmp, manifest) as trees, \
                 concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-            futures = {pool.submit(run_config, c, names, manifest, tmp, zygote): c for c in cfgs}
+            futures = {pool.submit(run_config, c, names, manifest, tmp, zygote, trees): c for c in cfgs}
             for fut in concurrent.futures.as_completed(futures):
                 cfg = futures[fut]
                 try:
@@ -266,8 +333,9 @@ def proof(names: list[str], *, fast: bool = True, jobs: int = 2, out_json: pathl
                 if verbose:
                     flag = "ok" if res["ok"] else "FAILED"
                     sets = "full" if res["full"] else "fast"
-                    print(f"   {res['config']:22s} {flag:6s} {sets} passed={res['passed'] if len(res['passed']) < 4 else len(res['passed'])} "
-                          f"({res['seconds']} s)", flush=True)
+                    what = (f"caught by {str(res.get('caught_by') or '-')[:90]}" if res.get("region") else
+                            f"passed={res['passed'] if len(res['passed']) < 4 else len(res['passed'])}")
+                    print(f"   {res['config'][:60]:60s} {flag:6s} {sets} {what} ({res['seconds']} s)", flush=True)
                     if not res["ok"]:
                         print(f"      unexpected pass {res['unexpected_pass']}, unexpected fail "
                               f"{res['unexpected_fail']} {res.get('error', '')}")
@@ -276,15 +344,21 @@ def proof(names: list[str], *, fast: bool = True, jobs: int = 2, out_json: pathl
                                 print(f"      {task}: {line[:600]}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    order = {c.label: i for i, c in enumerate(configs(manifest, ids, full, False))}
+    order = {c.label: i for i, c in enumerate(configs(manifest, ids, full, False, regions))}
     results.sort(key=lambda r: order.get(r["config"], 0))
+    stubbed = {t: v for r in results if r["config"].startswith("stripped") for t, v in r.get("stubbed_scores", {}).items()}
     report = {"edition": "full" if not names else names, "mode": "full" if not fast else "fast",
-              "full_sets": sorted(full), "jobs": jobs, "step1_errors": errors, "configs": results,
+              "full_sets": sorted(full), "regions_checked": regions, "jobs": jobs, "step1_errors": errors,
+              "configs": results, "stubbed_scores": stubbed,
+              "stubbed_above_zero": sorted(t for t, v in stubbed.items() if v > 0),
+              "ungraded_regions": sorted(r["region"] for r in results if r.get("region") and not r["ok"]),
               "ok": not errors and all(r["ok"] for r in results) and bool(results),
               "wall_s": round(time.monotonic() - t0, 1), "num_tasks": len(ids)}
     if verbose:
         print(f"proof {'PASSED' if report['ok'] else 'FAILED'}: {len(ids)} tasks, {len(results)} gradings, "
-              f"full sets for {len(full)}, {report['wall_s']} s ({jobs} jobs)")
+              f"full sets for {len(full)}, {len(regions)} regions checked; stubbed above 0: "
+              f"{report['stubbed_above_zero'] or 'none'}; ungraded regions: {report['ungraded_regions'] or 'none'}; "
+              f"{report['wall_s']} s ({jobs} jobs)")
     if out_json:
         out_json.parent.mkdir(parents=True, exist_ok=True)
         out_json.write_text(json.dumps(report, indent=1) + "\n")
@@ -299,15 +373,16 @@ def walk(chapter: str, *, fast: bool = True, verbose: bool = True, tmp_parent: p
     other task's score."""
     manifest = load()
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="course-walk-", dir=tmp_parent))
+    os.chmod(tmp, 0o711)
     steps, ok = [], True
     try:
         tree = tmp / "student"
         info = build([chapter], tree, manifest=manifest)
         tasks = [manifest.by_id(t) for t in info["assigned"]]
-        with ZygoteClient() if use_zygote else contextlib.nullcontext() as zygote:
+        with ZygoteClient() as zygote, JudgeTrees(tmp, manifest) as trees:
             def grade() -> dict:
                 grades, _ = grade_tree(tree, tasks, fast=fast, workspace_parent=tmp, zygote=zygote, manifest=manifest,
-                                       shrink=False)
+                                       judge_trees=trees)
                 return {g.task.id: (g.passed, round(g.score, 4)) for g in grades}
 
             before = grade()

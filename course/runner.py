@@ -90,7 +90,11 @@ def _ini(extra_markers: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-SKIP_ENTRIES = {"tests", ".git", ".venv", "conftest.py", "pytest.ini", "build", "__pycache__"}
+# Not linked from a student tree: what the workspace's own files are called (a student's file of
+# that name must not stand in for the grader's), and what Python runs at start-up.
+SKIP_ENTRIES = {"tests", ".git", ".venv", "conftest.py", "pytest.ini", "build", "__pycache__", "_import",
+                "_course_grader_plugin.py", "_course_testids.py", "_course_judge.py", "_course_judge_peek.py",
+                "sitecustomize.py", "usercustomize.py"}
 
 
 def _copy_with_overlay(src: pathlib.Path, dst: pathlib.Path, overlay: dict[str, str], prefix: str) -> None:
@@ -241,7 +245,7 @@ def run_tests(ws: pathlib.Path, test_args: list[str], *, task_limits: dict[str, 
               extra_env: dict[str, str] | None = None, student: pathlib.Path | None = None,
               startup_s: float = 180.0, quiet: bool = True, chs: list[Chapter] | None = None,
               standins: list[str] | None = None, zygote: "ZygoteClient | None" = None,
-              guard: bool = True) -> RunResult:
+              guard: bool = True, extra_args: list[str] = (), once: bool = False) -> RunResult:
     """Run pytest in `ws` on `test_args` (node ids or paths) until every collected test has a
     result. task_limits: {test id: (task, seconds for the whole task)}. zygote: fork each pytest
     process from it instead of starting a new interpreter (the same process, seconds sooner).
@@ -288,7 +292,7 @@ def run_tests(ws: pathlib.Path, test_args: list[str], *, task_limits: dict[str, 
         env["COURSE_SELECT"] = json.dumps(select)
         args_file.write_text("\n".join(args))
         cmd = [sys.executable, "-m", "pytest", "-c", str(ws / "pytest.ini"), "--rootdir", str(ws), "-q",
-               "-p", "no:randomly", f"@{args_file}"]
+               "-p", "no:randomly", *extra_args, f"@{args_file}"]
         if zygote is not None:
             returncode, out = zygote.run(cmd[3:], cwd=ws, env=env, timeout=budget)
         else:
@@ -338,6 +342,8 @@ def run_tests(ws: pathlib.Path, test_args: list[str], *, task_limits: dict[str, 
                 results[nodeid] = TestResult(nodeid, "crashed", elapsed, f"{summary}\n{stderr_tail[-1500:]}",
                                              summary=summary)
         remaining = [n for n in collected if n not in results and task_for(n) not in timed_out]
+        if once:
+            break
         if remaining and remaining == pending:
             for n in remaining:     # no progress: give up on these
                 results[n] = TestResult(n, "error", 0.0, f"pytest made no progress (exit {returncode})")
@@ -358,39 +364,39 @@ class ZygoteClient:
         self._dir = pathlib.Path(tempfile.mkdtemp(prefix="course-zygote-"))
         self._count = 0
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["PYTHONHASHSEED"] = "0"          # the student's and the judge's processes: one string hash
         self._proc = subprocess.Popen([sys.executable, str(ZYGOTE)], cwd=self._dir, env=env, stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True)
 
-    def run(self, argv: list[str], *, cwd: pathlib.Path, env: dict[str, str], timeout: float | None) -> tuple[int, str]:
-        """`python -m pytest ARGV` in cwd with env, forked; its whole session killed at timeout.
-        Returns (exit code, its output)."""
+    def start(self, argv: list[str], *, cwd: pathlib.Path, env: dict[str, str],
+              sandbox: dict | None = None) -> "ZygoteProcess":
+        """Start `python -m pytest ARGV` in cwd with env, forked (sandboxed: zygote.py)."""
         with self._lock:
             self._count += 1
             base = self._dir / f"run{self._count}"
             # What `python -m pytest` would start with: the working directory, then PYTHONPATH.
             sys_path = [str(cwd)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
             request = dict(argv=argv, cwd=str(cwd), env=env, sys_path=sys_path, out=f"{base}.out",
-                           status=f"{base}.status")
+                           status=f"{base}.status", sandbox=sandbox)
             self._proc.stdin.write(json.dumps(request) + "\n")
             self._proc.stdin.flush()
             reply = self._proc.stdout.readline()
         if not reply:
             raise RuntimeError(f"the grading zygote died (exit {self._proc.poll()})")
-        pid = json.loads(reply)["pid"]
-        status, out = pathlib.Path(request["status"]), pathlib.Path(request["out"])
+        return ZygoteProcess(json.loads(reply)["pid"], pathlib.Path(request["status"]), pathlib.Path(request["out"]))
+
+    def run(self, argv: list[str], *, cwd: pathlib.Path, env: dict[str, str], timeout: float | None,
+            sandbox: dict | None = None) -> tuple[int, str]:
+        """`python -m pytest ARGV` in cwd with env, forked; its whole session killed at timeout.
+        Returns (exit code, its output)."""
+        proc = self.start(argv, cwd=cwd, env=env, sandbox=sandbox)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not status.exists():
+        while proc.poll() is None:
             if deadline is not None and time.monotonic() > deadline:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                proc.kill()
                 deadline = None                     # the zygote reaps it and writes its status
             time.sleep(0.02)
-        code, text = int(status.read_text()), out.read_text(errors="replace")
-        status.unlink()
-        out.unlink()
-        return code, text
+        return proc.wait()
 
     def close(self) -> None:
         if self._proc.poll() is None:
@@ -407,6 +413,33 @@ class ZygoteClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class ZygoteProcess:
+    """A pytest process forked by the zygote: poll it, kill its whole session, collect its output."""
+
+    def __init__(self, pid: int, status: pathlib.Path, out: pathlib.Path):
+        self.pid, self.status, self.out = pid, status, out
+        self.code: int | None = None
+
+    def poll(self) -> int | None:
+        if self.code is None and self.status.exists():
+            self.code = int(self.status.read_text())
+        return self.code
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def wait(self) -> tuple[int, str]:
+        while self.poll() is None:
+            time.sleep(0.02)
+        text = self.out.read_text(errors="replace") if self.out.exists() else ""
+        self.status.unlink(missing_ok=True)
+        self.out.unlink(missing_ok=True)
+        return self.code, text
 
 
 class Workspace:

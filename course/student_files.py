@@ -157,7 +157,7 @@ def task_table(manifest: Manifest, info: dict) -> dict:
             continue
         public = [x for x in t.public if x not in hidden and not x.startswith("tests/course/")]
         out[t.id] = {"title": t.title, "chapter": t.chapter, "optional": t.optional, "tests": public,
-                     "hidden": len(t.tests) - len(public)}
+                     "hidden": len(t.all_tests) - len(public)}
     return out
 
 
@@ -183,7 +183,7 @@ def makefile(manifest: Manifest, info: dict) -> str:
     return f"""# The student edition of vllm-from-scratch (written by the instructor's `python -m course build`).
 #   make setup                    .venv with THIS tree installed (pip install -e .) and its dependencies
 #   make test-task T=ch02_task1   one task's public tests (the task ids: README.md, or `make tasks`)
-#   make grade                    every assigned task's public tests, with a summary per task
+#   make grade                    every assigned task's public tests: one line per failure, a summary per task (V=1: tracebacks)
 #   make test                     the whole test suite of this tree (tests of stubbed code fail)
 #   make demo                     the engine on the default model (once chapter 07 works)
 
@@ -193,6 +193,7 @@ VENV       ?= .venv
 PY         := $(VENV)/bin/python
 TORCH_CPU  ?= {torch_pin.group(1) if torch_pin else "torch"}
 T          ?=
+V          ?=
 PYTEST_ARGS ?=
 ALL_TASKS  := {" ".join(table)}
 EVERY_TASK := {" or ".join(table)}
@@ -218,10 +219,11 @@ test-task: setup
 \t$(PY) -m pytest -m "$(T)" $(PYTEST_ARGS)
 
 grade: setup
-\t@$(PY) -m pytest -q -m "$(EVERY_TASK)" $(PYTEST_ARGS); status=$$?; \\
-\techo "These are the public tests only. The instructor's grading adds {hidden} hidden tests, runs each task in a"; \\
-\techo "process of its own with a time limit (a hang scores 0), and fills in the reference of the tasks a task"; \\
-\techo "builds on, so each task is graded on its own (README.md, 'How you are graded')."; exit $$status
+\t@$(PY) -m pytest -q $(if $(V)$(filter -v -vv,$(PYTEST_ARGS)),--tb=long,--tb=no -rfE) -m "$(EVERY_TASK)" $(PYTEST_ARGS); status=$$?; \\
+\techo "One line per failing test above (make grade V=1: the full tracebacks; make test-task T=<task>: one task's)."; \\
+\techo "These are the public tests only. The instructor's grading adds {hidden} hidden tests, judges each test from"; \\
+\techo "what your code computes (not from what this process reports), runs each task in processes of its own with"; \\
+\techo "a time limit per test, and fills in the reference of the tasks a task builds on (README.md, 'How you are graded')."; exit $$status
 
 test: setup
 \t$(PY) -m pytest tests -m "not gpu" $(PYTEST_ARGS)
@@ -267,7 +269,8 @@ def readme(manifest: Manifest, info: dict) -> str:
         "```bash",
         "make setup                    # .venv with this tree installed (pip install -e .)",
         "make test-task T=ch02_task1   # one task's public tests",
-        "make grade                    # every assigned task's public tests, a summary per task",
+        "make grade                    # every assigned task's public tests: one line per failure, a summary per task",
+        "make grade V=1                # the same with full tracebacks",
         "make test                     # this tree's whole test suite",
         "```", "",
         "Without make: `python -m venv .venv && .venv/bin/pip install -e '.[dev]'`, then "
@@ -283,13 +286,25 @@ def readme(manifest: Manifest, info: dict) -> str:
         "`cpu_kernels=\"off\"`); nothing else needs them. The score table lists them apart.", "",
         "## How you are graded", "",
         "The instructor runs `python -m course grade <your tree>`: for each task, its public tests (the ones "
-        "`make test-task` runs) and its hidden tests (edge cases, stated as rules in ASSIGNMENT.md), in a "
-        "process of its own with a time limit (a hang scores 0, a crash is reported with the test it "
-        "happened in). The tests come from the instructor's copy; only your chapter folders are used. "
-        "A task's score is the share of its tests that pass; it passes when all do. A task's grade "
-        "never depends on your other tasks: while grading it, the grader fills in the reference of the "
-        "tasks it builds on (the earlier chapters' tasks, and those ASSIGNMENT.md names) in its own copy of "
-        "your tree — locally, those tests pass once you have done those tasks too.", "",
+        "`make test-task` runs) and its hidden tests (edge cases, stated as rules in ASSIGNMENT.md). The tests "
+        "come from the instructor's copy; only your chapter folders are used. A task's score is the share of its "
+        "tests that pass; it passes when all do.", "",
+        "Each test is **judged from what your code computes**, not from what the test process reports: your code "
+        "runs in a sandboxed process of its own, and every call into the task's code (its functions, the launches "
+        "of its kernels) is logged with what it returned and what it changed. The same test then runs in the "
+        "judge's process on the reference, with only this task stubbed: each call into the task's code is "
+        "answered with what yours returned, and the test's own assertions decide. So nothing your process does "
+        "to pytest, to the assertions or to its own exit can pass a test; only correct outputs can. Your code must "
+        "behave the same however it is run: the test's seeds and examples are fixed per grading, and a test that "
+        "runs differently in your process (another call, another order) fails with a message saying where. "
+        "Your code computes its answers itself: it must not read the running test's frames or objects "
+        "(`sys._getframe`, `inspect.stack()`, a traceback's frames, `gc.get_referrers`...) — that is where a "
+        "test keeps its expected values — and a process that tries is stopped there, failing that test.", "",
+        "Each test has its own time limit (a hang or a crash fails that test only: the report names the signal, "
+        "the test and your frame), and the report lists every test that did not run, with why. A task's grade "
+        "never depends on your other tasks: while grading it, the grader fills in the reference of the tasks it "
+        "builds on (the earlier chapters' tasks, and those ASSIGNMENT.md names) in its own copy of your tree — "
+        "locally, those tests pass once you have done those tasks too.", "",
         "Each chapter's README explains the mechanism; `docs/DESIGN.md` explains how the project is built.", "",
     ]
     return "\n".join(lines)

@@ -162,8 +162,9 @@ def selectors(nodeids_of_func: list[str], mine: set[str]) -> list[str]:
 
 
 def fast_subset(task: Task, ids: list[str], results: dict[str, dict]) -> list[str]:
-    """Cheap tests that together run every region of the task they can (greedy cover)."""
-    cand = sorted(ids, key=lambda n: results[n]["duration"])
+    """Cheap tests that together run every region of the task they can (greedy cover), among
+    those the grader runs (not the task's `unjudged`)."""
+    cand = sorted((n for n in ids if not task.is_unjudged(n)), key=lambda n: results[n]["duration"])
     regions = set(task.regions)
     chosen, covered, spent = [], set(), 0.0
     while len(chosen) < FAST_MAX_TESTS:

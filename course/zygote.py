@@ -12,11 +12,19 @@ started, so forking it is safe.
 
 Protocol (one JSON object per line; `course.runner.ZygoteClient` speaks it):
     request  {"argv": [pytest args], "cwd": ws, "env": {...}, "sys_path": [...], "out": file,
-              "status": file}
+              "status": file, "sandbox": null | {...}}
     reply    {"pid": child pid}
 The child starts a session of its own (the caller kills a hung one with os.killpg), sends its
 output to `out`, and when it ends the zygote writes its exit code to `status` (negative: the
-signal that killed it, as subprocess reports it).
+signal that killed it, as subprocess reports it). Every child closes the file descriptors it
+inherited (the zygote's pipes among them: a child must not be able to ask for processes).
+
+sandbox (the student's process, course/judge.py): before pytest starts the child enters a mount
+namespace of its own where the folders in "hide" are empty (the reference solution, the
+repository's history) and those in "binds" are mounted read-only where it may read them (the
+converted model), then becomes the unprivileged user "uid"/"gid": it cannot read the judge's
+files (0700, root's), its memory (/proc/<pid>/mem) or signal it, and writes only where that user
+may. The zygote must run as root for this; course/judge.py says so in the report otherwise.
 
     python course/zygote.py        # started by ZygoteClient, not by hand
 """
@@ -55,6 +63,68 @@ def preload() -> None:
     gc.freeze()
 
 
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+CLONE_NEWNS = 0x00020000
+
+
+def enter_sandbox(spec: dict) -> None:
+    """A mount namespace with `hide` emptied and `binds` read-only, then an unprivileged user."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+
+    def check(rc, what):
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"sandbox: {what}: {os.strerror(err)}")
+
+    check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make / private")
+    for path in spec.get("hide", []):
+        if os.path.isdir(path):
+            check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, b"size=16k,mode=755"),
+                  f"hide {path}")
+    def bind_ro(src, dst):
+        check(libc.mount(src.encode(), dst.encode(), None, MS_BIND | MS_REC, None), f"bind {src}")
+        check(libc.mount(None, dst.encode(), None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_REC, None), f"read-only {dst}")
+
+    # "reveal": paths the unprivileged user must read although an ancestor is closed to it (Python's
+    # standard library under /root): the closed ancestor becomes an empty tmpfs holding only them.
+    # "binds": [source, target] read-only. Every source is staged first (a covered ancestor hides it).
+    staging = spec.get("staging")
+    plan = [(p, p) for p in spec.get("reveal", [])] + [(src, dst) for src, dst in spec.get("binds", [])]
+    staged = []
+    for i, (src, dst) in enumerate(plan):
+        if not os.path.exists(src) or not staging:
+            continue
+        stage = os.path.join(staging, str(i))
+        os.makedirs(stage, exist_ok=True)
+        check(libc.mount(src.encode(), stage.encode(), None, MS_BIND | MS_REC, None), f"stage {src}")
+        staged.append((stage, dst))
+    covered = set()
+    for path in spec.get("reveal", []):
+        parts = os.path.abspath(path).split("/")[1:]
+        for k in range(1, len(parts)):
+            anc = "/" + "/".join(parts[:k])
+            if not os.stat(anc).st_mode & 0o001:
+                if anc not in covered and not any(anc.startswith(c + "/") for c in covered):
+                    check(libc.mount(b"tmpfs", anc.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=64k,mode=711"),
+                          f"cover {anc}")
+                    covered.add(anc)
+                break
+    for stage, dst in staged:
+        os.makedirs(dst, exist_ok=True)
+        bind_ro(stage, dst)
+    if spec.get("uid") is None:           # the judge's process: the same user, the reference hidden
+        return
+    gid, uid = int(spec["gid"]), int(spec["uid"])
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+    if os.getuid() != uid or os.geteuid() != uid:
+        raise OSError("sandbox: could not drop privileges")
+
+
 def run_child(request: dict) -> None:
     """In the forked child: become `python -m pytest ARGV` run in request["cwd"]."""
     code = 1
@@ -65,6 +135,9 @@ def run_child(request: dict) -> None:
         os.dup2(null, 0)
         os.dup2(out, 1)
         os.dup2(out, 2)
+        os.closerange(3, 65536)          # the zygote's pipes, the out file's own descriptor
+        if request.get("sandbox"):
+            enter_sandbox(request["sandbox"])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])

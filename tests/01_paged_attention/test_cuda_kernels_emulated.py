@@ -15,7 +15,7 @@ import torch
 from kernels_cuda import emulator
 from paged_attention import cuda_ops, reference as ref
 from paged_attention.synthetic import index_views, make_paged_kv, random_query
-from tolerances import assert_close
+from tolerances import assert_close, assert_equal
 
 CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 DTYPES = list(CODES)
@@ -154,7 +154,7 @@ def test_values_all_ones_give_exactly_ones(emu, versions=("v1", "v2")):
     q = random_query(2, 4, 64, torch.bfloat16) * 4
     for version in versions:
         out = emulate_decode(emu, version, q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 1.0, 1030)
-        assert torch.equal(out, torch.ones_like(out))
+        assert_equal(out, torch.ones_like(out), f"{version} output")
 
 
 def test_rows_the_kernel_cannot_serve_come_out_nan(emu, versions=("v1", "v2")):
@@ -193,7 +193,8 @@ def test_reshape_and_cache(cache_emu, dtype):
         key_cache, value_cache = torch.zeros_like(expected_k), torch.zeros_like(expected_v)
         rc = reshape_and_cache_rc(cache_emu, key, value, key_cache, value_cache, torch.tensor(slots, dtype=slot_dtype))
         assert rc == 0, cache_emu.vfs_cache_kernels_error_string(rc).decode()
-        assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+        assert_equal(key_cache, expected_k, "key_cache")
+        assert_equal(value_cache, expected_v, "value_cache")
 
 
 # ----------------------------------------------------------------------------- what only the launchers do
@@ -308,10 +309,10 @@ def test_wrapper_accepts_any_view_of_the_index_tensors(emulated_cuda_ops, versio
     sl_views = index_views(kv.seq_lens, junk=10**6)
     for name, bt in index_views(kv.block_tables, junk=10**6).items():
         sl = sl_views.pop(name, kv.seq_lens)
-        assert torch.equal(run(bt, sl), base), f"block_tables {name}, seq_lens {name if sl is not kv.seq_lens else 'as is'}"
+        assert_equal(run(bt, sl), base, f"block_tables {name}, seq_lens {name if sl is not kv.seq_lens else 'as is'}")
     assert not sl_views                                                          # every seq_lens view ran
     strided_q = q.transpose(1, 2).contiguous().transpose(1, 2)                   # head_dim not contiguous
-    assert torch.equal(run(kv.block_tables, kv.seq_lens, strided_q), base)
+    assert_equal(run(kv.block_tables, kv.seq_lens, strided_q), base, "strided query")
 
 
 def test_wrapper_cache_write_accepts_any_view_of_slot_mapping(emulated_cuda_ops):
@@ -324,11 +325,13 @@ def test_wrapper_cache_write_accepts_any_view_of_slot_mapping(emulated_cuda_ops)
         for name, view in index_views(slots.to(slot_dtype), junk=4 * 8 + 50).items():
             kc, vc = torch.zeros_like(want_k), torch.zeros_like(want_v)
             emulated_cuda_ops.reshape_and_cache(key, value, kc, vc, view)
-            assert torch.equal(kc, want_k) and torch.equal(vc, want_v), name
+            assert_equal(kc, want_k, f"key_cache, slots {name}")
+            assert_equal(vc, want_v, f"value_cache, slots {name}")
     kc, vc = torch.zeros_like(want_k), torch.zeros_like(want_v)
     strided = key.transpose(1, 2).contiguous().transpose(1, 2)
     emulated_cuda_ops.reshape_and_cache(strided, value, kc, vc, slots)
-    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    assert_equal(kc, want_k, "key_cache, strided key")
+    assert_equal(vc, want_v, "value_cache, strided key")
     with pytest.raises(IndexError, match=r"slots in \[-1, 32\]"):       # the view is what is checked
         emulated_cuda_ops.reshape_and_cache(key, value, kc, vc, torch.tensor([[1, 0], [32, 0], [2, 0], [3, 0], [-1, 0]])[:, 0])
 

@@ -102,15 +102,22 @@ def test_root_hash_seeds_the_whole_chain():
 
 
 def test_sha256_is_stable_across_processes_builtin_str_hash_is_not():
+    """The chain's hash (sha256, the default) is the same in every process; Python's builtin hash
+    of the salt string is not. The subprocesses run THIS tree's hashing (tests/this_tree.py), the
+    code this test process imported, not whatever `kvcache` the environment installs."""
+    from this_tree import python_in_this_tree
     code = ("from kvcache import SimpleRequest, hash_request_tokens;"
             "r = SimpleRequest('r', list(range(8)), cache_salt='s');"
             "print(hash_request_tokens(4, r)[-1].hash_value, hash_request_tokens(4, r, hash)[-1].hash_value)")
     outs = []
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        outs.append(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split())
-    assert outs[0][0] == outs[1][0]            # sha256 (the default): same in every process
-    assert outs[0][1] != outs[1][1]            # builtin: the salt string is hashed differently per process
+        proc = subprocess.run(python_in_this_tree(code), env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, f"the subprocess failed: {proc.stderr.strip().splitlines()[-1:]}"
+        outs.append(proc.stdout.split())
+    here = hash_request_tokens(4, SimpleRequest("r", list(range(8)), cache_salt="s"))[-1].hash_value
+    assert outs[0][0] == outs[1][0] == str(here)   # sha256 (the default): same in every process, this one too
+    assert outs[0][1] != outs[1][1]                # builtin: the salt string is hashed differently per process
 
 
 def test_bad_block_size():

@@ -387,3 +387,118 @@ Thread 0x00007f (most recent call first):
     line = crash_summary("tests/02_kvcache/test_x.py::test_copy", -6, output, pathlib.Path("/tmp/ws"), chapters())
     assert line == ("your code crashed the test process (signal 6, SIGABRT) in test tests/02_kvcache/test_x.py::test_copy, "
                     "at 02_kvcache/ops.py:40 in copy_blocks; C++ threw cuda_task1_NotImplementedError")
+
+
+# ---------------------------------------------------------------- what a build ships, and where
+
+def test_an_edition_is_built_from_tracked_files_only(tmp_path):
+    """An untracked file — a report a grading left, a `.orig` with reference code, a scratch copy
+    — is never shipped: the build takes what `git ls-files` lists."""
+    scratch = ROOT / "02_kvcache" / f"_course_test_scratch_{os.getpid()}.orig"
+    report = ROOT / f"grade_report_course_test_{os.getpid()}.json"
+    scratch.write_text("def popleft(self):\n    return self.head   # a solution, copied aside\n")
+    report.write_text('{"tests": ["tests/course/tasks/hidden_test_id"]}\n')
+    try:
+        tree = tmp_path / "ed02"
+        info = build(["02"], tree)
+    finally:
+        scratch.unlink()
+        report.unlink()
+    assert not (tree / "02_kvcache" / scratch.name).exists() and not (tree / report.name).exists()
+    assert (tree / "02_kvcache" / "block_pool.py").exists()
+    assert "02_kvcache/block_pool.py" in info["files"] and not any(scratch.name in f for f in info["files"])
+
+
+def test_editions_have_folders_of_their_own_and_a_build_never_overwrites_changes(tmp_path):
+    from course.build import changes_since_build, default_out
+    assert default_out([]) == ROOT / "build" / "student"
+    assert default_out(["02"]) == ROOT / "build" / "student-ch02"
+    assert default_out(["02", "cuda"]) == ROOT / "build" / "student-ch02-cuda"
+    tree = tmp_path / "student"
+    build(["03"], tree)
+    assert changes_since_build(tree) == []
+    build(["03"], tree)                                   # the same edition, untouched: rebuilt
+    # another edition into the same folder: refused, the folder is left as it was
+    with pytest.raises(SystemExit, match="holds the edition of 03_scheduler, not this one"):
+        build(["02"], tree)
+    assert json.loads((tree / "course_build.json").read_text())["chapters"] == ["03_scheduler"]
+    # a student's work in it: refused, however small
+    work = tree / "03_scheduler" / "request_queue.py"
+    work.write_text(work.read_text() + "\n# my solution\n")
+    (tree / "notes.txt").write_text("mine")
+    (tree / ".venv").mkdir()                              # a virtual environment is no change
+    (tree / ".venv" / "x").write_text("")
+    with pytest.raises(SystemExit, match="request_queue.py \\(changed\\)"):
+        build(["03"], tree)
+    assert "# my solution" in work.read_text() and (tree / "notes.txt").exists()
+    assert sorted(changes_since_build(tree)) == ["03_scheduler/request_queue.py (changed)", "notes.txt (added)"]
+    build(["03"], tree, force=True)                       # --force: replaced
+    assert "# my solution" not in work.read_text()
+    # a folder that is no edition at all
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "thesis.tex").write_text("")
+    with pytest.raises(SystemExit, match="thesis.tex"):
+        build(["03"], other)
+
+
+def test_the_student_makefile_grades_one_line_per_failure(student_03):
+    makefile = (student_03 / "Makefile").read_text()
+    grade = makefile[makefile.index("\ngrade:"):makefile.index("\ntest:")]
+    assert "--tb=no -rfE" in grade and "--tb=long" in grade and "V=1" in grade
+    rc, out = _local_pytest_args(student_03, ["-q", "--tb=no", "-rfE", "-m", "ch03_task1"])
+    failed = [ln for ln in out.splitlines() if ln.startswith("FAILED ")]
+    assert rc != 0 and failed and len(out.splitlines()) < 20 * len(failed) + 40
+    assert "Traceback" not in out
+
+
+def _local_pytest_args(tree, args):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=tree, env=env,
+                          capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_a_subprocess_test_runs_the_tree_it_tests(tmp_path):
+    """tests/02_kvcache/test_hashing.py's subprocesses import the student's hashing, not the
+    instructor's installed copy: on the stubs the test fails."""
+    tree = tmp_path / "ed02"
+    build(["02"], tree)
+    test = "tests/02_kvcache/test_hashing.py::test_sha256_is_stable_across_processes_builtin_str_hash_is_not"
+    rc, out = _local_pytest_args(tree, ["-q", test])
+    assert rc != 0 and "NotImplementedError: ch02_task2" in out, out[-2000:]
+    write_solution(tree, load().by_id("ch02_task2"))
+    rc, out = _local_pytest_args(tree, ["-q", test])
+    assert rc == 0, out[-2000:]
+
+
+def test_the_tree_verification_no_longer_shows_the_recovered_token_rule(tmp_path):
+    """04_spec_decode/tree.py's random verification emits its recovered token through chapter 04's
+    own `recover_token` (ch04_task2); the rule itself written out anywhere in an edition that
+    strips that task is a leak (its sibling in tasks.toml)."""
+    tree = tmp_path / "ed04"
+    info = build(["04"], tree)
+    assert leaks(tree, load(), info["stripped"]) == []
+    text = (tree / "04_spec_decode" / "tree.py").read_text()
+    assert "recover_token(residual" in text
+    (tree / "04_spec_decode" / "tree.py").write_text(
+        text + "\n\ndef mine(residual, inv_exponential, p):\n    if not bool((residual * inv_exponential).max() > 0):\n"
+               "        residual = p\n    return residual\n")
+    assert any("ch04_task2's known sibling" in x for x in leaks(tree, load(), info["stripped"]))
+
+
+def test_notes_of_one_task_stay_with_it():
+    """A note (a test this machine cannot run) belongs to its task: it never shows under the other
+    tasks graded in the same workspace."""
+    from course.grade import score_task
+    from course.runner import RunResult, TestResult
+    m = load()
+    shared = ["01_paged_attention/x.py: a note of the group"]
+    a, b = m.by_id("cpu_task3"), m.by_id("cuda_task1")
+    results = {t: TestResult(t, "passed") for t in a.tests}
+    avx = next(t for t in a.tests if "avx512" in t)
+    results[avx] = TestResult(avx, "not_here", message="Skipped: this CPU cannot run avx512")
+    ga = score_task(a, RunResult(results, list(results), [], set(), 1, 1.0), False, shared)
+    gb = score_task(b, RunResult({t: TestResult(t, "passed") for t in b.tests}, [], [], set(), 1, 1.0), False, shared)
+    assert any("avx512" in n for n in ga.notes) and not any("avx512" in n for n in gb.notes)
+    assert shared == ["01_paged_attention/x.py: a note of the group"]

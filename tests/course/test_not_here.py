@@ -15,9 +15,9 @@ def grade_with(outcome: str):
     assert AVX512 in task.tests and AVX512.replace("avx512", "avx512_simde") in task.tests
     results = {t: Result(t, "passed") for t in task.tests}
     results[AVX512] = Result(AVX512, outcome, message="Skipped: this CPU cannot run avx512")
-    notes: list[str] = []
     run = RunResult(results, list(results), [], set(), 1, 1.0)
-    return score_task(task, run, fast=False, notes=notes), notes
+    grade = score_task(task, run, fast=False, notes=[])
+    return grade, grade.notes                    # the task's own notes (never another task's)
 
 
 def test_a_case_this_machine_cannot_run_is_not_graded_here():

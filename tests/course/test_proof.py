@@ -1,10 +1,12 @@
 """The proof, in CI (course/proof.py), on the FULL student edition — every task of every
 chapter stubbed: (1) the edition builds, imports, holds no solution and every task's marker
-collects its public tests; (2) grading it fails every task; (3) putting one task's reference
-back makes that task pass with everything else still stubbed — its full test set (public and
-hidden) for a rotating share of the tasks each day, its fast tests for the rest
-(`python -m course proof --full`: every task's full set). And the proof a course runs: a
-scripted student solving chapter 02 task by task, the score rising by exactly that task."""
+collects its public tests; (2) graded stubbed, every task scores 0 (not one test passing); (3)
+putting one task's reference back makes that task pass with everything else still stubbed — its
+full test set (public and hidden) for a rotating share of the tasks each day, its fast tests for the
+rest; (4) every region of a rotating share is graded: stubbed alone, it fails a test of its task
+(`python -m course proof --full`: every task's full set, every region). Gradings (2) and (3) are
+judged, as a student's are. And the proof a course runs: a scripted student solving chapter 02 task
+by task, the score rising by exactly that task."""
 import json
 import os
 
@@ -20,11 +22,18 @@ def test_the_full_edition_proves_out(tmp_path):
     assert not report["step1_errors"], report["step1_errors"]
     assert not failures, json.dumps(failures, indent=1)[:6000]
     assert report["edition"] == "full" and report["num_tasks"] == len(manifest.tasks)
-    assert len(report["configs"]) == len(manifest.tasks) + 1               # stripped + one per task
-    stripped = report["configs"][0]
-    assert stripped["config"] == "stripped" and stripped["passed"] == [] and len(stripped["graded"]) == len(manifest.tasks)
+    stripped = [r for r in report["configs"] if r["config"].startswith("stripped")]
+    only = [r for r in report["configs"] if r["config"].startswith("only ")]
+    regions = [r for r in report["configs"] if r.get("region")]
+    assert len(only) == len(manifest.tasks)                                # one per task
+    assert sorted(t for r in stripped for t in r["graded"]) == sorted(t.id for t in manifest.tasks)
+    assert all(r["passed"] == [] for r in stripped)
+    assert set(report["stubbed_scores"]) == {t.id for t in manifest.tasks}
+    assert report["stubbed_above_zero"] == [] and all(v == 0 for v in report["stubbed_scores"].values())
     assert set(report["full_sets"]) == rotating_share([t.id for t in manifest.tasks])
     assert report["full_sets"]                                            # some full sets every run
+    assert regions and {r["region"] for r in regions} == set(report["regions_checked"])
+    assert report["ungraded_regions"] == [] and all(r["caught_by"] for r in regions)
     assert report["ok"]
 
 

@@ -12,6 +12,7 @@ import torch
 
 from kernels_cuda import emulator
 from kvcache import reference as ref
+from tolerances import assert_equal
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def test_copy_blocks_kernel_equals_reference(emu, vec_bytes):
     ref.copy_blocks(want_k, want_v, mapping)
     run_emulated(emu, keys + values, mapping, vec_bytes)
     for got, want in zip(keys + values, want_k + want_v):
-        assert torch.equal(got, want)
+        assert_equal(got, want, "cache after copy_blocks")
 
 
 def test_copy_blocks_kernel_fp16_blocks_larger_than_a_thread_block(emu):
@@ -52,4 +53,4 @@ def test_copy_blocks_kernel_fp16_blocks_larger_than_a_thread_block(emu):
     want = caches[0].clone()
     want[0] = want[2]                                                    # 32 KiB blocks: 2048 words, 1024 threads
     run_emulated(emu, caches, torch.tensor([[2, 0]]), 16)
-    assert torch.equal(caches[0], want)
+    assert_equal(caches[0], want, "cache after copy_blocks")

@@ -66,3 +66,38 @@ def test_a_long_queue_keeps_order_through_mixed_operations():
                 model.append(b)
         assert len(q) == len(model)
     assert ids(q) == [b.block_id for b in model]
+
+
+def test_chain_aware_pool_evicts_a_head_first_freed_chain_from_its_tail():
+    """BlockPool(eviction_policy="chain_aware") on its own: a cached chain A -> B -> C freed head
+    first sits in the queue as A, B, C. Taking a block must not evict A (B and C would become
+    orphans: no lookup reaches a block past a miss): the chain below A moves to the head, leaf
+    first, so C goes, then B, then A; each hoist is counted once per trip through the queue.
+    Plain LRU, the same frees, evicts A first."""
+    from kvcache import BlockPool, hash_block_tokens
+
+    def chained(n):
+        out, parent = [], None
+        for i in range(n):
+            h = hash_block_tokens(parent, (10 * i, 10 * i + 1))
+            out.append(h)
+            parent = h.hash_value
+        return out
+
+    def queue_ids(pool):
+        return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+
+    hashes = chained(3)
+    evicted = {}
+    for policy in ("lru", "chain_aware"):
+        pool = BlockPool(3, eviction_policy=policy)
+        a, b, c = pool.get_new_blocks(3)
+        pool.cache_full_blocks([a, b, c], hashes, 0, 3)
+        pool.free_blocks([a, b, c])                                # head first: A, B, C in the queue
+        assert queue_ids(pool) == [0, 1, 2]
+        evicted[policy] = [pool.get_new_blocks(1)[0].block_id for _ in range(3)]
+        pool.check_invariants()
+        if policy == "chain_aware":
+            assert pool.num_chain_reorders >= 1
+            assert pool.get_cached_block(hashes[0]) is None        # A went last: nothing is left cached
+    assert evicted == {"lru": [0, 1, 2], "chain_aware": [2, 1, 0]}
