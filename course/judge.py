@@ -555,8 +555,11 @@ def replay_judge(ws: pathlib.Path, run: StudentRun, tests: list[str], *, boundar
     results: dict[str, TestResult] = {}
     universe: list[str] | None = None
     processes = 0
-    empty = ws.parent / "empty-log"
-    empty.mkdir(exist_ok=True)
+    # The judge's workspace is shared by every grading of this task (the proof grades a task in
+    # several configurations at once): each replay keeps its files in a folder of its own.
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="replay-", dir=ws.parent))
+    empty = scratch / "empty-log"
+    empty.mkdir()
     jobs = [(seg.tests, seg) for seg in run.segments] or [(list(tests), None)]
     nothing = not run.segments           # the student's process ran no test: every one fails for that reason
     for seg_tests, seg in jobs:
@@ -565,9 +568,9 @@ def replay_judge(ws: pathlib.Path, run: StudentRun, tests: list[str], *, boundar
         while pending:
             processes += 1
             token = f"{processes}"
-            progress = ws.parent / f"judge-progress-{token}.jsonl"
+            progress = scratch / f"progress-{token}.jsonl"
             args, select = _args_for(pending, exact)
-            args_file = ws.parent / f"judge-args-{token}"
+            args_file = scratch / f"args-{token}"
             args_file.write_text("\n".join(args))
             env.update({"COURSE_RESULTS": str(progress), "COURSE_JUDGE_LOG": str(seg.log if seg else empty),
                         "COURSE_SELECT": json.dumps(select)})

@@ -38,12 +38,11 @@ _FRAME_EVENTS = frozenset({"sys._getframe", "sys._current_frames", "sys.settrace
 _FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
 _FORGE_EVENTS = frozenset({"compile", "code.__new__", "function.__new__", "marshal.loads"})
 
-# Libraries that look at frames for their own work when the student's code calls them (a namedtuple
-# names its module, an enum or a TypeVar too, a logger finds its caller, torch and Triton inspect
-# their callers): the student gets no frame back from these.
-_LIBRARIES = frozenset({"collections", "enum", "typing", "dataclasses", "abc", "functools", "warnings", "logging",
-                        "torch", "triton", "numpy", "traceback", "threading", "importlib", "contextlib"})
-# ... except these entry points, whose result IS a frame (or a frame's locals).
+# A library may look at frames for its own work when the student's code calls it (a namedtuple names
+# its module, a logger finds its caller, matplotlib and torch find who warned): that hands the student
+# nothing. These hand frames out — their whole purpose is to give the caller frames or their locals:
+_FRAME_TOOLS = frozenset({"inspect", "pdb", "bdb", "cgitb", "trace", "_pytest", "pytest", "pluggy", "IPython",
+                          "stack_data", "executing", "pydevd", "debugpy"})
 _HANDS_OUT_FRAMES = frozenset({("logging", "currentframe"), ("logging", "<lambda>"),
                                ("traceback", "walk_stack"), ("traceback", "walk_tb"),
                                ("traceback", "__init__"), ("traceback", "extract")})
@@ -62,8 +61,8 @@ def install(trusted: list[str], library: list[str], report_path: str) -> None:
     modules = sys.modules
     trusted_prefixes = tuple(trusted)
     library_prefixes = tuple(p.rstrip("/") + "/" for p in library) + ("<frozen ",)
-    LIBRARIES, HANDS_OUT, FRAME_EVENTS, FRAME_ATTRS, FORGE = (_LIBRARIES, _HANDS_OUT_FRAMES, _FRAME_EVENTS,
-                                                             _FRAME_ATTRS, _FORGE_EVENTS)
+    TOOLS, HANDS_OUT, FRAME_EVENTS, FRAME_ATTRS, FORGE = (_FRAME_TOOLS, _HANDS_OUT_FRAMES, _FRAME_EVENTS,
+                                                         _FRAME_ATTRS, _FORGE_EVENTS)
     busy = [False]                      # the hook's own getframe raises the event again
 
     def kind(filename: str) -> str:
@@ -89,8 +88,9 @@ def install(trusted: list[str], library: list[str], report_path: str) -> None:
             exit_(PEEK_EXIT)
 
     def asked_by_student(caller) -> object | None:
-        """The student's frame behind this operation, if the student asked for a frame: directly, or
-        through a library entry point that hands frames out (or one that is no library at all)."""
+        """The student's frame behind this operation, if the student asked for a frame: directly,
+        through a library entry point that hands frames out, or through code that only passes for a
+        library's (its frame does not run that module's own code)."""
         entry, frame = None, caller
         while frame is not None:
             k = kind(frame.f_code.co_filename)
@@ -104,11 +104,9 @@ def install(trusted: list[str], library: list[str], report_path: str) -> None:
         if entry is None:
             return frame                # the student's own code asked
         top = genuine_library(entry)
-        module = entry.f_globals.get("__name__", "")
-        if top in LIBRARIES and (module, entry.f_code.co_name) not in HANDS_OUT \
-                and (top, entry.f_code.co_name) not in HANDS_OUT:
-            return None
-        return frame
+        if top is None or top in TOOLS or (entry.f_globals.get("__name__"), entry.f_code.co_name) in HANDS_OUT:
+            return frame
+        return None
 
     def hook(event, args):
         if event in FRAME_EVENTS:

@@ -334,7 +334,8 @@ def test_reading_the_tests_own_frames_stops_the_process_and_scores_zero(judge, h
 def test_libraries_that_look_at_frames_for_themselves_are_not_a_peek(judge):
     """The guard stops the student's reading of frames, not a library's: a namedtuple (which names
     its module from the caller's frame), a logger (which finds its caller), an enum, a formatted
-    traceback and a warning, all from inside the task's code, leave a solved task at full marks."""
+    traceback, a warning and a matplotlib figure saved (matplotlib looks for who warned), all from
+    inside the task's code, leave a solved task at full marks."""
     _, grade, _ = judge
     tree = forged(judge, "peek-libraries")
     write_solution(tree, load().by_id("ch02_task1"))
@@ -348,6 +349,15 @@ try:
 except ValueError:
     _text = traceback.format_exc()
 warnings.warn("a warning from the task's code")
+import io
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+_fig, _ax = plt.subplots()
+_ax.plot([1, 2], label="a")
+_ax.legend()
+_fig.savefig(io.BytesIO(), format="png")
+plt.close(_fig)
 """)
     grades = grade(tree, ["ch02_task1"], fast=True)
     assert all(g.passed for g in grades.values()), {t: [r.summary for r in g.failures] for t, g in grades.items()}
