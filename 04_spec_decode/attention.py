@@ -8,12 +8,13 @@ class the engine's models are made of (paged_attention/model/llama.py) — built
   a chain is the tree whose mask is causal). The engine's op (chapter 07's PagedAttention) reads the
   same cache with chapter 05's unified attention, which has no tree mask;
 * training (`kv_cache is None`): no cache at all — the flat batch is whole sequences laid end to end
-  (`CausalMetadata`), each attends causally to itself (SDPA). Plain torch ops: autograd trains
-  through it (train_eagle.py), and the same layer then serves.
+  (`CausalMetadata`), each attends causally to itself (SDPA); or equal windows run again and again on
+  the head's own predictions (`UnrolledMetadata`, EAGLE-3's training-time test). Plain torch ops:
+  autograd trains through it (train_eagle.py), and the same layer then serves.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,40 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return torch.cat(out)
 
 
+@dataclass
+class UnrolledMetadata:
+    """Training-time test ([EAGLE-3 2025]): B windows of T rows, the head run `step` = 1, 2, ... times,
+    step j's input at row r being step j-1's prediction at row r-1 — what drafting feeds it. Each
+    step's K/V are kept here (with their gradients) so that step j's row r attends to exactly what
+    it would see when drafting token j: the rows with the target's real features up to r - j + 1,
+    then one row per earlier step (step m's row r - j + m) and itself (`unrolled_mask`)."""
+    num_windows: int
+    window: int
+    keys: list = field(default_factory=list)      # per step so far: [B, KVH, T, D]
+    values: list = field(default_factory=list)
+
+
+def unrolled_mask(window: int, step: int, device=None) -> torch.Tensor:   # [T, step * T] bool
+    """Which keys of steps 1..`step` row r of step `step` sees (True = attend): step 1's (the real
+    features) at columns <= r - step + 1, and step m's (m >= 2) at column r - step + m only."""
+    r = torch.arange(window, device=device)[:, None]
+    c = torch.arange(window, device=device)[None, :]
+    return torch.cat([c <= r - step + 1] + [c == r - step + m for m in range(2, step + 1)], dim=1)
+
+
+def unrolled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, md: UnrolledMetadata,
+                       scale: float) -> torch.Tensor:
+    """query [B*T, H, D], key/value [B*T, KVH, D] of this step -> [B*T, H, D] (appends K/V to md)."""
+    B, T = md.num_windows, md.window
+    q, k, v = (t.view(B, T, t.shape[1], t.shape[2]).transpose(1, 2) for t in (query, key, value))  # [B, h, T, D]
+    md.keys.append(k)
+    md.values.append(v)
+    mask = unrolled_mask(T, len(md.keys), query.device)
+    o = F.scaled_dot_product_attention(q, torch.cat(md.keys, 2), torch.cat(md.values, 2), attn_mask=mask,
+                                       scale=scale, enable_gqa=query.shape[1] != key.shape[1])
+    return o.transpose(1, 2).reshape(B * T, query.shape[1], query.shape[2])
+
+
 class TreeAttention(nn.Module):
     """attn(query [T, H, D], key [T, KVH, D], value [T, KVH, D], kv_cache, attn_metadata) -> [T, H, D].
 
@@ -61,6 +96,8 @@ class TreeAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache, attn_metadata):
         md = attn_metadata
+        if isinstance(md, UnrolledMetadata):
+            return unrolled_attention(query, key, value, md, self.scale)
         if kv_cache is None:
             return causal_attention(query, key, value, md.query_start_loc, self.scale)
         key_cache, value_cache = kv_cache

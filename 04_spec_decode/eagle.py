@@ -62,6 +62,10 @@ class EagleConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
+    # EAGLE-3's reduced draft vocabulary: the head has its own LM head over the `draft_vocab_size`
+    # tokens the target writes most, and `d2t` (a checkpoint tensor) maps a draft id to the
+    # target's. None: the head drafts with the target's whole LM head (EAGLE-1).
+    draft_vocab_size: int | None = None
     model_type: str = "eagle_head"
     target_model: str = ""               # what it was distilled from (informational)
     extra: dict = field(default_factory=dict)   # training provenance (data, steps, measured acceptance)
@@ -83,7 +87,13 @@ class EagleConfig:
 
 class EagleHead(nn.Module):
     """fc over [embedding; feature] -> one Llama decoder layer -> norm (vLLM: llama_eagle.py's
-    EagleLlamaModel). Built with random weights (nn.Linear's init); `from_pretrained` loads a trained one."""
+    EagleLlamaModel). Built with random weights (nn.Linear's init); `from_pretrained` loads a trained one.
+
+    With `config.draft_vocab_size` (EAGLE-3's reduced vocabulary, vLLM: llama_eagle3.py) it also has
+    `lm_head` [draft_vocab, H] and `d2t` [draft_vocab]: draft id i is target token i + d2t[i] (the
+    offsets EAGLE-3 checkpoints store). Why: drafting runs the LM head k times per step, and the
+    target's (49k x 576 for SmolLM2) reads as many bytes as a fifth of the whole target; the few
+    thousand words the target actually writes cover almost all of its output."""
 
     def __init__(self, config: EagleConfig):
         super().__init__()
@@ -93,6 +103,11 @@ class EagleHead(nn.Module):
                                                         scale=c.head_dim ** -0.5))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta)
+        if c.draft_vocab_size is not None:
+            if not 0 < c.draft_vocab_size <= c.vocab_size:
+                raise ValueError(f"draft_vocab_size {c.draft_vocab_size} must be in [1, vocab_size={c.vocab_size}]")
+            self.lm_head = Linear(c.hidden_size, c.draft_vocab_size)
+            self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         for m in self.modules():            # chapter 01's layers start uninitialised: torch.nn's init
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
@@ -111,6 +126,28 @@ class EagleHead(nn.Module):
         x = self.fc(torch.cat((input_embeds, hidden_states), dim=-1))
         x, residual = self.layer(x, None, self.rotary_emb.cos_sin(positions), kv_cache, attn_metadata)
         return self.norm(x, residual)[0]
+
+    @property
+    def has_draft_vocab(self) -> bool:
+        return self.config.draft_vocab_size is not None
+
+    def draft_token_ids(self, g: torch.Tensor, target_logits: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Greedy drafts from predicted features g [N, H] -> [N] target token ids: the head's own LM
+        head and d2t when it has a draft vocabulary, the target's LM head (`target_logits`) otherwise."""
+        if not self.has_draft_vocab:
+            return target_logits(g).argmax(-1)
+        draft = self.lm_head(g).argmax(-1)                                   # [N] draft ids
+        return draft + self.d2t[draft]
+
+    def draft_top_k(self, g: torch.Tensor, k: int, target_logits: Callable[[torch.Tensor], torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely next tokens after predicted features g [N, H] and their log-probabilities
+        under the head's distribution (its own LM head over the draft vocabulary, or the target's):
+        -> (target token ids [N, k], logprobs [N, k]), most likely first. EAGLE-2 ranks tree nodes by
+        these (the head is calibrated: its confidence tracks the chance that the target agrees)."""
+        logits = (self.lm_head(g) if self.has_draft_vocab else target_logits(g)).float()
+        logp, ids = torch.log_softmax(logits, -1).topk(min(k, logits.shape[-1]), dim=-1)
+        return (ids + self.d2t[ids] if self.has_draft_vocab else ids), logp
 
     def forward_dense(self, input_embeds: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """Training path: [B, T, H] rows of B whole sequences -> [B, T, H]: the same forward on them
@@ -139,7 +176,8 @@ class EagleHead(nn.Module):
         """Checkpoint tensors -> parameters, a q/k/v (gate/up) piece into its rows of the merged
         parameter (vLLM: llama_eagle.py's load_weights and its stacked_params_mapping). Strict:
         every parameter — every shard — exactly once, and no tensor left over."""
-        params = dict(self.named_parameters())
+        saved = self.state_dict().keys()                  # parameters and persistent buffers (d2t)
+        params = {**dict(self.named_parameters()), **{n: b for n, b in self.named_buffers() if n in saved}}
         missing = {(name, shard) for name, p in params.items() for shard in getattr(p, "shard_ids", (None,))}
         for ckpt_name, tensor in weights:
             name, shard_id = ckpt_name, None
@@ -167,7 +205,8 @@ class EagleHead(nn.Module):
         d = pathlib.Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         (d / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
-        save_file({k: v.detach().to(dtype).contiguous() for k, v in self.checkpoint_tensors().items()},
+        save_file({k: (v.detach().to(dtype) if v.is_floating_point() else v).contiguous()
+                   for k, v in self.checkpoint_tensors().items()},
                   str(d / WEIGHTS_NAME), metadata={"format": "pt"})
 
     @classmethod
@@ -181,7 +220,21 @@ class EagleHead(nn.Module):
             raise ValueError(f"{d / CONFIG_NAME} has model_type={cfg.get('model_type')!r}, not 'eagle_head'")
         head = cls(EagleConfig(**cfg))
         head.load_weights(load_file(str(d / WEIGHTS_NAME)).items())
-        return head.to(dtype)
+        return head.to(dtype)          # (floating tensors only: d2t stays int64)
+
+
+@dataclass
+class _HeadRows:
+    """EagleProposer._prepare's answer: per drafting request (index into the call's requests), its
+    head state, the rows with real features it still owes (tokens x_{i+1}, features f_i, first
+    row), its position offset and its draft budget."""
+    active: list[int]
+    states: list[PagedRequestState]
+    rows_tok: list[list[int]]
+    rows_hid: list[torch.Tensor]
+    rows_start: list[int]
+    offsets: list[int]
+    budget: list[int]
 
 
 class EagleProposer:
@@ -245,14 +298,11 @@ class EagleProposer:
             g = self.head(self.embed_tokens(ids), torch.cat(row_hidden).to(device), positions, self.kv_cache, md)
         return g[md.query_start_loc[1:].long() - 1]
 
-    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        """Head rows live in the head's own paged cache. Row r of a request is position
-        offset + r: the offset is 0 unless the request's first hidden states start later — the
-        target never computed the positions it found in its prefix cache, so there are no
-        features for them, and the head's context simply begins where the features do (its
-        drafts are then guesses from less context; verification keeps the output exact)."""
+    def _prepare(self, requests: Sequence[DraftRequest], extra_rows: Callable[[int], int]) -> "_HeadRows | None":
+        """The requests that can draft now, each with the head rows it owes (real features not yet
+        consumed) and its draft budget; head KV allocated for those rows plus `extra_rows(budget)`
+        rows the drafting itself will write. None if no request can draft."""
         k = self.num_speculative_tokens
-        drafts: list[list[int]] = [[] for _ in requests]
         active, states, rows_tok, rows_hid, rows_start, offsets, budget = [], [], [], [], [], [], []
         for i, r in enumerate(requests):
             tokens = [int(t) for t in r.token_ids]
@@ -278,7 +328,7 @@ class EagleProposer:
             state.num_computed_tokens = start
             state.all_token_ids = tokens[offset:]
             try:
-                ok = self.kv.allocate_slots(state, n - start + budget_i - 1) is not None
+                ok = self.kv.allocate_slots(state, n - start + extra_rows(budget_i)) is not None
             except RequestTooLargeError:
                 ok = False
             if not ok:
@@ -292,7 +342,22 @@ class EagleProposer:
             offsets.append(offset)
             budget.append(budget_i)
         if not active:
+            return None
+        return _HeadRows(active, states, rows_tok, rows_hid, rows_start, offsets, budget)
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        """Head rows live in the head's own paged cache. Row r of a request is position
+        offset + r: the offset is 0 unless the request's first hidden states start later — the
+        target never computed the positions it found in its prefix cache, so there are no
+        features for them, and the head's context simply begins where the features do (its
+        drafts are then guesses from less context; verification keeps the output exact)."""
+        k = self.num_speculative_tokens
+        drafts: list[list[int]] = [[] for _ in requests]
+        b = self._prepare(requests, extra_rows=lambda budget: budget - 1)
+        if b is None:
             return drafts
+        active, states, rows_tok, rows_hid, rows_start, offsets, budget = (
+            b.active, b.states, b.rows_tok, b.rows_hid, b.rows_start, b.offsets, b.budget)
         ### BEGIN SOLUTION
         g = self._run(states, rows_tok, rows_hid, rows_start, offsets)         # [A, H] = g_{n-1}
         for s in states:
@@ -300,7 +365,7 @@ class EagleProposer:
         next_row = [len(s.all_token_ids) - 1 for s in states]                  # next row: n
         live = list(range(len(active)))
         for step in range(k):
-            tok = self.compute_logits(g).argmax(-1)                            # [A'] d_{step+1}
+            tok = self.head.draft_token_ids(g, self.compute_logits)            # [A'] d_{step+1}
             for j, t in zip(live, tok.tolist()):
                 drafts[active[j]].append(t)
             keep = [m for m, j in enumerate(live) if step + 1 < budget[j]]

@@ -163,19 +163,29 @@ def paged_tree_attention_reference(
 
 def paged_tree_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, tree_masks,
                          scale) -> torch.Tensor:
-    """Vectorised per request: one [q_len, seq_len] mask, one masked softmax (fp32)."""
+    """Vectorised per request: its K/V gathered by whole blocks through the block table, one
+    [q_len, seq_len] mask, one SDPA call (the engine verifies trees with this on every layer)."""
     out = torch.empty_like(query)
     num_heads, head_dim = query.shape[1:]
-    group = num_heads // key_cache.shape[2]
-    for s, e, seq_len, ctx, blocks, mask in _requests(block_tables, seq_lens, query_start_loc, tree_masks):
+    kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    masks = list(tree_masks) if tree_masks else [None] * len(lens)
+    if len(masks) != len(lens):
+        raise ValueError(f"{len(masks)} tree masks for {len(lens)} requests")
+    for i, seq_len in enumerate(lens):
+        s, e = starts[i], starts[i + 1]
         q_len = e - s
-        k = _gather(key_cache, blocks, seq_len).float()                           # [L, kvh, d]
-        v = _gather(value_cache, blocks, seq_len).float()
-        visible = torch.cat((torch.ones(q_len, ctx, dtype=torch.bool), mask), 1).to(query.device)   # [q, L]
-        q = query[s:e].float().reshape(q_len, -1, group, head_dim)                 # [q, kvh, g, d]
-        scores = torch.einsum("qkgd,lkd->kgql", q, k) * scale                      # [kvh, g, q, L]
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-        out[s:e] = torch.einsum("kgql,lkd->qkgd", probs, v).reshape(q_len, num_heads, head_dim).to(query.dtype)
+        if q_len > seq_len:
+            raise ValueError(f"request {i}: {q_len} new tokens but seq_len {seq_len}")
+        blocks = block_tables[i, :-(-seq_len // block_size)].long()
+        k = key_cache[blocks].reshape(-1, kv_heads, head_dim)[:seq_len]             # [L, kvh, d]
+        v = value_cache[blocks].reshape(-1, kv_heads, head_dim)[:seq_len]
+        mask = _new_token_mask(q_len, masks[i]).to(query.device)
+        visible = torch.cat((torch.ones(q_len, seq_len - q_len, dtype=torch.bool, device=query.device), mask), 1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            query[s:e].transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(),
+            attn_mask=visible, scale=scale, enable_gqa=num_heads != kv_heads)            # [H, q, d]
+        out[s:e] = o.transpose(0, 1).to(query.dtype)
     return out
 
 

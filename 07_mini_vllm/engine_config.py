@@ -296,6 +296,11 @@ class EngineConfig:
         if mcb is not None and (not isinstance(mcb, int) or isinstance(mcb, bool) or not 1 <= mcb <= self.pipeline_parallel_size):
             raise ValueError(f"max_concurrent_batches must be None or an integer in 1..pipeline_parallel_size "
                              f"({self.pipeline_parallel_size}): more batches than stages would only queue; got {mcb!r}")
+        spec = self.speculative_config
+        if spec is not None and spec.uses_tree and self.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config tree_depth: the accepted branch's K/V moves to its chain slots in every "
+                             "layer after verification, and only the last pipeline stage learns which branch that is "
+                             "(draft a chain: leave tree_depth out)")
         if parallel.executor_backend == "uni":
             return
         if self.speculative_config is not None and self.speculative_config.method == "layer_skip" \
@@ -325,6 +330,10 @@ class EngineConfig:
              "Model Runner V1 does not support: pipeline parallelism with async scheduling"),
             # VllmConfig.__post_init__: RayDistributedExecutor.supports_async_scheduling() is False.
             (self.parallel_config.executor_backend == "ray", "`ray` does not support async scheduling yet."),
+            # Ours: a step in flight is scheduled with placeholder drafts the runner fills from its own
+            # proposals — a chain's; a tree's positions and mask are laid out when it is verified.
+            (spec is not None and spec.uses_tree,
+             "speculative_config tree_depth (EAGLE-2 trees) runs with synchronous scheduling only"),
         ]
         for conflict, why in conflicts:
             if conflict:

@@ -56,6 +56,7 @@ from mini_vllm.async_output import AsyncModelRunnerOutput, AsyncOutputMixin
 from mini_vllm.config import ModelConfig
 from mini_vllm.cuda_graph import CUDAGraphRunner
 from mini_vllm.engine_config import EngineConfig
+from mini_vllm.hidden_states_tap import HiddenStatesTap
 from mini_vllm.input_batch import CachedRequestState, InputBatch
 from mini_vllm.input_staging import InputStaging
 from mini_vllm.kv_connector_mixin import KVConnectorModelRunnerMixin
@@ -110,6 +111,8 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
         self.sampler = Sampler(generator=torch.Generator(device=self.device).manual_seed(config.seed),
                                logprobs_mode=config.logprobs_mode)
         self._init_spec_decode(config, model_config)
+        # Set from outside (self_distill.py): every position's hidden state copied out as computed.
+        self.hidden_states_tap: HiddenStatesTap | None = None
         # With drafts, a step's emitted tokens are read on the host anyway (the rejection sampler's
         # verdict) and the drafter reads them: they go into the batch at once (async_output.py).
         self._init_async_output(config.async_scheduling, tokens_stay_on_device=self.spec_decode is None)
@@ -229,7 +232,7 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
         """Forward + sample `rows` of the persistent batch (each running num_scheduled[j] tokens)."""
         ### BEGIN SOLUTION
         inputs, sample_rows = self.input_batch.prepare_inputs(num_scheduled, self.block_size, self.device, rows)
-        inputs = self._with_attention_plan(inputs)
+        inputs = self._with_attention_plan(inputs, rows)
         if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(inputs):
             hidden = self.cuda_graph_runner.run(inputs)                              # [T, hidden]
         else:
@@ -242,11 +245,20 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
             self._sample_with_drafts(hidden, inputs, sample_rows, output)
             self._keep_hidden_for_drafter(hidden, rows, num_scheduled, output)
         ### END SOLUTION
+        if self.hidden_states_tap is not None and self.samples:
+            batch = self.input_batch
+            self.hidden_states_tap.observe_hidden([batch.req_ids[i] for i in rows], batch.num_computed_tokens[rows],
+                                                  num_scheduled, hidden)
         self._prompt_logprobs(hidden, rows, num_scheduled, sample_rows, output)
 
-    def _with_attention_plan(self, inputs: ModelInputs) -> ModelInputs:
+    def _with_attention_plan(self, inputs: ModelInputs, rows: np.ndarray | None = None) -> ModelInputs:
         """The attention backend's per-step precomputation, built once here instead of in each
-        of the model's layers (vLLM: the backend's AttentionMetadataBuilder.build)."""
+        of the model's layers (vLLM: the backend's AttentionMetadataBuilder.build); for a step
+        that verifies EAGLE-2 trees, their positions and masks instead (spec_decode_mixin.py)."""
+        if rows is not None and self._step_trees:
+            tree_inputs = self._with_tree_layout(inputs, rows)
+            if tree_inputs is not None:
+                return tree_inputs
         plan = build_attention_plan(inputs.attn_metadata, self.block_size, ATTENTION_BACKENDS[self.attn_backend][1])
         if plan is None:
             return inputs
@@ -344,6 +356,8 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
             return
         logits = self.model.compute_logits(hidden[logits_indices])                 # [S, vocab] fp32
         rows = sample_rows
+        if self.hidden_states_tap is not None:
+            self.hidden_states_tap.observe_greedy([self.input_batch.req_ids[i] for i in rows], logits)
         if self.tokens_stay_on_device:
             # Reading the flags here would make the host wait for this forward pass (on a GPU: the
             # very wait async scheduling removes). The rows sample from neutral logits instead, and

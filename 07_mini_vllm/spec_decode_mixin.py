@@ -24,6 +24,9 @@ import dataclasses
 import numpy as np
 import torch
 
+from spec_decode.eagle_tree import DraftTree
+from spec_decode.tree import TreeAttentionMetadata, accepted_kv_slot_moves, tree_attention_mask, tree_depths
+
 from mini_vllm.async_output import PLACEHOLDER_TOKEN_ID
 from mini_vllm.logits_processors import apply_logits_processors
 from mini_vllm.model_inputs import ModelInputs
@@ -46,6 +49,11 @@ class SpecDecodeMixin:
         self._draft_slots: dict[str, int] = {}            # this step: placeholder drafts scheduled
         self._unused_slots: dict[str, int] = {}           # this step: ... of which no proposal filled
         self._rejected_view: dict[str, int] = {}          # the last step: slots - accepted drafts
+        # EAGLE-2: this step's trees (the drafts of these requests are tree nodes, not a chain) and,
+        # once verified, the nodes each accepted.
+        self._step_trees: dict[str, DraftTree] = {}
+        self._tree_accepted: dict[str, list[int]] = {}
+        self.num_tree_kv_moves = 0                         # K/V slots moved so far (accepted non-first siblings)
         if config.speculative_config is None or not self.samples:
             return                              # (a pipeline stage that does not sample never proposes)
         self.spec_decode = SpecDecodeWorker(
@@ -67,6 +75,7 @@ class SpecDecodeMixin:
             self._proposed.pop(req_id, None)
         corrections, self._rejected_view = self._rejected_view, {}
         self._draft_slots, self._unused_slots = {}, {}
+        self._step_trees, self._tree_accepted = {}, {}
         for req_id, fix in corrections.items():          # async: drafts rejected in the step before
             row = batch.req_id_to_index.get(req_id)
             if row is not None and fix:
@@ -84,6 +93,40 @@ class SpecDecodeMixin:
                 batch.set_draft_token_ids(row, drafts)
             except Exception as error:    # noqa: BLE001
                 failed[req_id] = self._state_error(req_id, error)
+                continue
+            tree = self.spec_decode.tree_for(req_id, drafts) if self.spec_decode is not None else None
+            if tree is not None:
+                self._step_trees[req_id] = tree
+
+    def _with_tree_layout(self, inputs: ModelInputs, rows: np.ndarray) -> ModelInputs | None:
+        """A step that verifies EAGLE-2 trees (None if none of `rows` has one). Node i of a tree
+        is laid out in the slot a chain's i-th draft would take (the slot mapping is unchanged),
+        but at position root + depth(i), and it sees the context and its own ancestors only —
+        chapter 04's tree mask over the request's new tokens; the attention op then runs chapter
+        04's paged tree attention (models/attention.py)."""
+        batch = self.input_batch
+        starts = inputs.attn_metadata.query_start_loc.tolist()
+        positions, masks = inputs.positions, []
+        for j, i in enumerate(rows.tolist()):
+            tree = self._step_trees.get(batch.req_ids[i])
+            if tree is None or len(tree.tokens) != int(batch.num_draft_tokens[i]):
+                masks.append(None)                                   # causal, as without trees
+                continue
+            if positions is inputs.positions:
+                positions = positions.clone()
+            q = starts[j + 1] - starts[j]
+            root = starts[j + 1] - len(tree.tokens) - 1              # the last verified token's row
+            depth = torch.tensor(tree_depths(tree.parents)[1:], dtype=positions.dtype, device=positions.device)
+            positions[root + 1:starts[j + 1]] = positions[root] + depth
+            mask = torch.ones(q, q, dtype=torch.bool).tril()
+            mask[root - starts[j]:, root - starts[j]:] = tree_attention_mask(tree.parents)
+            masks.append(mask)
+        if positions is inputs.positions:
+            return None
+        md = inputs.attn_metadata
+        md = TreeAttentionMetadata(**{f.name: getattr(md, f.name) for f in dataclasses.fields(md)},
+                                   tree_masks=tuple(masks))
+        return dataclasses.replace(inputs, positions=positions, attn_metadata=md)
 
     # ---- verification ----------------------------------------------------------------------------
     def _sample_with_drafts(self, hidden: torch.Tensor, inputs: ModelInputs, sample_rows: np.ndarray, output) -> None:
@@ -122,11 +165,42 @@ class SpecDecodeMixin:
             logits, sm = self._process_draft_rows(logits, sm, sample_rows, num_draft)
         bonus = self.sampler(logits[md.bonus_logits_indices.long()], sm)                # [b]: the normal sampler
         emitted = worker.verify(md, logits, bonus.sampled_token_ids, sm)                # b lists of 1..k+1 tokens
-        logprobs = self._emitted_logprobs(raw_logits, md, emitted, sample_rows, sm.max_num_logprobs)
+        trees = {j: tree for j, i in enumerate(sample_rows.tolist())
+                 if (tree := self._step_trees.get(batch.req_ids[i])) is not None and num_draft[j] == len(tree.tokens)}
+        paths = {}
+        if trees:                                          # EAGLE-2: these requests verify a tree, not a chain
+            accepted = worker.verify_trees(md, logits, sm, trees, emitted)
+            paths = {j: [0] + nodes for j, nodes in accepted.items()}
+            self._move_accepted_tree_kv(sample_rows, accepted)
+        logprobs = self._emitted_logprobs(raw_logits, md, emitted, sample_rows, sm.max_num_logprobs, paths)
         for i, k, tokens in zip(sample_rows.tolist(), num_draft.tolist(), emitted):
             if k:
                 worker.observe_verified(batch.req_ids[i], k, len(tokens) - 1)
         self._append_emitted(sample_rows, emitted, logprobs, output)
+
+    def _move_accepted_tree_kv(self, sample_rows: np.ndarray, accepted: dict[int, list[int]]) -> None:
+        """After tree verification: the accepted nodes' K/V, written in their tree slots, copied in
+        every layer to the slots a chain would have used (chapter 04's accepted_kv_slot_moves) —
+        the cache then holds exactly the accepted sequence, and the scheduler's two counters
+        (num_computed_tokens += 1 + accepted) stay true."""
+        batch, src, dst = self.input_batch, [], []
+        for j, nodes in accepted.items():
+            i = int(sample_rows[j])
+            self._tree_accepted[batch.req_ids[i]] = nodes
+            root = int(batch.num_tokens[i]) - 1                  # the last verified token's position
+            blocks = batch.block_table[i, :batch.num_blocks[i]].tolist()
+            s, d = accepted_kv_slot_moves(nodes, root, blocks, self.block_size)
+            src += s
+            dst += d
+        if not src:
+            return
+        self.num_tree_kv_moves += len(src)
+        src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for key_cache, value_cache in self.kv_caches:
+            for cache in (key_cache, value_cache):
+                flat = cache.view(-1, *cache.shape[2:])          # [num_blocks * block_size, kv_heads, head_dim]
+                flat[dst_t] = flat[src_t]
 
     def _process_draft_rows(self, logits: torch.Tensor, sm: SamplingMetadata, rows: np.ndarray,
                             num_draft: np.ndarray) -> tuple[torch.Tensor, SamplingMetadata]:
@@ -146,15 +220,19 @@ class SpecDecodeMixin:
         return processed, dataclasses.replace(sm, logits_processors=None)
 
     def _emitted_logprobs(self, logits: torch.Tensor, md, emitted: list[list[int]], rows: np.ndarray,
-                          num_logprobs: int | None) -> dict[str, list[tuple[list[int], list[float], int]]]:
+                          num_logprobs: int | None, paths: dict[int, list[int]] | None = None
+                          ) -> dict[str, list[tuple[list[int], list[float], int]]]:
         """Logprobs of every emitted token, from the logits row that produced it: the j-th
         emitted token of a request came from its j-th sampled position (accepted drafts, then
-        the recovered or bonus token), so they are the logprobs plain decoding would report."""
+        the recovered or bonus token), so they are the logprobs plain decoding would report.
+        A tree's (paths[b]: the root, 0, then its accepted nodes) came from the rows of its path."""
         if num_logprobs is None:
             return {}
         batch = self.input_batch
+        paths = paths or {}
         starts = (md.cu_num_sampled_tokens.long() - torch.tensor(md.num_draft_tokens) - 1).tolist()   # [b]
-        index = [s + j for s, tokens in zip(starts, emitted) for j in range(len(tokens))]
+        index = [s + (paths[b][j] if b in paths else j)
+                 for b, (s, tokens) in enumerate(zip(starts, emitted)) for j in range(len(tokens))]
         flat = torch.tensor([t for tokens in emitted for t in tokens], dtype=torch.int64, device=logits.device)
         lp = compute_logprobs(logits[torch.tensor(index, device=logits.device)], flat, num_logprobs,
                               as_logits=self.sampler.logprobs_mode == "raw_logits")
@@ -195,6 +273,12 @@ class SpecDecodeMixin:
             if req_id in output.failed:
                 continue
             emitted = output.sampled_token_ids[i]
+            nodes = self._tree_accepted.get(req_id)
+            if nodes is not None:        # a tree: the rows before its nodes, then its accepted nodes'
+                base = n - int(batch.num_draft_tokens[i])
+                index = list(range(start, start + base)) + [start + base - 1 + a for a in nodes]
+                worker.observe_hidden(req_id, int(batch.num_computed_tokens[i]), hidden[index])
+                continue
             kept = n - int(batch.num_draft_tokens[i]) + len(emitted) - 1 if emitted else n
             worker.observe_hidden(req_id, int(batch.num_computed_tokens[i]), hidden[start:start + kept])
 

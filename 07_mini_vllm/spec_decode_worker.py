@@ -46,7 +46,9 @@ from spec_decode import (DraftModelProposer, DraftRequest, EagleHead, EaglePropo
                          NgramProposer, RejectionSampler, SpecDecodeMetadata, SpecDecodingStats,
                          calc_spec_decode_metadata, check_same_vocabulary, validate_draft_token_ids)
 from spec_decode.adaptive import AdaptiveDraftLength
-from spec_decode.sampling import SpecSamplingMetadata
+from spec_decode.eagle_tree import DraftTree, EagleTreeProposer
+from spec_decode.sampling import SpecSamplingMetadata, compute_probs
+from spec_decode.tree import verify_tree_greedy, verify_tree_random
 
 from mini_vllm.config import ModelConfig
 from mini_vllm.sampling_params import _SAMPLING_EPS
@@ -136,6 +138,15 @@ class _HiddenBuffer:
         self.start, self.chunks, self.length = min(position, self.end), [keep], keep.shape[0]
 
 
+def _tree_draws(generator: torch.Generator | None, num_nodes: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random numbers of one tree's verification, from `generator` (on its device), on the
+    host: U[0, 1) per node and 1 / Exp(1) per token (the exponential race of a sample)."""
+    device = generator.device if generator is not None else "cpu"
+    uniform = torch.rand(num_nodes, generator=generator, device=device)
+    e = torch.empty(vocab_size, device=device).exponential_(generator=generator)
+    return uniform.cpu(), e.clamp_(min=torch.finfo(torch.float32).tiny).reciprocal_().cpu()
+
+
 class SpecDecodeWorker:
     def __init__(self, config: SpeculativeConfig, model_config: ModelConfig, target_model, *, device: torch.device,
                  block_size: int, attn_backend: str, cpu_gemm_backend: str, generator: torch.Generator | None,
@@ -154,7 +165,9 @@ class SpecDecodeWorker:
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "torch"
         self.rejection_sampler = RejectionSampler(backend, generator=generator)
-        self.adaptive = AdaptiveDraftLength(self.k, config.min_draft_acceptance) if config.adaptive else None
+        # A tree's shape already follows the head's confidence (EAGLE-2): no second, per-request rule.
+        self.adaptive = (AdaptiveDraftLength(self.k, config.min_draft_acceptance)
+                         if config.adaptive and not config.uses_tree else None)
         self.needs_hidden_states = self.method == "eagle"
         # Loaded and checked now (inside LLM(...)); the proposer itself is built once the KV
         # pool's size is known (initialize_kv_cache).
@@ -170,6 +183,7 @@ class SpecDecodeWorker:
         self.draft_kv_cache_manager: KVCacheManager | None = None
         self._hidden: dict[str, _HiddenBuffer] = {}
         self._draft_token_ids: dict[str, list[int]] = {}
+        self._trees: dict[str, DraftTree] = {}             # EAGLE-2: the tree behind a request's drafts
         self.step_stats = SpecDecodeStepStats(self.k)
         self._spec_sampling: tuple[object, SpecSamplingMetadata] | None = None
 
@@ -243,9 +257,12 @@ class SpecDecodeWorker:
         self.draft_kv_cache_manager = KVCacheManager(num_blocks, self.block_size, enable_caching=False)
         keys, values = self._draft_kv_spec.allocate(num_blocks, self.device)
         if self.method == "eagle":
-            self.proposer = EagleProposer(self._eagle_head, self.target.model.embed_tokens, self.target.compute_logits,
-                                          (keys[0], values[0]), self.draft_kv_cache_manager, self.k,
-                                          self.model_config.hidden_size, self.vocab_size, self.max_model_len)
+            args = (self._eagle_head, self.target.model.embed_tokens, self.target.compute_logits, (keys[0], values[0]),
+                    self.draft_kv_cache_manager, self.k, self.model_config.hidden_size, self.vocab_size,
+                    self.max_model_len)
+            self.proposer = (EagleTreeProposer(*args, tree_depth=self.config.tree_depth,
+                                               tree_top_k=self.config.tree_top_k)
+                             if self.config.uses_tree else EagleProposer(*args))
         else:
             self.proposer = DraftModelProposer(self._draft_model, list(zip(keys, values)), self.draft_kv_cache_manager,
                                                self.k, self.vocab_size,
@@ -276,6 +293,36 @@ class SpecDecodeWorker:
         out = self.rejection_sampler(md, None, logits[md.target_logits_indices.long()], bonus_token_ids,
                                      self._spec_sampling_metadata(sampling_metadata), check_values=False)
         return RejectionSampler.parse_output(out, self.vocab_size)
+
+    def verify_trees(self, md: SpecDecodeMetadata, logits: torch.Tensor, sampling_metadata,
+                     trees: dict[int, DraftTree], emitted: list[list[int]]) -> dict[int, list[int]]:
+        """EAGLE-2: the requests of `trees` ({index among the sampling rows: its tree}) verified as
+        trees instead of chains — their entries of `emitted` replaced. A request's logits rows are
+        its root (the last verified token) and its nodes, in order (md: as for a chain of as many
+        drafts). Greedy: the deepest path of nodes each equal to the target's argmax at its parent
+        (chapter 04's verify_tree_greedy); sampled: chapter 04's verify_tree_random (siblings tried
+        in turn against the residual, so the emitted tokens follow the target's distribution),
+        with the request's own generator when it is seeded. -> {index: accepted nodes (1-based)}."""
+        spec = self._spec_sampling_metadata(sampling_metadata)
+        ends = md.cu_num_sampled_tokens.tolist()
+        accepted_nodes = {}
+        for j, tree in trees.items():
+            rows = logits[ends[j] - len(tree.tokens) - 1:ends[j]]                       # [1 + N, V]
+            tokens = [-1] + tree.tokens                                                  # (the root's is not read)
+            if float(spec.temperature[j]) == 0.0:
+                accepted, out = verify_tree_greedy(tokens, tree.parents, rows.argmax(-1).tolist())
+            else:
+                one = SpecSamplingMetadata(spec.temperature[j:j + 1],
+                                           None if spec.top_k is None else spec.top_k[j:j + 1],
+                                           None if spec.top_p is None else spec.top_p[j:j + 1],
+                                           None if spec.min_p is None else spec.min_p[j:j + 1])
+                probs = compute_probs(rows, [rows.shape[0]], one).cpu()
+                uniform, inv_exp = _tree_draws(spec.generators.get(j, self.rejection_sampler.generator),
+                                               len(tokens), probs.shape[-1])
+                accepted, out = verify_tree_random(tokens, tree.parents, probs, uniform, inv_exp)
+            emitted[j] = out
+            accepted_nodes[j] = accepted
+        return accepted_nodes
 
     def observe_verified(self, req_id: str, num_draft: int, num_accepted: int) -> None:
         self.step_stats.num_draft_tokens[req_id] = (num_draft, num_accepted)
@@ -329,9 +376,19 @@ class SpecDecodeWorker:
         if not requests:
             return
         t0 = time.perf_counter()
-        drafts = self._propose_isolated(requests)
+        # EAGLE-2 trees for every request but those whose sampling reads their own output tokens
+        # (penalties, bad words, min_tokens: a tree node's output is its path, which the draft rows'
+        # logits processing does not know) — they get the chain.
+        tree = [self.config.uses_tree and not batch.states[i].sampling_params.uses_logits_processors for i in rows]
+        chains = [r for r, t in zip(requests, tree) if not t]
+        trees = [r for r, t in zip(requests, tree) if t]
+        drafted = list(zip(chains, self._propose_isolated(chains) if chains else []))
+        for r, t in zip(trees, self._propose_trees_isolated(trees) if trees else []):
+            if t.tokens:
+                self._trees[r.req_id] = t
+            drafted.append((r, t.tokens))
         self.step_stats.drafting_time += time.perf_counter() - t0
-        for r, d in zip(requests, drafts):
+        for r, d in drafted:
             if d:
                 self._draft_token_ids[r.req_id] = d
                 self.step_stats.drafted_req_ids.append(r.req_id)
@@ -362,6 +419,39 @@ class SpecDecodeWorker:
                 drafts.append([])
         return drafts
 
+    def _propose_trees_isolated(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        """`_propose_isolated` for EAGLE-2 trees: a request whose tree fails gets none."""
+        def checked(trees, reqs):
+            validate_draft_token_ids([t.tokens for t in trees], self.vocab_size, self.k, "EAGLE-2 tree")
+            if len(trees) != len(reqs):
+                raise ValueError(f"the tree drafter returned {len(trees)} trees for {len(reqs)} requests")
+            return trees
+        try:
+            return checked(self.proposer.propose_tree(requests), requests)
+        except Exception:      # noqa: BLE001 — the drafter must not take the step down
+            logger.warning("the tree drafter failed on a batch of %d requests; retrying them one by one", len(requests),
+                           exc_info=True)
+        out = []
+        for r in requests:
+            try:
+                out.append(checked(self.proposer.propose_tree([r]), [r])[0])
+            except Exception:  # noqa: BLE001
+                logger.warning("the tree drafter failed for request %s: no drafts for it this step", r.req_id,
+                               exc_info=True)
+                self.step_stats.num_drafter_faults += 1
+                self.proposer.remove_requests([r.req_id])
+                out.append(DraftTree([], [-1]))
+        return out
+
+    def tree_for(self, req_id: str, drafts: Sequence[int]) -> DraftTree | None:
+        """The tree behind the drafts the scheduler scheduled for `req_id` this step (None: a chain).
+        The scheduler may run fewer drafts than proposed; parents come first, so a prefix of the
+        nodes is still a tree."""
+        tree = self._trees.pop(req_id, None)
+        if tree is None or not drafts or list(drafts) != tree.tokens[:len(drafts)]:
+            return None
+        return tree.truncated(len(drafts))
+
     def _checked(self, drafts, requests) -> list[list[int]]:
         if len(drafts) != len(requests):
             raise ValueError(f"the drafter returned {len(drafts)} draft lists for {len(requests)} requests")
@@ -384,6 +474,7 @@ class SpecDecodeWorker:
         for req_id in req_ids:
             self._hidden.pop(req_id, None)
             self._draft_token_ids.pop(req_id, None)
+            self._trees.pop(req_id, None)
 
     def preempt_requests(self, req_ids) -> None:
         """Preempted: its draft KV goes with its target KV (recomputed when it resumes); the

@@ -21,6 +21,10 @@ given; one bound given -> both) — plus the knobs of this engine's own pieces:
                            cost only the verification; 0.25 for the model drafters)
     rejection_sampler      rejection-sampling backend: "auto" (torch on a CPU, triton on a GPU)
                            | "reference" | "torch" | "triton" | "cuda"
+    tree_depth, tree_top_k eagle only: draft EAGLE-2's dynamic tree instead of a chain
+                           (spec_decode.eagle_tree) — at most tree_depth tokens deep, top_k
+                           nodes expanded per depth with top_k children each, the best
+                           num_speculative_tokens nodes verified in one pass (None: a chain)
 
 Only what can be checked without loading anything is checked here (at EngineConfig
 construction); the draft model's vocabulary and tokenizer, the EAGLE head's hidden size and
@@ -54,6 +58,12 @@ class SpeculativeConfig:
     adaptive: bool = True
     min_draft_acceptance: float | None = None
     rejection_sampler: str = "auto"
+    tree_depth: int | None = None
+    tree_top_k: int | None = None
+
+    @property
+    def uses_tree(self) -> bool:
+        return self.tree_depth is not None
 
     @classmethod
     def from_dict(cls, config: "Mapping[str, Any] | SpeculativeConfig") -> "SpeculativeConfig":
@@ -115,6 +125,17 @@ class SpeculativeConfig:
             object.__setattr__(self, "min_draft_acceptance", DEFAULT_MIN_DRAFT_ACCEPTANCE[self.method])
         elif isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 <= theta < 1:
             raise ValueError(f"speculative_config: min_draft_acceptance must be in [0, 1), got {theta!r}")
+        if self.tree_depth is not None or self.tree_top_k is not None:
+            if self.method != "eagle":
+                raise ValueError(f"speculative_config: tree_depth/tree_top_k draft EAGLE-2 trees: method 'eagle' only, "
+                                 f"not {self.method!r}")
+            if self.tree_depth is None:
+                raise ValueError("speculative_config: tree_top_k needs tree_depth (how deep the tree may grow)")
+            top_k = 4 if self.tree_top_k is None else self.tree_top_k
+            if not (_is_int(self.tree_depth) and _is_int(top_k) and self.tree_depth >= 1 and top_k >= 1):
+                raise ValueError(f"speculative_config: tree_depth and tree_top_k must be integers >= 1, got "
+                                 f"{self.tree_depth!r} and {self.tree_top_k!r}")
+            object.__setattr__(self, "tree_top_k", top_k)
         if self.rejection_sampler not in REJECTION_SAMPLERS:
             raise ValueError(f"speculative_config: rejection_sampler must be one of {REJECTION_SAMPLERS}, "
                              f"got {self.rejection_sampler!r}")

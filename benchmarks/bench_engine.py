@@ -204,24 +204,9 @@ def run_vllm(model_dir: Path, workload, warmup, config: str, kvcache_gib: int, m
              timeout_s: float = 3600, modes: tuple[str, ...] = ("greedy", "sampled")) -> dict:
     """One vLLM process for one configuration: warm-up, then one timed LLM.generate per mode (greedy,
     sampled) over the same token prompts. Returns vllm_peer's JSON (runs: mode, seconds, tokens)."""
-    python = vllm_peer.venv_python()
-    with tempfile.TemporaryDirectory() as tmp:
-        spec, out = Path(tmp) / "workload.json", Path(tmp) / "out.json"
-        spec.write_text(json.dumps(dict(prompts=[p for p, _ in workload], max_tokens=[n for _, n in workload],
-                                        warmup_prompts=[p for p, _ in warmup], warmup_max_tokens=[n for _, n in warmup],
-                                        modes=list(modes))))
-        env = vllm_peer.peer_env(**vllm_peer.CONFIGS[config], VLLM_CPU_KVCACHE_SPACE=str(kvcache_gib))
-        cmd = [str(python), str(Path(vllm_peer.__file__)), "--model", str(model_dir), "--workload-json", str(spec),
-               "--out-json", str(out), "--kvcache-gib", str(kvcache_gib),
-               "--max-num-batched-tokens", str(max_num_batched_tokens)]
-        log = Path(tmp) / "log.txt"
-        with log.open("w") as f:
-            rc = subprocess.call(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                 cwd=vllm_peer.REPO)
-        if rc != 0 or not out.exists():
-            tail = log.read_text()[-3000:]
-            raise RuntimeError(f"vLLM ({config}) exited with {rc}:\n{tail}")
-        return json.loads(out.read_text())
+    workload_json = dict(prompts=[p for p, _ in workload], max_tokens=[n for _, n in workload],
+                         warmup_prompts=[p for p, _ in warmup], warmup_max_tokens=[n for _, n in warmup], modes=list(modes))
+    return vllm_peer.call(model_dir, workload_json, config, kvcache_gib, max_num_batched_tokens, timeout_s)
 
 
 # ---------------------------------------------------------------------------------- main

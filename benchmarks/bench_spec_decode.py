@@ -1,17 +1,20 @@
 """Speculative decoding end to end: the engine with each drafter vs the same engine without one.
 
     python -m benchmarks.bench_spec_decode            # SmolLM2, ~5 min on 2 cores -> results/spec_decode_engine.json + .png
+    python -m benchmarks.bench_spec_decode --vllm     # ... and real vLLM 0.32 (CPU) with and without n-gram drafts
     python -m benchmarks.bench_spec_decode --quick    # a tiny random model, seconds (CI)
 
-Workload: SmolLM2-135M-Instruct, fp32, CPU, greedy, `ignore_eos`, a small batch (speculation
-pays where a step is bound by reading the weights, i.e. few requests). Two prompt sets, chat
-template applied, the same token prompts for every configuration:
+Workload: SmolLM2-135M-Instruct, fp32, CPU, greedy, `ignore_eos`, batch 1 — each request alone
+(speculation pays where a step is bound by reading the weights: on 2 cores a few dozen rows
+already make the linears compute-bound; `--batch 4` runs a set's requests together). Two
+prompt sets, chat template applied, the same token prompts for every configuration:
   * grounded — the answer copies its input (repeat this paragraph, fix this code): n-gram
     lookup's home ground;
   * open — open-ended questions, where the output shares little with the prompt.
 Configurations (`speculative_config`): none; ngram (k = 4, lookup 2..4); layer_skip (the
 target's first 8 of 30 layers + its LM head, k = 3); eagle (the head shipped for SmolLM2,
-k = 3). `adaptive` stays at its default (on). Each configuration is a fresh engine, warmed
+k = 4: it was trained for 4); eagle_tree (the same head drafting EAGLE-2 trees: 8 nodes, 4 deep,
+3 expanded per depth); ngram_k8 (lookup with up to 8 drafts: copy tasks accept long runs). `adaptive` stays at its default (on). Each configuration is a fresh engine, warmed
 up, then timed `--repeats` times, configurations interleaved round by round (the VM's speed
 drifts), the median kept.
 Reported per configuration and prompt set: output tok/s, its ratio to no speculation in the
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -52,7 +56,9 @@ METHODS = {
     "none": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     "layer_skip": {"method": "layer_skip", "num_layers": 8, "num_speculative_tokens": 3},
-    "eagle": {"method": "eagle", "num_speculative_tokens": 3},
+    "eagle": {"method": "eagle", "num_speculative_tokens": 4},
+    "eagle_tree": {"method": "eagle", "num_speculative_tokens": 8, "tree_depth": 4, "tree_top_k": 3},
+    "ngram_k8": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
 }
 
 
@@ -65,14 +71,30 @@ def chat_prompts(tokenizer, texts: list[str]) -> list[dict]:
     return out
 
 
-def run(llm, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
+def run(llm, prompts, max_tokens: int, batch: int = 1) -> tuple[float, list[list[int]]]:
+    """Wall time of generating every prompt, `batch` requests at a time, and their tokens."""
     from mini_vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     assert llm.reset_prefix_cache()
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outputs]
+    outputs = [o for s in range(0, len(prompts), batch) for o in llm.generate(prompts[s:s + batch], params, use_tqdm=False)]
+    return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def run_vllm_peer(model_dir, prompt_sets: dict, max_tokens: int, repeats: int) -> dict:
+    """Real vLLM 0.32 (CPU) on the same token prompts at batch 1, without and with n-gram drafts
+    (its EAGLE path loads EAGLE checkpoints in the format its GPU kernels expect, and drafts on
+    a GPU: not run here). -> rows like ours, or {"skipped": reason}."""
+    from benchmarks import vllm_peer
+
+    reason = vllm_peer.unavailable_reason()
+    if reason:
+        return {"skipped": reason}
+    workload = dict(prompt_sets={k: [p["prompt_token_ids"] for p in v] for k, v in prompt_sets.items()},
+                    max_tokens=max_tokens, repeats=repeats,
+                    speculative_configs={"none": None, "ngram": METHODS["ngram"]})
+    return vllm_peer.call(model_dir, workload, "both cores", kvcache_gib=2)
 
 
 def spec_stats(llm) -> dict:
@@ -111,6 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--quick", action="store_true", help="tiny random model, 16 tokens, ngram + layer_skip")
+    ap.add_argument("--batch", type=int, default=1, help="requests generated together (1: each alone)")
+    ap.add_argument("--vllm", action="store_true", help="also real vLLM 0.32 (CPU), none and ngram, same prompts")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -128,8 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
         for name in args.methods:
             kwargs = {} if methods[name] is None else {"speculative_config": methods[name]}
             engines[name] = LLM(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=16, **kwargs, **pool)
-            run(engines[name], prompt_sets["open"][:1], 8)                      # warm-up
-        rows = []
+            run(engines[name], prompt_sets["open"][:1], 8, args.batch)          # warm-up
+        rows, tokens_none = [], {}
         for set_name, prompts in prompt_sets.items():
             times = {name: [] for name in engines}
             tokens: dict[str, list[list[int]]] = {}
@@ -137,9 +161,10 @@ def main(argv: list[str] | None = None) -> dict:
                 reset_spec_stats(llm)
             for _ in range(args.repeats):                                       # interleaved rounds
                 for name, llm in engines.items():
-                    seconds, tokens[name] = run(llm, prompts, args.max_tokens)
+                    seconds, tokens[name] = run(llm, prompts, args.max_tokens, args.batch)
                     times[name].append(seconds)
             num_tokens = len(prompts) * args.max_tokens
+            tokens_none[set_name] = tokens["none"]
             base = statistics.median(times["none"])
             for name, llm in engines.items():
                 median = statistics.median(times[name])
@@ -151,11 +176,29 @@ def main(argv: list[str] | None = None) -> dict:
                 print(rows[-1])
         for llm in engines.values():
             llm.shutdown()
+        ours_none = {r["prompts"]: r for r in rows if r["method"] == "none"}
+        peer = run_vllm_peer(model_dir, prompt_sets, args.max_tokens, args.repeats) if args.vllm else None
+        for cfg_name, result in (peer or {}).get("configs", {}).items():
+            for set_name, prompts in prompt_sets.items():
+                row = dict(prompts=set_name, method=f"vLLM {cfg_name}", config=result["config"])
+                if "error" in result:
+                    rows.append(dict(row, error=result["error"]))
+                    continue
+                got, base = result["sets"][set_name], peer["configs"]["none"]["sets"][set_name]
+                num_tokens = len(prompts) * args.max_tokens
+                rows.append(dict(row, seconds=round(got["seconds"], 3),
+                                 output_tokens_per_s=round(num_tokens / got["seconds"], 1),
+                                 speedup_vs_none=round(base["seconds"] / got["seconds"], 3),
+                                 vs_ours_none=round(ours_none[set_name]["seconds"] / got["seconds"], 3),
+                                 agreement_with_none=sum(a == b for a, b in zip(got["tokens"], tokens_none[set_name]))
+                                 / len(prompts)))
+                print(rows[-1])
     workload = dict(model="tiny random llama (quick)" if args.quick else "SmolLM2-135M-Instruct", dtype="float32",
                     device="cpu (2 cores; other jobs may share it: compare ratios within the run)",
-                    requests_per_set=len(GROUNDED), max_tokens=args.max_tokens, greedy=True, ignore_eos=True,
+                    requests_per_set=len(GROUNDED), batch=args.batch, max_tokens=args.max_tokens, greedy=True,
+                    ignore_eos=True, vllm=None if peer is None else peer.get("skipped") or peer.get("vllm"),
                     repeats=args.repeats, draft_model="left out: no smaller checkpoint with SmolLM2's tokenizer ships here",
-                    command="python -m benchmarks.bench_spec_decode" + (" --quick" if args.quick else ""))
+                    command=" ".join(["python -m benchmarks.bench_spec_decode", *(argv if argv is not None else sys.argv[1:])]))
     name = "spec_decode_engine_quick" if args.quick else "spec_decode_engine"
     write_result(name, workload, rows, args.out_dir)
     plot(rows, args.out_dir / f"{name}.png")
@@ -168,6 +211,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if "speedup_vs_none" in r]                 # (a configuration the peer refused: no bar)
     sets = list(dict.fromkeys(r["prompts"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     fig, ax = plt.subplots(figsize=(7, 3))

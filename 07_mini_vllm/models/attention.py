@@ -19,6 +19,7 @@ from chunked_prefill.ops import unified_attention
 from paged_attention.metadata import AttentionMetadata
 from paged_attention.model.llama import KVCache
 from paged_attention.ops import reshape_and_cache
+from spec_decode.tree import paged_tree_attention
 
 # attn_backend -> (chapter 01 cache-write backend, chapter 05 unified-attention backend)
 ATTENTION_BACKENDS: dict[str, tuple[str, str]] = {
@@ -45,6 +46,8 @@ class PagedAttention(nn.Module):
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         # query [T, H, D], key/value [T, KVH, D] -> [T, H, D]
         key_cache, value_cache = kv_cache
+        if getattr(attn_metadata, "tree_masks", None):
+            return self._tree_verification(query, key, value, key_cache, value_cache, attn_metadata)
         ### BEGIN SOLUTION
         # The engine built slot_mapping itself: skip the range check (a device sync per layer on GPU).
         md = attn_metadata
@@ -55,3 +58,13 @@ class PagedAttention(nn.Module):
                                  self.scale, backend=self.attention_backend, max_query_len=md.max_query_len,
                                  max_seq_len=md.max_seq_len, check_values=False, plan=md.plan)
         ### END SOLUTION
+
+    def _tree_verification(self, query, key, value, key_cache, value_cache, md) -> torch.Tensor:
+        """A step that verifies EAGLE-2 trees (spec_decode_mixin.py lays them out): K/V written by
+        slot as always, then chapter 04's paged tree attention — each new token sees the context
+        and, among the new tokens, what its request's mask allows (None: causal). Chapter 05's
+        unified attention has no mask input; this torch path is what trees cost on any backend."""
+        reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping, check_values=False,
+                          backend=self.cache_backend)
+        return paged_tree_attention(query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                                    md.tree_masks, self.scale)

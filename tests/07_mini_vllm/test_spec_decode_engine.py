@@ -472,3 +472,133 @@ def test_smollm2_greedy_identical_with_every_drafter(method, smollm2_dir, smol_p
     assert st.num_draft_tokens > 0
     if method == "ngram":
         assert outputs[0].metrics.spec_acceptance_rate > 0.5      # the copy task: drafts are the answer
+
+
+# =============================================================================== EAGLE-2 trees
+TREE = {"tree_depth": 3, "tree_top_k": 3}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tree_drafts_greedy_identical_and_penalised_requests_get_chains(arch, tiny_engine_models, tiny_eagle_heads,
+                                                                         make_llm, traced):
+    """EAGLE-2 trees through the engine (positions root + depth, the tree mask, tree verification)
+    on the tiny models: the greedy tokens are the plain engine's; a request with a repetition
+    penalty in the same batch gets a chain (its draft rows' penalties see a chain's outputs)."""
+    model_dir = tiny_engine_models[arch][0]
+    prompts = token_prompts(4)
+    params = [GREEDY] * 3 + [SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.3)]
+    plain = make_llm(model_dir, block_size=4)
+    ref, _ = traced(plain, prompts, params)
+    llm = make_llm(model_dir, block_size=4, speculative_config=drafter_config(
+        "eagle", arch, tiny_engine_models, tiny_eagle_heads, num_speculative_tokens=6, **TREE))
+    outputs, steps = traced(llm, prompts, params)
+    assert tokens(outputs) == tokens(ref)
+    runner = llm.llm_engine.engine_core.model_runner
+    st = llm.llm_engine.engine_core.spec_decoding_stats.stats
+    assert st.num_draft_tokens > 0
+    penalised = outputs[3].request_id
+    spec = [s.scheduler_output.scheduled_spec_decode_tokens for s in steps]
+    assert max(len(d.get(penalised, [])) for d in spec) <= 6
+    assert any(len(v) > 3 for d in spec for r, v in d.items() if r != penalised), "no tree had more nodes than depth"
+    assert runner.spec_decode.adaptive is None                       # a tree's shape is its own adaptive length
+
+
+@pytest.fixture(scope="module")
+def smol_tree_prompts(smollm2_tokenizer):
+    chats = ["Repeat this sentence twice: the quick brown fox jumps over the lazy dog.",
+             "Write a short story about a lighthouse keeper.", "What is the capital of France?",
+             "List three colours of the rainbow."]
+    texts = [smollm2_tokenizer.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
+                                                   add_generation_prompt=True) for c in chats]
+    return [smollm2_tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+
+
+@pytest.mark.model
+def test_smollm2_tree_greedy_identical_with_chunking_prefix_caching_preemption(smollm2_dir, smol_tree_prompts,
+                                                                                make_llm, traced):
+    """The shipped head's trees on the real model, composed with chunked prefill (a 16-token budget),
+    prefix caching (a second turn over blocks tree steps wrote) and preemption (a pool too small for
+    every request): the tokens and their logprobs are the plain engine's, drafts are accepted, and
+    some accepted node was not its parent's first child (its K/V moved to the chain slot)."""
+    config = dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks_override=30,
+                  max_model_len=160)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
+    plain = make_llm(smollm2_dir, **config)
+    ref, _ = traced(plain, smol_tree_prompts, params)
+    llm = make_llm(smollm2_dir, **config, speculative_config={"method": "eagle", "num_speculative_tokens": 8,
+                                                              "tree_depth": 4, "tree_top_k": 3})
+    outputs, steps = traced(llm, smol_tree_prompts, params)
+    assert tokens(outputs) == tokens(ref)
+    for o, r in zip(outputs, ref):
+        for got, want in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert got.keys() == want.keys()
+            assert all(abs(got[t].logprob - want[t].logprob) < 1e-3 for t in got)
+    assert any(s.scheduler_output.preempted_req_ids for s in steps), "the small pool was to force a preemption"
+    st = llm.llm_engine.engine_core.spec_decoding_stats.stats
+    assert st.num_accepted_tokens > 0 and st.num_accepted_tokens_per_pos[1] > 0
+    assert llm.llm_engine.engine_core.model_runner.num_tree_kv_moves > 0
+    second = [p + o[:16] for p, o in zip(smol_tree_prompts, tokens(outputs))]
+    again, _ = traced(llm, second, params)
+    ref_again, _ = traced(plain, second, params)
+    assert tokens(again) == tokens(ref_again)
+    assert sum(o.num_cached_tokens for o in again) >= 16 * len(second)
+
+
+def test_tree_sampled_distribution_through_the_engine(small_vocab_model, smollm2_dir, make_llm, monkeypatch,
+                                                      tmp_path):
+    """Sampled verification of trees (chapter 04's verify_tree_random: siblings tried in turn against
+    the residual) keeps the target's exact joint: 2000 samples of 3 tokens, chi-square p > 1e-3. The
+    head is trained here (chapter 04's train_eagle, a few seconds) on the target's own samples from
+    this prompt, over a draft vocabulary of the tokens the joint can produce, so nodes at both
+    depths are accepted; accepting every first child fails the same test."""
+    from spec_decode import train_eagle as te
+
+    model_dir, hf = small_vocab_model
+    prompt = [5, 77, 130, 402, 9, 77, 130, 311]
+    joint = exact_joint(hf, prompt, DIST_TOKENS, DIST_TOP_K)
+    vocab = torch.tensor(sorted({t for cell in joint for t in cell}))
+    g = torch.Generator().manual_seed(0)
+    cells = list(joint)
+    draws = torch.multinomial(torch.tensor([joint[c] for c in cells]), 96, replacement=True, generator=g)
+    seqs = [prompt + list(cells[i]) for i in draws.tolist()]
+    torch.manual_seed(7)
+    head = te.head_for_target(hf, 64, vocab)
+    te.train(head, hf, seqs, [len(prompt)] * len(seqs), te.features(hf, seqs), steps=150, batch=16, lr=3e-3,
+             window=16, unroll=2, ce_weight=1.0, seed=0, log=lambda _: None)
+    head.save_pretrained(tmp_path, dtype=torch.float32)
+    config = {"method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 6, "tree_depth": 2,
+              "tree_top_k": 3}
+    llm = make_llm(model_dir, tokenizer=str(smollm2_dir), max_model_len=64, max_num_seqs=256,
+                   max_num_batched_tokens=4096, num_gpu_blocks_override=1024, speculative_config=config)
+    samples = sample_engine(llm, prompt, NUM_SAMPLES // 2)
+    st = llm.llm_engine.engine_core.spec_decoding_stats.stats
+    assert st.num_accepted_tokens_per_pos[0] > NUM_SAMPLES // 20 and st.num_accepted_tokens_per_pos[1] > 0
+    p_value = chi_square_pvalue(samples, joint)
+    assert p_value > 1e-3, f"tree-speculative samples do not follow the target distribution (p = {p_value:.2e})"
+
+    import spec_decode.tree as tree_module
+    import mini_vllm.spec_decode_worker as worker_module
+
+    def first_child_always(tokens_, parents, target_probs, uniform, inv_exp):
+        accepted, node = [], 0
+        while (children := [c for c in range(1, len(parents)) if parents[c] == node]):
+            accepted.append(children[0])
+            node = children[0]
+        return accepted, [tokens_[a] for a in accepted] + [tree_module.race(target_probs[node], inv_exp)]
+    monkeypatch.setattr(worker_module, "verify_tree_random", first_child_always)
+    broken = sample_engine(llm, prompt, NUM_SAMPLES // 8)
+    assert chi_square_pvalue(broken, joint) < 1e-6
+
+
+@pytest.mark.parametrize("config, extra, message", [
+    ({"method": "ngram", "num_speculative_tokens": 4, "tree_depth": 3}, {}, "method 'eagle' only"),
+    ({"method": "eagle", "num_speculative_tokens": 4, "tree_top_k": 3}, {}, "needs tree_depth"),
+    ({"method": "eagle", "num_speculative_tokens": 4, "tree_depth": 0}, {}, "integers >= 1"),
+    ({"method": "eagle", "num_speculative_tokens": 4, "tree_depth": 3}, {"async_scheduling": True},
+     "synchronous scheduling only"),
+    ({"method": "eagle", "num_speculative_tokens": 4, "tree_depth": 3}, {"pipeline_parallel_size": 2},
+     "only the last pipeline stage"),
+])
+def test_bad_tree_configs(config, extra, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model=None, speculative_config=config, **extra)
