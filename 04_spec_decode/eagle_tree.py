@@ -94,7 +94,12 @@ class EagleTreeProposer(EagleProposer):
         return trees
 
     def _grow(self, state, offset: int, g_root: torch.Tensor, depth: int, max_nodes: int) -> DraftTree:
-        tokens, parents, scores, depths, inputs = [], [], [], [], []    # per node; inputs: its row's feature
+        """One request's tree (the module doc's expand and rerank). g_root [1, H]: the feature the
+        head predicted at the request's last real row; depth: how deep this tree may grow;
+        max_nodes: how many nodes it may keep. Per node made: its token, its parent (-1: the
+        root), its cumulative log-probability, its depth, and feature_in — the feature its own
+        head row reads if it is expanded (what its parent's row predicted)."""
+        tokens, parents, scores, depths, feature_in = [], [], [], [], []
         ### BEGIN SOLUTION
         def add_children(parent: int, feature: torch.Tensor, ids: list[int], logps: list[float]) -> list[int]:
             made = []
@@ -104,7 +109,7 @@ class EagleTreeProposer(EagleProposer):
                 parents.append(parent)
                 scores.append((scores[parent] if parent >= 0 else 0.0) + lp)
                 depths.append(depths[parent] + 1 if parent >= 0 else 1)
-                inputs.append(feature)
+                feature_in.append(feature)
             return made
 
         ids, logp = self.head.draft_top_k(g_root, self.tree_top_k, self.compute_logits)
@@ -113,7 +118,7 @@ class EagleTreeProposer(EagleProposer):
         for _ in range(2, depth + 1):
             frontier = sorted(sorted(level, key=lambda n: -scores[n])[:self.tree_top_k])
             expanded += frontier
-            out = self._tree_rows(state, offset, expanded, tokens, parents, depths, inputs)[-len(frontier):]
+            out = self._tree_rows(state, offset, expanded, tokens, parents, depths, feature_in)[-len(frontier):]
             ids, logp = self.head.draft_top_k(out, self.tree_top_k, self.compute_logits)
             level = [c for m, node in enumerate(frontier)
                      for c in add_children(node, out[m:m + 1], ids[m].tolist(), logp[m].tolist())]
@@ -122,7 +127,7 @@ class EagleTreeProposer(EagleProposer):
         ### END SOLUTION
         return DraftTree([tokens[n] for n in keep], [-1] + [index[parents[n]] if parents[n] >= 0 else 0 for n in keep])
 
-    def _tree_rows(self, state, offset: int, expanded: list[int], tokens, parents, depths, inputs) -> torch.Tensor:
+    def _tree_rows(self, state, offset: int, expanded: list[int], tokens, parents, depths, feature_in) -> torch.Tensor:
         """The head's rows for the expanded nodes (in that order), after the request's real rows:
         row of node c = (token_c, the feature c's parent predicted), at position root + depth(c),
         seeing the real context and c's ancestors. -> predicted features [len(expanded), H]."""
@@ -141,5 +146,5 @@ class EagleTreeProposer(EagleProposer):
         ids = torch.tensor([tokens[n] for n in expanded], dtype=torch.long, device=device)
         positions = offset + first_row - 1 + torch.tensor([depths[n] for n in expanded], device=device)
         with torch.no_grad():
-            return self.head(self.embed_tokens(ids), torch.cat([inputs[n] for n in expanded]), positions,
+            return self.head(self.embed_tokens(ids), torch.cat([feature_in[n] for n in expanded]), positions,
                              self.kv_cache, md)

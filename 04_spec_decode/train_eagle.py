@@ -32,11 +32,11 @@ Recipe (EAGLE-1's head, trained with EAGLE-3's training-time test; [EAGLE 2024],
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import math
 import pathlib
 import random
+import sys
 import time
 from dataclasses import dataclass
 
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> dict:
                       eval="greedy answers of the target (HF generate) to distill_prompts.HELD_OUT, hidden states "
                            "from HF, drafts from spec_decode.eagle.EagleProposer"),
         ngram_2_4_same_answers=ngram, curve=curve, timings=timings,
-        command="python -m spec_decode.train_eagle " + " ".join(argv or []))
+        command=" ".join(["python -m spec_decode.train_eagle", *(sys.argv[1:] if argv is None else argv)]))
     head.save_pretrained(args.out)
     log(f"held-out: {json.dumps(held)}; n-gram on the same answers: {json.dumps(ngram)}")
     log(f"saved {args.out} ({sum(p.numel() for p in head.parameters()) / 1e6:.2f} M parameters)")

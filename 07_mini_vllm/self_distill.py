@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
              "sampling": "even instructions greedy, odd T=0.7 top-p 0.9 seeded",
              "features_file": features_path(args.out).name,
              "greedy_answers_equal_their_labels": round(sum(agree) / max(len(agree), 1), 4),
-             "command": "python -m mini_vllm.self_distill " + " ".join(argv or [])}
+             "command": " ".join(["python -m mini_vllm.self_distill", *(sys.argv[1:] if argv is None else argv)])}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"stats": stats, "rows": rows}))
     starts = [0]

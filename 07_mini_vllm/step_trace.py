@@ -74,8 +74,8 @@ class ModelInputsTrace:
             finally:
                 local.in_rows = False
 
-        def traced_with_plan(inputs):
-            inputs = with_plan(inputs)
+        def traced_with_plan(inputs, *args):
+            inputs = with_plan(inputs, *args)
             if getattr(local, "in_rows", False):
                 local.inputs = inputs
             return inputs

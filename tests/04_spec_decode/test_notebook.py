@@ -14,3 +14,4 @@ def test_notebook_runs():
     assert "buggy sampler rejected (p < 1e-12): True" in outputs
     assert "one tree pass == every branch separately: True" in outputs
     assert "computed=7 tokens=8" in outputs
+    assert "held-out (greedy, k=4)" in outputs and "parents: [-1, 0" in outputs   # the head's numbers; a tree
