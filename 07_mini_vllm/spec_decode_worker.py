@@ -398,50 +398,39 @@ class SpecDecodeWorker:
                 if buf is not None:
                     buf.drop_before(self.proposer.consumed_position(r.req_id))
 
-    def _propose_isolated(self, requests: list[DraftRequest]) -> list[list[int]]:
-        """One batched call; if it raises (a drafter bug, an id outside the vocabulary), again one
-        request at a time: a request whose drafter fails gets no drafts (and its drafter state is
-        reset), the others keep theirs. Never raises: speculation is an optimisation."""
+    def _isolated(self, propose, requests: list[DraftRequest], empty, what: str) -> list:
+        """One batched call of `propose` (which checks what it returns); if it raises (a drafter bug,
+        an id outside the vocabulary), again one request at a time: a request whose drafter fails
+        gets `empty` (and its drafter state is reset), the others keep theirs. Never raises:
+        speculation is an optimisation."""
         try:
-            return self._checked(self.proposer.propose(requests), requests)
+            return propose(requests)
         except Exception:      # noqa: BLE001 — the drafter must not take the step down
-            logger.warning("the drafter failed on a batch of %d requests; retrying them one by one", len(requests),
-                           exc_info=True)
-        drafts = []
-        for r in requests:
-            try:
-                drafts.append(self._checked(self.proposer.propose([r]), [r])[0])
-            except Exception:  # noqa: BLE001
-                logger.warning("the drafter failed for request %s: no drafts for it this step", r.req_id,
-                               exc_info=True)
-                self.step_stats.num_drafter_faults += 1
-                self.proposer.remove_requests([r.req_id])
-                drafts.append([])
-        return drafts
-
-    def _propose_trees_isolated(self, requests: list[DraftRequest]) -> list[DraftTree]:
-        """`_propose_isolated` for EAGLE-2 trees: a request whose tree fails gets none."""
-        def checked(trees, reqs):
-            validate_draft_token_ids([t.tokens for t in trees], self.vocab_size, self.k, "EAGLE-2 tree")
-            if len(trees) != len(reqs):
-                raise ValueError(f"the tree drafter returned {len(trees)} trees for {len(reqs)} requests")
-            return trees
-        try:
-            return checked(self.proposer.propose_tree(requests), requests)
-        except Exception:      # noqa: BLE001 — the drafter must not take the step down
-            logger.warning("the tree drafter failed on a batch of %d requests; retrying them one by one", len(requests),
+            logger.warning("the %s failed on a batch of %d requests; retrying them one by one", what, len(requests),
                            exc_info=True)
         out = []
         for r in requests:
             try:
-                out.append(checked(self.proposer.propose_tree([r]), [r])[0])
+                out.append(propose([r])[0])
             except Exception:  # noqa: BLE001
-                logger.warning("the tree drafter failed for request %s: no drafts for it this step", r.req_id,
+                logger.warning("the %s failed for request %s: no drafts for it this step", what, r.req_id,
                                exc_info=True)
                 self.step_stats.num_drafter_faults += 1
                 self.proposer.remove_requests([r.req_id])
-                out.append(DraftTree([], [-1]))
+                out.append(empty)
         return out
+
+    def _propose_isolated(self, requests: list[DraftRequest]) -> list[list[int]]:
+        return self._isolated(lambda reqs: self._checked(self.proposer.propose(reqs), reqs), requests, [], "drafter")
+
+    def _propose_trees_isolated(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        def propose(reqs):
+            trees = self.proposer.propose_tree(reqs)
+            if len(trees) != len(reqs):
+                raise ValueError(f"the tree drafter returned {len(trees)} trees for {len(reqs)} requests")
+            validate_draft_token_ids([t.tokens for t in trees], self.vocab_size, self.k, "EAGLE-2 tree")
+            return trees
+        return self._isolated(propose, requests, DraftTree([], [-1]), "tree drafter")
 
     def tree_for(self, req_id: str, drafts: Sequence[int]) -> DraftTree | None:
         """The tree behind the drafts the scheduler scheduled for `req_id` this step (None: a chain).

@@ -45,6 +45,7 @@ import time
 from course.judge_peek import PEEK_EXIT
 from course.layout import ROOT, Chapter, chapters
 from course.manifest import Manifest, Task, load
+from course.regions import parse_python
 from course.runner import (PLUGIN, RunResult, TestResult, ZygoteClient, _extension_dir, _read_events,
                            _reference_dirs, crash_summary, make_workspace, pytest_args)
 from course.testids import matches
@@ -121,7 +122,7 @@ def boundary_spec(task: Task, root: pathlib.Path = ROOT, manifest: Manifest | No
             continue
         mod = module_of(path, chs)
         text = (root / path).read_text()
-        tree = ast.parse(text)
+        tree = parse_python(text)       # (the proof's threads: CPython 3.11's parser is not thread-safe)
         jits = _jit_functions(tree)
         if "." not in func and func in jits:
             helpers.add(func)          # a Triton function: the kernels that reach it are the boundary
@@ -140,7 +141,7 @@ def boundary_spec(task: Task, root: pathlib.Path = ROOT, manifest: Manifest | No
                     continue
                 if "jit" not in text:
                     continue
-                tree = ast.parse(text)
+                tree = parse_python(text)
                 mod = module_of(rel, chs)
                 for name, node in _jit_functions(tree).items():
                     graph[(mod, name)] = _called_names(node)
