@@ -47,7 +47,8 @@ from spec_decode import (DraftModelProposer, DraftRequest, EagleHead, EaglePropo
                          calc_spec_decode_metadata, check_same_vocabulary, validate_draft_token_ids)
 from spec_decode.adaptive import AdaptiveDraftLength
 from spec_decode.eagle_tree import DraftTree, EagleTreeProposer
-from spec_decode.sampling import SpecSamplingMetadata, compute_probs
+from spec_decode.sampling import (SpecSamplingMetadata, compute_probs, generate_inv_exponential,
+                                  generate_uniform_probs)
 from spec_decode.tree import verify_tree_greedy, verify_tree_random
 
 from mini_vllm.config import ModelConfig
@@ -136,15 +137,6 @@ class _HiddenBuffer:
             return
         keep = self.tensor()[min(position, self.end) - self.start:]
         self.start, self.chunks, self.length = min(position, self.end), [keep], keep.shape[0]
-
-
-def _tree_draws(generator: torch.Generator | None, num_nodes: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The random numbers of one tree's verification, from `generator` (on its device), on the
-    host: U[0, 1) per node and 1 / Exp(1) per token (the exponential race of a sample)."""
-    device = generator.device if generator is not None else "cpu"
-    uniform = torch.rand(num_nodes, generator=generator, device=device)
-    e = torch.empty(vocab_size, device=device).exponential_(generator=generator)
-    return uniform.cpu(), e.clamp_(min=torch.finfo(torch.float32).tiny).reciprocal_().cpu()
 
 
 class SpecDecodeWorker:
@@ -317,8 +309,11 @@ class SpecDecodeWorker:
                                            None if spec.top_p is None else spec.top_p[j:j + 1],
                                            None if spec.min_p is None else spec.min_p[j:j + 1])
                 probs = compute_probs(rows, [rows.shape[0]], one).cpu()
-                uniform, inv_exp = _tree_draws(spec.generators.get(j, self.rejection_sampler.generator),
-                                               len(tokens), probs.shape[-1])
+                # The request's own generator when seeded (chapter 04's draws: U per node, 1/E per token).
+                gen = spec.generators.get(j, self.rejection_sampler.generator)
+                device = gen.device if gen is not None else "cpu"
+                uniform = generate_uniform_probs([len(tokens)], {}, gen, device).cpu()
+                inv_exp = generate_inv_exponential([len(tokens)], probs.shape[-1], {}, gen, device)[0].cpu()
                 accepted, out = verify_tree_random(tokens, tree.parents, probs, uniform, inv_exp)
             emitted[j] = out
             accepted_nodes[j] = accepted
