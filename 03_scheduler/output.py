@@ -74,6 +74,9 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (cpu, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)       # (src, dst) device blocks
     kv_connector_metadata: Any = None   # what the KV connector's worker side must do this step (chapter 06)
+    # Structured output (chapters 07/08): the allowed tokens of this step's constrained requests,
+    # computed by the engine core while the forward runs; the runner masks the logits with it.
+    grammar_output: Any = None
 
     @property
     def is_empty(self) -> bool:

@@ -50,6 +50,7 @@ from scheduler import EngineCoreOutput, Request, RequestStatus, SchedulerOutput,
 from scheduler import ScheduledStep, check_stop
 
 from mini_vllm.async_output import PLACEHOLDER_TOKEN_ID
+from mini_vllm.structured_output_scheduler import uses_structured_output
 from mini_vllm.engine_scheduler import EngineScheduler
 
 
@@ -77,7 +78,9 @@ class AsyncScheduler(EngineScheduler):
         placeholders = request.num_output_placeholders
         if placeholders == 0:
             return super()._num_new_tokens(request, num_computed_tokens, budget)
-        if self._stops_in_flight(request):
+        if self._stops_in_flight(request) or uses_structured_output(request):
+            # A constrained request's next mask needs the token in flight: it waits for it (vLLM
+            # schedules it and defers only the sampling; here the others fill the batch meanwhile).
             return 0
         # The layers below compute Δ from num_tokens - num_computed_tokens: shift the computed count.
         return super()._num_new_tokens(request, num_computed_tokens - placeholders, budget)
@@ -122,7 +125,7 @@ class AsyncScheduler(EngineScheduler):
             if self.placeholders and (request.num_computed_tokens + num_new_tokens
                                       >= request.num_tokens + request.num_output_placeholders):
                 request.num_output_placeholders += 1 + len(drafts.get(req_id, ()))
-                if self.num_lookahead_tokens:
+                if self.num_lookahead_tokens and not uses_structured_output(request):
                     request.spec_token_ids = [PLACEHOLDER_TOKEN_ID] * self.num_lookahead_tokens
         self._share_left = None
         super()._update_after_schedule(step)

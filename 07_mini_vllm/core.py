@@ -44,9 +44,15 @@ from mini_vllm.kv_memory import (DEFAULT_CPU_KV_CACHE_MEMORY, GPUMemorySnapshot,
                                  check_enough_kv_cache_memory, gpu_kv_cache_bytes, num_blocks_for_bytes)
 from mini_vllm.model_runner import ModelRunnerOutput
 from mini_vllm.spec_decode_worker import SpecDecodeEngineStats, SpecDecodeStepStats
+from mini_vllm.structured_output_manager import StructuredOutputManager
 from spec_decode import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
+
+
+def _load_tokenizer(path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
 
 
 @dataclass
@@ -113,6 +119,10 @@ class EngineCore:
                                         self.kv_connector, async_scheduling=config.async_scheduling,
                                         max_concurrent_batches=self.batch_queue_size,
                                         pipeline_parallel_size=config.pipeline_parallel_size)
+        self.structured_output_manager = StructuredOutputManager(
+            config.structured_outputs_config["backend"], lambda: _load_tokenizer(config.tokenizer or model_config.model),
+            model_config.vocab_size, model_config.eos_token_ids)
+        self.scheduler.structured_output_manager = self.structured_output_manager
         logger.info("%s", self.kv_cache_report)
 
     # ------------------------------------------------------------------ KV connector (chapter 06)
@@ -183,6 +193,8 @@ class EngineCore:
             self.kv_connector = None
         if getattr(self, "model_executor", None) is not None:
             self.model_executor.shutdown()
+        if getattr(self, "structured_output_manager", None) is not None:
+            self.structured_output_manager.shutdown()
 
     def _determine_kv_cache_size(self, baseline: GPUMemorySnapshot | None) -> KVCacheReport:
         config = self.config
@@ -284,12 +296,20 @@ class EngineCore:
         if self.batch_queue_size > 1:
             return self.step_with_batch_queue()
         start = time.monotonic()
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         try:
             runner_output = self.model_executor.execute_model(scheduler_output)
         except ExecutorError as e:
             return self._fail_all_requests(str(e), scheduler_output, start)
         return self._finish_step(scheduler_output, runner_output, start)
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's next batch, with its structured-output masks started: they are computed on
+        the manager's thread while the model runs, and the runner waits for them only to sample
+        (vLLM: EngineCore.step's get_grammar_bitmask between execute_model and sample_tokens)."""
+        scheduler_output = self.scheduler.schedule()
+        scheduler_output.grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
+        return scheduler_output
 
     # ------------------------------------------------------------------ batches in flight
     def step_with_batch_queue(self) -> EngineCoreStep:
@@ -301,7 +321,7 @@ class EngineCore:
         the same ones with placeholders for their tokens in flight (async scheduling)."""
         while len(self.batch_queue) < self.batch_queue_size and self.scheduler.has_unfinished_requests():
             start = time.monotonic()
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             try:
                 future = self.model_executor.execute_model_async(scheduler_output)
             except ExecutorError as e:
@@ -354,9 +374,11 @@ class EngineCore:
             if output.finish_reason == FinishReason.ERROR or (
                     output.finish_reason == FinishReason.LENGTH and isinstance(output.stop_reason, str)):
                 errors[output.request_id] = output.stop_reason
-        if (scheduler_output.is_empty and not scheduler_output.preempted_req_ids and not outputs
-                and self.scheduler.get_request_counts()[0] == 0 and self.scheduler.has_unfinished_requests()
-                and not self.scheduler.get_num_waiting_for_remote_kvs()
+        idle = (scheduler_output.is_empty and not scheduler_output.preempted_req_ids and not outputs
+                and self.scheduler.get_request_counts()[0] == 0 and self.scheduler.has_unfinished_requests())
+        if idle and self.scheduler.get_num_waiting_for_grammar():
+            self.structured_output_manager.wait_for_compiles(0.05)     # nothing to run until a grammar is ready
+        elif (idle and not self.scheduler.get_num_waiting_for_remote_kvs()
                 and not runner_output.invalid_block_ids):     # a failed remote load just went back to waiting
             raise RuntimeError(f"the scheduler could schedule none of {self.scheduler.get_num_unfinished_requests()} "
                                "waiting requests with an idle engine: this is a bug, not a full cache")

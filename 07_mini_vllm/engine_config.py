@@ -189,6 +189,11 @@ class EngineConfig:
     "layer_skip", "num_speculative_tokens": k, "prompt_lookup_min": m, "prompt_lookup_max": n,
     "model": path, ...} (all keys: mini_vllm/speculative_config.py). None: off."""
 
+    structured_outputs_config: dict | None = None
+    """Structured output (chapter 08), vLLM's dict: {"backend": "from_scratch" (chapter 08's automata,
+    the default) | "xgrammar" (the real library, a peer)}. A constrained request
+    (SamplingParams.structured_outputs) loads the backend when it first arrives."""
+
     tensor_parallel_size: int = 1
     """Ranks that split every layer (Megatron-style: heads, MLP features, vocabulary); each holds
     its heads' K/V. Must divide the attention heads (parallel_config.py says what else)."""
@@ -282,8 +287,20 @@ class EngineConfig:
             if self.logprobs_mode.startswith("processed"):
                 raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is not supported with speculative decoding "
                                  "(accepted drafts report the raw distribution); use raw_logprobs or raw_logits")
+        self._check_structured_outputs()
         self._check_parallel()
         self._check_async_scheduling()
+
+    def _check_structured_outputs(self) -> None:
+        from mini_vllm.structured_output_backend import BACKENDS, DEFAULT_BACKEND
+        config = dict(self.structured_outputs_config or {})
+        unknown = set(config) - {"backend"}
+        if unknown:
+            raise ValueError(f"structured_outputs_config: unknown keys {sorted(unknown)} (known: ['backend'])")
+        config.setdefault("backend", DEFAULT_BACKEND)
+        if config["backend"] not in BACKENDS:
+            raise ValueError(f"structured_outputs_config backend must be one of {sorted(BACKENDS)}, got {config['backend']!r}")
+        self.structured_outputs_config = config
 
     def _check_parallel(self) -> None:
         """The split itself (parallel_config.py; against the model once it is read: LLMEngine) and

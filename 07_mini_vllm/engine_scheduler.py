@@ -5,6 +5,7 @@ Each later chapter adds its mechanism by overriding chapter 03's hooks (`_num_ne
 them, and Python's method resolution order chains the overrides, leftmost first:
 
     EngineScheduler
+      -> StructuredOutputScheduler (07/08: grammars compiled, advanced, asked for masks; none without)
       -> KVConnectorScheduler     (06: K/V from other machines; chapter 03's when the connector is None)
         -> SpecDecodeScheduler    (04: speculative tokens ride along in Δ; none without drafts)
           -> ChunkedPrefillScheduler  (05: Δ cut into chunks when enable_chunked_prefill)
@@ -17,8 +18,8 @@ so that, e.g., a decoding request's Δ is chapter 05's chunk (here: its one toke
 one `Scheduler` class with all of it inline (`vllm/v1/core/sched/scheduler.py`) and
 `AsyncScheduler(Scheduler)` beside it; the split here is for reading, one chapter at a time. The
 engine core talks to the scheduler only through its public methods (vLLM's `SchedulerInterface`):
-`add_request`, `schedule`, `update_from_output`, `update_draft_token_ids`, `finish_requests`,
-`has_unfinished_requests`, `get_request_counts`.
+`add_request`, `schedule`, `get_grammar_bitmask`, `update_from_output`, `update_draft_token_ids`,
+`finish_requests`, `has_unfinished_requests`, `get_request_counts`.
 """
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ from kvcache import KVCacheManager
 from scheduler import SchedulerConfig
 from spec_decode.scheduler import SpecDecodeScheduler
 
+from mini_vllm.structured_output_scheduler import StructuredOutputScheduler
 
-class EngineScheduler(KVConnectorScheduler, SpecDecodeScheduler, ChunkedPrefillScheduler):
-    """Chapters 03 + 05 + 04 + 06: each layer is the one below it when its feature is off."""
+
+class EngineScheduler(StructuredOutputScheduler, KVConnectorScheduler, SpecDecodeScheduler, ChunkedPrefillScheduler):
+    """Chapters 03 + 05 + 04 + 06 (+ 08's grammars): each layer is the one below it when its feature is off."""
 
 
 def make_scheduler(config: SchedulerConfig, kv_cache_manager: KVCacheManager, connector: KVConnectorBase | None = None,

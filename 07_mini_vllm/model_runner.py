@@ -53,6 +53,7 @@ from scheduler import ModelRunnerOutput as SchedulerModelRunnerOutput
 from scheduler import SchedulerOutput
 
 from mini_vllm.async_output import AsyncModelRunnerOutput, AsyncOutputMixin
+from mini_vllm.structured_output_backend import apply_grammar_bitmask
 from mini_vllm.config import ModelConfig
 from mini_vllm.cuda_graph import CUDAGraphRunner
 from mini_vllm.engine_config import EngineConfig
@@ -113,6 +114,7 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
         self._init_spec_decode(config, model_config)
         # Set from outside (self_distill.py): every position's hidden state copied out as computed.
         self.hidden_states_tap: HiddenStatesTap | None = None
+        self._grammar_output = None          # structured output: the step's masks (structured_output_manager.py)
         # With drafts, a step's emitted tokens are read on the host anyway (the rejection sampler's
         # verdict) and the drafter reads them: they go into the batch at once (async_output.py).
         self._init_async_output(config.async_scheduling, tokens_stay_on_device=self.spec_decode is None)
@@ -203,6 +205,7 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
             raise ValueError("drafts were scheduled, but this engine has no speculative_config (chapter 04): "
                              "the scheduler only schedules drafts the runner proposed")
         self._apply_new_token_ids(so)
+        self._grammar_output = so.grammar_output          # structured output: this step's masks (or None)
         failed = self._update_states(so)
         if self.async_scheduling:
             self._drop_failed_in_flight(so, failed)
@@ -381,6 +384,7 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
                      nonfinite: torch.Tensor | None = None) -> None:
         """One token for each of `rows` from its logits row [len(rows), V]; `nonfinite` [len(rows)]
         (async scheduling): device flags of rows whose request fails once the flags are on the host."""
+        apply_grammar_bitmask(self._grammar_output, [self.input_batch.req_ids[i] for i in rows], [1] * len(rows), logits)
         md = self._sampling_metadata_for(rows)
         outputs = None
         if md.logits_processors is not None and md.logits_processors.needs_output_tokens:

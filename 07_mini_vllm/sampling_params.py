@@ -38,6 +38,11 @@ Logits processors and penalties (vLLM's definitions; logits_processors.py applie
                        can never be completed: when the output ends with all but a word's last
                        token, that last token is masked
 
+Structured output (vLLM's names; chapter 08 compiles the constraint, the engine masks the logits):
+    structured_outputs  StructuredOutputsParams(json= | regex= | choice= | grammar= | json_object=True):
+                 every generated token keeps the text inside that language; EOS is allowed only
+                 where the text is complete, so the request ends with finish reason "stop"
+
 How the engine reports the request (vLLM's names; used by the engine, not the sampler):
     output_kind  CUMULATIVE: every step, the whole text so far; DELTA: only what is new this step;
                  FINAL_ONLY: one output when the request finishes (what LLM.generate uses)
@@ -55,6 +60,44 @@ from enum import IntEnum
 
 MAX_LOGPROBS = 20          # vLLM's default --max-logprobs (EngineConfig.max_logprobs)
 _SAMPLING_EPS = 1e-5    # vLLM's: a temperature below it samples greedily
+
+
+@dataclass
+class StructuredOutputsParams:
+    """The constraint a request's output must follow (vLLM: `vllm/sampling_params.py:
+    StructuredOutputsParams`), exactly one of:
+        json         a JSON Schema (dict or its JSON text): the output is a document it validates
+        regex        the whole output matches this regular expression
+        choice       the output is one of these strings
+        grammar      an EBNF grammar (GBNF notation, `root ::= ...`)
+        json_object  True: any JSON object (OpenAI's response_format={"type": "json_object"})
+    disable_any_whitespace: JSON without optional whitespace (compact: fewer tokens, one spelling)."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, name) is not None]
+        if len(given) != 1:     # vLLM's two messages
+            raise ValueError("You can only use one kind of structured outputs constraint but multiple are specified: "
+                             f"{given}" if given else "You must use one kind of structured outputs constraint but none "
+                             "are specified")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON Schema (dict or JSON text), got {type(self.json).__name__}")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"structured_outputs.regex must be a non-empty string, got {self.regex!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ValueError(f"structured_outputs.grammar must be a non-empty EBNF text, got {self.grammar!r}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be True when given, got {self.json_object!r}")
 
 
 class RequestOutputKind(IntEnum):
@@ -103,6 +146,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None
     # __post_init__ normalises `stop` to a list[str] and `stop_token_ids` to a list[int].
     # Filled by the engine's Processor (vLLM: update_from_generation_config / update_from_tokenizer)
     # on its own copy of the params: every id that ends a request, EOS included (min_tokens masks
@@ -149,6 +193,11 @@ class SamplingParams:
         self.stop_token_ids = list(stop_ids)
 
         self._verify_logits_processors()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            if not isinstance(self.structured_outputs, dict):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams (or a dict of its fields), "
+                                 f"got {type(self.structured_outputs).__name__}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.n > 1 and self.temperature < _SAMPLING_EPS:

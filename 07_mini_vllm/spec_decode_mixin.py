@@ -28,6 +28,7 @@ from spec_decode.eagle_tree import DraftTree
 from spec_decode.tree import TreeAttentionMetadata, accepted_kv_slot_moves, tree_attention_mask, tree_depths
 
 from mini_vllm.async_output import PLACEHOLDER_TOKEN_ID
+from mini_vllm.structured_output_backend import apply_grammar_bitmask
 from mini_vllm.logits_processors import apply_logits_processors
 from mini_vllm.model_inputs import ModelInputs
 from mini_vllm.sampler import NONFINITE_LOGITS, SamplingMetadata, compute_logprobs, nonfinite_rows
@@ -159,6 +160,8 @@ class SpecDecodeMixin:
                 return
             logits = logits[torch.from_numpy(keep).to(logits.device)]
             md = worker.metadata(num_draft, inputs.logits_indices[torch.from_numpy(~bad)], inputs.input_ids)
+        apply_grammar_bitmask(self._grammar_output, [batch.req_ids[i] for i in sample_rows], (num_draft + 1).tolist(),
+                              logits)                                                  # structured output
         sm = self._sampling_metadata_for(sample_rows)
         raw_logits = logits
         if sm.logits_processors is not None:
