@@ -114,6 +114,7 @@ class EngineCore:
         self._spec_decoding_stats = (SpecDecodeEngineStats(SpecDecodingStats.new(config.num_speculative_tokens))
                                      if config.speculative_config is not None else None)
         self.batch_queue: deque[tuple[SchedulerOutput, FutureOutput, float]] = deque()
+        self._num_waiting_for_grammar = 0                        # structured output: see _schedule
         self.num_batches_overlapped = 0                          # batches sent while another was in flight
         self.scheduler = make_scheduler(config.scheduler_config(model_config.max_model_len), self.kv_cache_manager,
                                         self.kv_connector, async_scheduling=config.async_scheduling,
@@ -307,6 +308,9 @@ class EngineCore:
         """The scheduler's next batch, with its structured-output masks started: they are computed on
         the manager's thread while the model runs, and the runner waits for them only to sample
         (vLLM: EngineCore.step's get_grammar_bitmask between execute_model and sample_tokens)."""
+        # Counted BEFORE scheduling: a grammar that becomes ready meanwhile must not make the idle
+        # check below (_finish_step) mistake "still compiling" for "cannot be scheduled".
+        self._num_waiting_for_grammar = self.scheduler.get_num_waiting_for_grammar()
         scheduler_output = self.scheduler.schedule()
         scheduler_output.grammar_output = self.scheduler.get_grammar_bitmask(scheduler_output)
         return scheduler_output
@@ -332,7 +336,7 @@ class EngineCore:
                 break                                    # everyone schedulable is in flight already
         if not self.batch_queue:                         # nothing left at all: an empty step
             start = time.monotonic()
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             return self._finish_step(scheduler_output, self.model_executor.execute_model(scheduler_output), start)
         scheduler_output, future, start = self.batch_queue.popleft()
         try:
@@ -376,7 +380,7 @@ class EngineCore:
                 errors[output.request_id] = output.stop_reason
         idle = (scheduler_output.is_empty and not scheduler_output.preempted_req_ids and not outputs
                 and self.scheduler.get_request_counts()[0] == 0 and self.scheduler.has_unfinished_requests())
-        if idle and self.scheduler.get_num_waiting_for_grammar():
+        if idle and self._num_waiting_for_grammar:
             self.structured_output_manager.wait_for_compiles(0.05)     # nothing to run until a grammar is ready
         elif (idle and not self.scheduler.get_num_waiting_for_remote_kvs()
                 and not runner_output.invalid_block_ids):     # a failed remote load just went back to waiting

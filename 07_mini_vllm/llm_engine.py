@@ -74,7 +74,8 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(model_path, dtype=self.config.dtype,
                                                         max_model_len=self.config.max_model_len)
         self.tokenizer = load_tokenizer(self.config.tokenizer or model_path)
-        self.processor = Processor(self.model_config, self.tokenizer, self.config.max_logprobs, chat_template)
+        self.processor = Processor(self.model_config, self.tokenizer, self.config.max_logprobs, chat_template,
+                                   self.config.structured_outputs_config["backend"])
         self.default_sampling_params = self._read_generation_config(model_path)
         if multiprocess_mode is None:
             multiprocess_mode = multiprocessing_enabled() or asyncio_mode

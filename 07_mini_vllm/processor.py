@@ -38,9 +38,11 @@ def _is_token_ids(x) -> bool:
 
 class Processor:
     def __init__(self, model_config: ModelConfig, tokenizer, max_logprobs: int = MAX_LOGPROBS,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, structured_outputs_backend: str | None = None):
         """max_logprobs: the engine's limit (-1: none). chat_template: a Jinja template that replaces
-        the tokenizer's own (vLLM's --chat-template)."""
+        the tokenizer's own (vLLM's --chat-template). structured_outputs_backend: the engine's (it
+        checks a request's constraint before the request is queued)."""
+        self.structured_outputs_backend = structured_outputs_backend
         self.model_config = model_config
         self.tokenizer = tokenizer
         self.max_model_len = model_config.max_model_len
@@ -114,6 +116,11 @@ class Processor:
         checked against the vocabulary. The caller's object is never changed: one SamplingParams
         is often shared by a whole batch of prompts."""
         params = copy.copy(params)
+        if params.structured_outputs is not None:
+            # vLLM: Processor._validate_structured_output — a schema / regex / grammar the backend
+            # cannot compile is refused here (a 400 at the server), not failed inside the engine.
+            from mini_vllm.structured_output_backend import DEFAULT_BACKEND, validate_structured_outputs
+            validate_structured_outputs(self.structured_outputs_backend or DEFAULT_BACKEND, params.structured_outputs)
         if params.logprobs == -1:                   # the whole vocabulary
             params.logprobs = self.vocab_size
         if params.prompt_logprobs == -1:

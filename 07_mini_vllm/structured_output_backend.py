@@ -102,6 +102,11 @@ class StructuredOutputBackend(ABC):
         whitespace. ValueError (naming what is wrong) if it cannot be compiled — the request is
         refused, nothing else is affected."""
 
+    @classmethod
+    def validate_grammar(cls, request_type: StructuredOutputOptions, grammar_spec: str, any_whitespace: bool = True) -> None:
+        """ValueError if `grammar_spec` cannot be compiled; needs no tokenizer, so the front end calls
+        it before a request is queued (vLLM: Processor._validate_structured_output)."""
+
     def allocate_token_bitmask(self, max_num_seqs: int) -> torch.Tensor:
         """[max_num_seqs, words] int32, all tokens allowed (-1 = every bit set)."""
         return torch.full((max_num_seqs, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
@@ -119,8 +124,7 @@ BACKENDS = {
 DEFAULT_BACKEND = "from_scratch"
 
 
-def load_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: set[int] | None = None
-                 ) -> StructuredOutputBackend:
+def backend_class(name: str) -> type[StructuredOutputBackend]:
     if name not in BACKENDS:
         raise ValueError(f"unknown structured output backend {name!r}; choose one of {sorted(BACKENDS)}")
     module, cls = BACKENDS[name].split(":")
@@ -128,7 +132,18 @@ def load_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: set[
         mod = importlib.import_module(module)
     except ImportError as e:
         raise ValueError(f"structured output backend {name!r} cannot be loaded: {e}") from e
-    return getattr(mod, cls)(tokenizer, vocab_size, eos_token_ids)
+    return getattr(mod, cls)
+
+
+def load_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: set[int] | None = None
+                 ) -> StructuredOutputBackend:
+    return backend_class(name)(tokenizer, vocab_size, eos_token_ids)
+
+
+def validate_structured_outputs(backend_name: str, params) -> None:
+    """Refuse a request's StructuredOutputsParams its backend cannot compile (ValueError naming why)."""
+    request_type, spec, any_whitespace = structured_output_key(params)
+    backend_class(backend_name).validate_grammar(request_type, spec, any_whitespace)
 
 
 def apply_grammar_bitmask(grammar_output, req_ids: list[str], num_rows: list[int], logits: torch.Tensor) -> None:
@@ -151,4 +166,12 @@ def apply_grammar_bitmask(grammar_output, req_ids: list[str], num_rows: list[int
         return
     bitmask = grammar_output.bitmask[mask_rows].to(logits.device, non_blocking=True)     # [R, words]
     ops = importlib.import_module("structured_output.ops")
-    ops.apply_token_bitmask_inplace(logits, bitmask, indices=logits_rows)
+    ops.apply_token_bitmask_inplace(logits, bitmask, indices=logits_rows, backend=_bitmask_backend(logits.device))
+
+
+def _bitmask_backend(device: torch.device) -> str:
+    """Chapter 08's kernel for this device: Triton on a GPU, the C++ one on a CPU (its vectorised
+    torch op where no compiler is)."""
+    if device.type == "cuda":
+        return "triton"
+    return "cpu" if importlib.import_module("structured_output.cpu_ops").is_available() else "torch"

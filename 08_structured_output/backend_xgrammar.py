@@ -62,6 +62,19 @@ class XgrammarBackend(StructuredOutputBackend):
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop)
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=True)
 
+    @classmethod
+    def validate_grammar(cls, request_type: StructuredOutputOptions, grammar_spec: str, any_whitespace: bool = True) -> None:
+        O = StructuredOutputOptions
+        try:
+            if request_type == O.JSON:
+                xgr.Grammar.from_json_schema(grammar_spec, any_whitespace=any_whitespace)
+            elif request_type == O.REGEX:
+                xgr.Grammar.from_regex(grammar_spec)
+            elif request_type == O.GRAMMAR:
+                xgr.Grammar.from_ebnf(grammar_spec)
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"xgrammar cannot compile this {request_type.name.lower()}: {e}") from e
+
     def compile_grammar(self, request_type: StructuredOutputOptions, grammar_spec: str,
                         any_whitespace: bool = True) -> StructuredOutputGrammar:
         O = StructuredOutputOptions

@@ -5,8 +5,8 @@ ErrorResponse, UsageInfo, StreamOptions, ...).
 Why pydantic: a request body with a wrong type (`"max_tokens": "ten"`) must be refused with a
 400 that names the field, before anything reaches the engine. Fields this server does not
 implement are refused too (`extra="forbid"` would also refuse the openai client's harmless
-extras, so instead the few that change the result — `echo`, `suffix`, `best_of` > n,
-`response_format` other than text, `tools` — are checked in `unsupported()`).
+extras, so instead the few that change the result — `echo`, `suffix`, `best_of` > n, `tools` —
+are checked where the request is prepared).
 """
 from __future__ import annotations
 
@@ -83,6 +83,11 @@ class _SamplingFields(OpenAIBaseModel):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     kv_transfer_params: dict[str, Any] | None = None
+    # Structured output (chapter 08): OpenAI's response_format ({"type": "text" | "json_object" |
+    # "json_schema", "json_schema": {"name", "schema", "strict"}}) or vLLM's own body field
+    # {"json" | "regex" | "choice" | "grammar" | "json_object": ...} (StructuredOutputsParams).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -107,7 +112,6 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = 0
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
 
 

@@ -41,8 +41,6 @@ class OpenAIServingChat(OpenAIServing):
         self.check_alive()
         if req.tools:
             raise OpenAIError("tools are not supported by this server", param="tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise OpenAIError("only response_format {'type': 'text'} is supported", param="response_format")
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         messages = [{"role": m.role, "content": _text_content(m.content)} for m in req.messages]

@@ -24,7 +24,7 @@ from mini_vllm.async_llm import AsyncLLM
 from mini_vllm.beam_search import BeamSearchParams
 from mini_vllm.core_client import EngineDeadError
 from mini_vllm.entrypoints.protocol import ErrorInfo, ErrorResponse
-from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
+from mini_vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class OpenAIError(Exception):
@@ -69,6 +69,34 @@ async def parse_body(raw_request: Request, model: type[BaseModel]) -> BaseModel:
         where = ".".join(str(x) for x in first["loc"])
         raise OpenAIError(f"{where}: {first['msg']} ({e.error_count()} error(s) in the request)",
                           param=where) from None
+
+
+def structured_outputs_params(req) -> StructuredOutputsParams | None:
+    """vLLM's `structured_outputs` body field, or OpenAI's `response_format` (vLLM:
+    ChatCompletionRequest.to_sampling_params): json_object -> any JSON object, json_schema -> its
+    schema; "text" -> none. Both at once -> 400 (vLLM refuses that too)."""
+    fmt = req.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        if req.structured_outputs is not None:
+            raise OpenAIError("give response_format or structured_outputs, not both", param="response_format")
+        kind = fmt.get("type")
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise OpenAIError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
+                                  param="response_format")
+            return StructuredOutputsParams(json=schema)
+        raise OpenAIError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                          param="response_format")
+    if req.structured_outputs is None:
+        return None
+    try:
+        return StructuredOutputsParams(**req.structured_outputs)
+    except TypeError as e:
+        raise OpenAIError(f"structured_outputs: {e}", param="structured_outputs") from None
 
 
 class OpenAIServing:
@@ -128,6 +156,7 @@ class OpenAIServing:
                 repetition_penalty=pick("repetition_penalty", 1.0), min_tokens=req.min_tokens,
                 logit_bias=logit_bias, skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                structured_outputs=structured_outputs_params(req),
                 output_kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY)
         except (ValueError, TypeError) as e:
             raise OpenAIError(str(e)) from None

@@ -1,0 +1,146 @@
+"""Structured output through the engine (chapter 08 behind chapter 07's seam), on the real SmolLM2.
+
+Oracles nobody here wrote: `jsonschema` validates every JSON document the engine writes, Python's
+`re` checks every regex output, and real xgrammar — run as the engine's other backend — must allow
+the same tokens, so the two backends' greedy outputs are the same tokens. Composition: n > 1,
+speculative decoding (drafts cut by the grammar, every draft position masked), chunked prefill,
+prefix caching, preemption, async scheduling, and a mixed batch in which an unconstrained request
+is unaffected. Bad specs are refused before anything is queued.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from mini_vllm import SamplingParams
+from mini_vllm.sampling_params import StructuredOutputsParams
+
+pytestmark = pytest.mark.model
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer"},
+                                           "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+CHOICES = ["positive", "negative", "neutral"]
+
+
+def chat(tokenizer, text: str) -> dict:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return {"prompt_token_ids": list(ids["input_ids"] if hasattr(ids, "keys") else ids)}
+
+
+def constrained(max_tokens=48, temperature=0.0, **kw) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                          structured_outputs=StructuredOutputsParams(**kw))
+
+
+CASES = [
+    ("json", dict(json=PERSON, disable_any_whitespace=True), "Describe a person who lives in Europe, as JSON."),
+    ("regex", dict(regex=DATE), "When did the first person walk on the moon? Give the date."),
+    ("choice", dict(choice=CHOICES), "Classify the sentiment: 'I love this movie!'"),
+]
+
+
+def check_output(kind: str, spec: dict, text: str) -> None:
+    if kind == "json":
+        jsonschema.validate(json.loads(text), spec["json"])
+    elif kind == "regex":
+        assert re.fullmatch(spec["regex"], text), text
+    else:
+        assert text in spec["choice"], text
+
+
+@pytest.fixture(scope="module")
+def engines(make_llm, smollm2_dir):
+    return {b: make_llm(smollm2_dir, dtype="float32", structured_outputs_config={"backend": b})
+            for b in ("from_scratch", "xgrammar")}
+
+
+def test_each_backend_writes_valid_output_and_both_agree(engines, smollm2_tokenizer):
+    prompts = [chat(smollm2_tokenizer, text) for _, _, text in CASES]
+    params = [constrained(**spec) for _, spec, _ in CASES]
+    results = {}
+    for backend, llm in engines.items():
+        outs = llm.generate(prompts, params)
+        for (kind, spec, _), out in zip(CASES, outs):
+            completion = out.outputs[0]
+            assert completion.finish_reason == "stop", (backend, kind, completion)
+            check_output(kind, spec, completion.text)
+        results[backend] = [o.outputs[0].token_ids for o in outs]
+    assert results["from_scratch"] == results["xgrammar"]
+
+
+def test_an_unconstrained_request_in_the_same_batch_is_unaffected(engines, smollm2_tokenizer):
+    llm = engines["from_scratch"]
+    free = chat(smollm2_tokenizer, "Name three colours.")
+    plain = SamplingParams(temperature=0, max_tokens=24)
+    alone = llm.generate([free], plain)[0].outputs[0].token_ids
+    kind, spec, text = CASES[0]
+    mixed = llm.generate([chat(smollm2_tokenizer, text), free], [constrained(**spec), plain])
+    check_output(kind, spec, mixed[0].outputs[0].text)
+    assert mixed[1].outputs[0].token_ids == alone
+
+
+def test_sampled_n_completions_all_follow_the_grammar(engines, smollm2_tokenizer):
+    kind, spec, text = CASES[0]
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=64, structured_outputs=StructuredOutputsParams(**spec))
+    out = engines["from_scratch"].generate([chat(smollm2_tokenizer, text)], params)[0]
+    assert len(out.outputs) == 3
+    for completion in out.outputs:
+        if completion.finish_reason == "stop":
+            check_output(kind, spec, completion.text)
+        else:                                   # ran out of tokens: still a prefix of the language
+            assert completion.finish_reason == "length"
+
+
+@pytest.mark.parametrize("config", [
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                             "prompt_lookup_max": 3}),
+    dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4),
+    dict(async_scheduling=True),
+    dict(num_gpu_blocks_override=12, max_num_seqs=3),          # preemption: 3 requests, room for about 2
+], ids=["ngram", "chunked", "async", "preemption"])
+def test_composes_and_keeps_the_greedy_tokens(config, engines, make_llm, smollm2_dir, smollm2_tokenizer):
+    prompts = [chat(smollm2_tokenizer, text) for _, _, text in CASES]
+    params = [constrained(**spec) for _, spec, _ in CASES]
+    want = [o.outputs[0].token_ids for o in engines["from_scratch"].generate(prompts, params)]
+    llm = make_llm(smollm2_dir, dtype="float32", **config)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == want
+
+
+def test_prefix_cache_hit_then_constrained_second_turn(engines, smollm2_tokenizer):
+    llm = engines["from_scratch"]
+    kind, spec, text = CASES[1]
+    prompt = chat(smollm2_tokenizer, text)
+    first = llm.generate([prompt], constrained(**spec))[0]
+    second = llm.generate([prompt], constrained(**spec))[0]
+    assert second.num_cached_tokens > 0
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("spec, needle", [
+    (dict(regex="a(b"), "regex"),
+    (dict(json='{"type": "object", "properties": '), "not valid JSON"),
+    (dict(json={"type": "object", "patternProperties": {"^x": {"type": "string"}}}), "patternProperties"),
+    (dict(grammar="root ::= undefined_rule"), "undefined_rule"),
+])
+def test_a_bad_spec_is_refused_before_anything_is_queued(engines, smollm2_tokenizer, spec, needle):
+    llm = engines["from_scratch"]
+    with pytest.raises(ValueError, match=needle):
+        llm.generate([chat(smollm2_tokenizer, "hi")], constrained(**spec))
+    ok = llm.generate([chat(smollm2_tokenizer, "hi")], SamplingParams(temperature=0, max_tokens=4))[0]
+    assert len(ok.outputs[0].token_ids) == 4
+
+
+def test_params_are_checked():
+    with pytest.raises(ValueError, match="only use one kind"):
+        StructuredOutputsParams(json={}, regex="a")
+    with pytest.raises(ValueError, match="must use one kind"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="choice"):
+        StructuredOutputsParams(choice=[])
