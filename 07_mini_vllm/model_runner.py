@@ -384,7 +384,8 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
                      nonfinite: torch.Tensor | None = None) -> None:
         """One token for each of `rows` from its logits row [len(rows), V]; `nonfinite` [len(rows)]
         (async scheduling): device flags of rows whose request fails once the flags are on the host."""
-        apply_grammar_bitmask(self._grammar_output, [self.input_batch.req_ids[i] for i in rows], [1] * len(rows), logits)
+        apply_grammar_bitmask(self._grammar_output, [self.input_batch.req_ids[i] for i in rows], [1] * len(rows), logits,
+                              output.failed)
         md = self._sampling_metadata_for(rows)
         outputs = None
         if md.logits_processors is not None and md.logits_processors.needs_output_tokens:

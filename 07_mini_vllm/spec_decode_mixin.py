@@ -161,7 +161,7 @@ class SpecDecodeMixin:
             logits = logits[torch.from_numpy(keep).to(logits.device)]
             md = worker.metadata(num_draft, inputs.logits_indices[torch.from_numpy(~bad)], inputs.input_ids)
         apply_grammar_bitmask(self._grammar_output, [batch.req_ids[i] for i in sample_rows], (num_draft + 1).tolist(),
-                              logits)                                                  # structured output
+                              logits, output.failed)                                   # structured output
         sm = self._sampling_metadata_for(sample_rows)
         raw_logits = logits
         if sm.logits_processors is not None:

@@ -146,15 +146,25 @@ def validate_structured_outputs(backend_name: str, params) -> None:
     backend_class(backend_name).validate_grammar(request_type, spec, any_whitespace)
 
 
-def apply_grammar_bitmask(grammar_output, req_ids: list[str], num_rows: list[int], logits: torch.Tensor) -> None:
+DEAD_END = ("structured output: no token of the vocabulary can continue the constrained text here "
+            "(the grammar needs bytes no token spells)")
+
+
+def apply_grammar_bitmask(grammar_output, req_ids: list[str], num_rows: list[int], logits: torch.Tensor,
+                          failed: dict[str, str] | None = None) -> None:
     """The runner's one job in structured output (vLLM: `vllm/v1/structured_output/utils.py:
     apply_grammar_bitmask`): -inf on the logits of every token a request's grammar does not allow.
     `logits` [sum(num_rows), V] holds `num_rows[j]` consecutive rows for request `req_ids[j]` (1, or
     1 + its drafts when a step verifies drafts); the masks are `grammar_output.request_rows`' rows in
     the same order. Rows of unconstrained requests are left alone. The op is chapter 08's kernel
-    (looked up by name: chapter 07 does not import chapter 08)."""
+    (looked up by name: chapter 07 does not import chapter 08). A request whose grammar has no way on
+    (`dead_ends`) goes into `failed` with the reason (its rows were left unmasked: they sample
+    safely, and the scheduler drops what they sample)."""
     if grammar_output is None:
         return
+    if failed is not None and grammar_output.dead_ends:
+        for req_id in grammar_output.dead_ends.intersection(req_ids):
+            failed[req_id] = DEAD_END
     logits_rows, mask_rows, start = [], [], 0
     for req_id, n in zip(req_ids, num_rows):
         first = grammar_output.request_rows.get(req_id)

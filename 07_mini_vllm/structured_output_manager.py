@@ -59,14 +59,19 @@ class StructuredOutputRequest:
 class GrammarOutput:
     """The step's masks (vLLM's name): `request_rows` {req_id: first bitmask row} in the order the
     rows were filled, each request owning 1 + its scheduled drafts rows; `bitmask` [rows, words]
-    int32 waits for the manager's thread."""
+    int32 and `dead_ends` (requests whose grammar no token of the vocabulary can continue: their
+    rows allow everything, and the runner fails them) wait for the manager's thread."""
 
     def __init__(self, request_rows: dict[str, int], future: Future):
         self.request_rows, self._future = request_rows, future
 
     @property
     def bitmask(self) -> torch.Tensor:
-        return self._future.result()
+        return self._future.result()[0]
+
+    @property
+    def dead_ends(self) -> set[str]:
+        return self._future.result()[1]
 
     def __reduce__(self):             # to another process: the finished masks, not the future
         done: Future = Future()
@@ -132,11 +137,15 @@ class StructuredOutputManager:
                     for r in req_ids]
         return GrammarOutput(rows, self._thread.submit(self._fill, grammars, n))
 
-    def _fill(self, grammars: list[tuple[str, StructuredOutputGrammar, list[int]]], num_rows: int) -> torch.Tensor:
+    def _fill(self, grammars: list[tuple[str, StructuredOutputGrammar, list[int]]],
+              num_rows: int) -> tuple[torch.Tensor, set[str]]:
         bitmask = self.backend.allocate_token_bitmask(num_rows)          # [rows, words], all allowed
-        row = 0
+        row, dead_ends = 0, set()
         for req_id, grammar, drafts in grammars:
             self._fill_row(grammar, bitmask, row)
+            if not bitmask[row].any():         # nothing can follow: sampling from it would be NaN
+                dead_ends.add(req_id)
+                bitmask[row].fill_(-1)
             advanced, ok = 0, True
             for token in drafts:               # row i + 1: the mask after the first i + 1 drafts
                 row += 1
@@ -149,7 +158,7 @@ class StructuredOutputManager:
             if advanced:
                 grammar.rollback(advanced)
             row += 1
-        return bitmask
+        return bitmask, dead_ends
 
     @staticmethod
     def _fill_row(grammar: StructuredOutputGrammar, bitmask: torch.Tensor, row: int) -> None:

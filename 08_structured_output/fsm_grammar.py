@@ -78,9 +78,10 @@ class FSMGrammar(StructuredOutputGrammar):
             bitmask[batch_index].copy_(self.index.allowed(self.state))
 
     def is_terminated(self) -> bool:
-        """EOS accepted, or no token at all can follow (an accepting end with no EOS id, or a
-        state the vocabulary cannot continue: its mask would be empty)."""
-        return self.states[-1][1] or self.index.num_allowed(self.state) == 0
+        """EOS accepted. (A state no token can continue — the vocabulary cannot spell the bytes
+        the language needs next — is not "terminated": its mask is empty, and the engine fails
+        the request saying so.)"""
+        return self.states[-1][1]
 
     def reset(self) -> None:
         self.states = [(self.index.start, False)]

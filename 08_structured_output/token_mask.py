@@ -122,7 +122,6 @@ class TokenMasker:
         trie, pda = self.trie, self.pda
         accepted = np.zeros(len(trie.order), dtype=bool)
         dependent = np.zeros(len(trie.order), dtype=bool)
-        ### BEGIN SOLUTION
         # Walk the trie from a lone frame on `node`. `ended`: on this path the frame's rule could have
         # finished before the current byte, handing the rest of the token to an unknown caller.
         todo = [(0, pda.probe_state(node), False)]
@@ -142,7 +141,6 @@ class TokenMasker:
                     # its caller might read these bytes: the whole subtree depends on the stack.
                     dependent[trie.lo[child]:trie.hi[child]] = True
                 # else: rejected here whatever the stack: the whole subtree is context-independent too
-        ### END SOLUTION
         return trie.to_token_mask(accepted), np.sort(trie.order[dependent])
 
     def split_mask(self, state: int) -> np.ndarray:

@@ -20,6 +20,7 @@ import threading
 import time
 
 import httpx2 as httpx   # the HTTP client the openai package ships with
+import jsonschema
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -384,6 +385,14 @@ BAD = [
 ]
 BAD_CHAT = [
     ("messages missing", {"model": NAME}, 400),
+    ("a schema that is not JSON Schema", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                                          "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400),
+    ("an unknown response_format", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                                    "response_format": {"type": "yaml"}}, 400),
+    ("a regex that does not parse", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                                     "structured_outputs": {"regex": "a(b"}}, 400),
+    ("two constraints at once", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
+                                 "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400),
     ("a message without content type", {"model": NAME, "messages": [{"role": "user", "content": 5}]}, 400),
     ("unknown model", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
     ("top_logprobs without logprobs", {"model": NAME, "messages": [{"role": "user", "content": "x"}],
@@ -426,6 +435,32 @@ def test_bad_input_gets_its_status_and_never_disturbs_a_neighbour(server):
             model="gpt-5", prompt="x")
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+# ============================================================================ structured output
+SMALL_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "enum": [1, 2, 3]}},
+                "required": ["ok", "n"], "additionalProperties": False}
+
+
+def test_response_format_and_structured_outputs_constrain_the_answer(client):
+    """OpenAI's response_format (json_schema, json_object) and vLLM's structured_outputs body field
+    (chapter 08): even the tiny random model's answer is inside the language."""
+    messages = [{"role": "user", "content": "Answer in JSON."}]
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=40, temperature=1.0, seed=3,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "small", "schema": SMALL_SCHEMA}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), SMALL_SCHEMA)
+    r = client.completions.create(model=NAME, prompt="Pick one:", max_tokens=10, temperature=1.0, seed=5,
+                                  extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    assert r.choices[0].text in ("red", "green", "blue") and r.choices[0].finish_reason == "stop"
+    r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=60, temperature=0,
+                                       response_format={"type": "json_object"})
+    text = r.choices[0].message.content
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+    else:                                            # cut by max_tokens: still the start of an object
+        assert text.startswith("{")
 
 
 # ============================================================================ metrics

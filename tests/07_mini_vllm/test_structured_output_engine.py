@@ -74,6 +74,78 @@ def test_each_backend_writes_valid_output_and_both_agree(engines, smollm2_tokeni
     assert results["from_scratch"] == results["xgrammar"]
 
 
+@pytest.mark.parametrize("case", [0, 1], ids=["json", "regex"])
+def test_greedy_equals_hf_generate_with_xgrammars_logits_processor(case, engines, smollm2_hf, smollm2_tokenizer):
+    """The oracle nobody here wrote, end to end: HF `generate` masked by xgrammar's own HF logits
+    processor writes the same tokens as our engine with this chapter's backend."""
+    import torch
+    import xgrammar as xgr
+    from xgrammar.contrib.hf import LogitsProcessor
+
+    kind, spec, text = CASES[case]
+    prompt = chat(smollm2_tokenizer, text)["prompt_token_ids"]
+    ours = engines["from_scratch"].generate([{"prompt_token_ids": prompt}], constrained(**spec))[0].outputs[0]
+    eos = smollm2_hf.generation_config.eos_token_id
+    info = xgr.TokenizerInfo.from_huggingface(smollm2_tokenizer, vocab_size=smollm2_hf.config.vocab_size,
+                                              stop_token_ids=eos if isinstance(eos, list) else [eos])
+    compiler = xgr.GrammarCompiler(info)
+    compiled = (compiler.compile_json_schema(json.dumps(spec["json"]), any_whitespace=False) if kind == "json"
+                else compiler.compile_regex(spec["regex"]))
+    with torch.no_grad():
+        out = smollm2_hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=48, do_sample=False, logits_processor=[LogitsProcessor(compiled)])
+    assert ours.token_ids == out[0, len(prompt):].tolist()
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"title": {"type": "string", "maxLength": 30},
+                                      "tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                                               "minItems": 1, "maxItems": 3}},
+     "required": ["title", "tags"]},
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date"},
+                                      "where": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 20}]},
+                                      "score": {"type": "number"}},
+     "required": ["when", "score"]},
+    {"type": "object", "properties": {"user": {"$ref": "#/$defs/user"}, "active": {"type": "boolean"}},
+     "required": ["user", "active"],
+     "$defs": {"user": {"type": "object", "properties": {"id": {"type": "integer"},
+                                                         "email": {"type": "string", "format": "email"}},
+                        "required": ["id", "email"]}}},
+    {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                                "required": ["x", "y"]}, "minItems": 2, "maxItems": 2},
+]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_a_corpus_of_schemas_every_finished_output_validates(temperature, engines, smollm2_tokenizer):
+    prompts = [chat(smollm2_tokenizer, f"Write a JSON document for this schema: {json.dumps(s)}") for s in SCHEMAS]
+    params = [SamplingParams(temperature=temperature, seed=11, max_tokens=96,
+                             structured_outputs=StructuredOutputsParams(json=s)) for s in SCHEMAS]
+    outs = engines["from_scratch"].generate(prompts, params)
+    finished = 0
+    for schema, out in zip(SCHEMAS, outs):
+        completion = out.outputs[0]
+        if completion.finish_reason == "stop":
+            jsonschema.validate(json.loads(completion.text), schema)
+            finished += 1
+        else:
+            assert completion.finish_reason == "length", completion
+    assert finished >= len(SCHEMAS) - 1
+
+
+def test_a_grammar_the_vocabulary_cannot_spell_fails_alone_with_a_reason(engines, smollm2_tokenizer):
+    """SmolLM2 has no token for the byte 0x04: the regex can never be written. The request fails with
+    the reason (no hang, no unconstrained text); its neighbour in the batch is unaffected."""
+    llm = engines["from_scratch"]
+    free = chat(smollm2_tokenizer, "Name three colours.")
+    plain = SamplingParams(temperature=0, max_tokens=16)
+    alone = llm.generate([free], plain)[0].outputs[0].token_ids
+    outs = llm.generate([chat(smollm2_tokenizer, "hi"), free], [constrained(regex="\x04[a-z]+"), plain])
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert "no token of the vocabulary" in outs[0].outputs[0].stop_reason
+    assert outs[1].outputs[0].token_ids == alone
+
+
 def test_an_unconstrained_request_in_the_same_batch_is_unaffected(engines, smollm2_tokenizer):
     llm = engines["from_scratch"]
     free = chat(smollm2_tokenizer, "Name three colours.")

@@ -63,11 +63,12 @@ def test_eos_only_when_accepting_then_nothing_more():
     assert not g.is_terminated() and EOS in allowed(g) and g.accept_tokens("r", [B])
 
 
-def test_terminated_when_nothing_can_follow():
-    """An accepting end with no EOS id configured: no token at all is allowed, so it is over."""
+def test_a_dead_end_is_an_empty_mask_not_termination():
+    """An accepting end with no EOS id configured: no token at all is allowed (the engine fails such
+    a request with a reason); only an accepted EOS terminates."""
     g = grammar("ab", eos=())
     assert g.accept_tokens("r", [A]) and not g.is_terminated()
-    assert g.accept_tokens("r", [B]) and g.is_terminated() and allowed(g) == set()
+    assert g.accept_tokens("r", [B]) and not g.is_terminated() and allowed(g) == set()
 
 
 def test_rollback_and_reset_bounds():
