@@ -45,14 +45,18 @@ class NFA:
         return len(self.edges) - 1
 
     def closure(self, states) -> frozenset[int]:
-        """`states` and everything reachable from them by epsilon edges."""
-        seen, todo = set(states), list(states)
-        while todo:
-            for t in self.eps[todo.pop()]:
-                if t not in seen:
-                    seen.add(t)
-                    todo.append(t)
-        return frozenset(seen)
+        return epsilon_closure(self.eps, states)
+
+
+def epsilon_closure(eps: list[list[int]], states) -> frozenset[int]:
+    """`states` and everything reachable from them by epsilon edges (`eps[s]`: s's epsilon targets)."""
+    seen, todo = set(states), list(states)
+    while todo:
+        for t in eps[todo.pop()]:
+            if t not in seen:
+                seen.add(t)
+                todo.append(t)
+    return frozenset(seen)
 
 
 def add_chars(nfa: NFA, chars: CharSet) -> tuple[int, int]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from structured_output.grammar_tree import CharClass, Choice, Expr, Grammar, Literal, Repeat, RuleRef, Sequence
 from structured_output.utf8_ranges import utf8_sequences
+from structured_output.regex_dfa import epsilon_closure
 
 
 @dataclass
@@ -124,13 +125,7 @@ class _NFA:
         self.eps[src].append(dst)
 
     def closure(self, states) -> frozenset[int]:
-        seen, todo = set(states), list(states)
-        while todo:
-            for t in self.eps[todo.pop()]:
-                if t not in seen:
-                    seen.add(t)
-                    todo.append(t)
-        return frozenset(seen)
+        return epsilon_closure(self.eps, states)
 
 
 def _determinize(nfa: _NFA, start: int, end: int, rule: int, first_id: int) -> list[Node]:

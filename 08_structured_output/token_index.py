@@ -112,9 +112,15 @@ def allowed_token_ids_loop(dfa: DFA, token_bytes: Sequence[bytes | None], vocab_
     return [t for t, data in enumerate(token_bytes[:vocab_size]) if data and dfa.walk(state, data) != DEAD]
 
 
-def pack_bits(allowed: np.ndarray) -> torch.Tensor:
-    """bool [words * 32] -> int32 [words]: bit t % 32 of word t // 32 (little-endian bytes, so
-    byte k of the packed array holds tokens 8k..8k+7 and four bytes make one word)."""
+def pack_bits(allowed: np.ndarray, num_words: int | None = None) -> torch.Tensor:
+    """bool [n] -> int32 [num_words] (default: n / 32): bit t % 32 of word t // 32 (little-endian
+    bytes, so byte k of the packed array holds tokens 8k..8k+7 and four bytes make one word); tokens
+    past `allowed` are 0. The fast form of reference.pack_bitmask (one row, numpy)."""
+    if num_words is not None and len(allowed) != num_words * 32:
+        bits = np.zeros(num_words * 32, dtype=bool)
+        n = min(len(allowed), len(bits))
+        bits[:n] = allowed[:n]
+        allowed = bits
     packed = np.packbits(allowed, bitorder="little").view("<i4")
     return torch.from_numpy(packed.astype(np.int32))
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from mini_vllm.structured_output_backend import StructuredOutputGrammar
+from structured_output.token_index import pack_bits
 from structured_output.pda import DEAD, PDA, PROBE, PDAMatcher
 
 
@@ -164,15 +165,6 @@ class TokenMasker:
         return mask
 
 
-def pack_bitmask(allowed: np.ndarray, num_words: int) -> np.ndarray:
-    """bool[n] -> int32[num_words], vLLM's layout: token t is bit (t % 32) of word (t // 32); bit 31 is
-    the sign bit of the signed word. Tokens past `allowed` (the model's padded vocabulary) stay 0."""
-    bits = np.zeros(num_words * 32, dtype=bool)
-    n = min(len(allowed), len(bits))
-    bits[:n] = allowed[:n]
-    return np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
-
-
 class PDAGrammar(StructuredOutputGrammar):
     """One request's grammar state, vLLM's `StructuredOutputGrammar` (the xgrammar backend's
     `XgrammarGrammar` wraps a GrammarMatcher the same way). Stop tokens are not bytes of the output:
@@ -222,8 +214,7 @@ class PDAGrammar(StructuredOutputGrammar):
         return allowed
 
     def fill_bitmask(self, bitmask: torch.Tensor, batch_index: int) -> None:
-        packed = pack_bitmask(self.allowed_tokens(), bitmask.shape[1])
-        bitmask[batch_index].copy_(torch.from_numpy(packed))
+        bitmask[batch_index].copy_(pack_bits(self.allowed_tokens(), bitmask.shape[1]))
 
     def is_terminated(self) -> bool:
         return self._terminated

@@ -19,7 +19,8 @@ import xgrammar as xgr
 
 from structured_output.grammar import JSON_GRAMMAR
 from structured_output.pda import DEAD, compile_grammar
-from structured_output.token_mask import PDAGrammar, TokenMasker, VocabTrie, pack_bitmask
+from structured_output.token_index import pack_bits
+from structured_output.token_mask import PDAGrammar, TokenMasker, VocabTrie
 from structured_output.vocabulary import eos_token_ids, token_bytes
 
 ARITH_GRAMMAR = r"""
@@ -86,8 +87,7 @@ def test_bitmask_equals_xgrammar_along_token_paths(name, smollm2, maskers):
     tok, tb, eos, compiler = smollm2
     masker = maskers[name]
     compiled = compiler.compile_grammar(xgr.Grammar.from_ebnf(GRAMMARS[name]))
-    no_bytes = torch.from_numpy(pack_bitmask(np.array([b is None and t not in eos for t, b in enumerate(tb)]),
-                                             VOCAB // 32))
+    no_bytes = pack_bits(np.array([b is None and t not in eos for t, b in enumerate(tb)]), VOCAB // 32)
     rng = random.Random(name)
     paths = [tok.encode(doc, add_special_tokens=False) for doc in DOCUMENTS[name]]
     paths += [random_path(PDAGrammar(masker, VOCAB, eos), rng, 20) for _ in range(2)]
@@ -164,7 +164,7 @@ def test_packed_layout_matches_xgrammar_converters():
     rng = np.random.default_rng(0)
     allowed = rng.random(128) < 0.5
     allowed[[31, 63, 95, 127]] = True                           # bit 31: the sign bit of a word
-    words = pack_bitmask(allowed, 5)                             # one word more than needed
+    words = pack_bits(allowed, 5).numpy()                        # one word more than needed
     assert words.dtype == np.int32 and words[4] == 0 and (words[:4] < 0).all()
     assert torch.equal(torch.from_numpy(words[:4])[None], xgr.testing.bool_mask_to_bitmask(torch.from_numpy(allowed)[None]))
     assert xgr.testing.bitmask_to_bool_mask(torch.from_numpy(words)[None], 128)[0].numpy().tolist() == allowed.tolist()
