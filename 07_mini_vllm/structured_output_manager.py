@@ -62,21 +62,24 @@ class GrammarOutput:
     int32 and `dead_ends` (requests whose grammar no token of the vocabulary can continue: their
     rows allow everything, and the runner fails them) wait for the manager's thread."""
 
-    def __init__(self, request_rows: dict[str, int], future: Future):
-        self.request_rows, self._future = request_rows, future
+    def __init__(self, request_rows: dict[str, int], future: Future | None, result=None):
+        self.request_rows, self._future, self._result = request_rows, future, result
+
+    def _get(self) -> tuple[torch.Tensor, set[str]]:
+        if self._result is None:
+            self._result = self._future.result()
+        return self._result
 
     @property
     def bitmask(self) -> torch.Tensor:
-        return self._future.result()[0]
+        return self._get()[0]
 
     @property
     def dead_ends(self) -> set[str]:
-        return self._future.result()[1]
+        return self._get()[1]
 
     def __reduce__(self):             # to another process: the finished masks, not the future
-        done: Future = Future()
-        done.set_result(self.bitmask)
-        return GrammarOutput, (self.request_rows, done)
+        return GrammarOutput, (self.request_rows, None, self._get())
 
 
 class StructuredOutputManager:

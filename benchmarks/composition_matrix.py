@@ -9,7 +9,7 @@ pool — from scratch or on Mooncake —, tensor or pipeline parallelism, the en
 process, data parallelism). Each pair of features builds one engine (tiny random Llama, SmolLM2's
 tokenizer) and runs the same requests, which bring the request-level features: greedy decoding,
 n > 1 (sampled at top_k = 1: vLLM refuses n > 1 with greedy), beam search, penalties with logprobs
-and prompt logprobs. The truth kept is the PLAIN engine's answer to the same requests (none of the
+and prompt logprobs, and structured output (a regex, chapter 08). The truth kept is the PLAIN engine's answer to the same requests (none of the
 features): every pair must give its greedy tokens, its beams and its logprobs (to 1e-4), or be
 refused — only where real vLLM 0.32 refuses the same pair, with its reason (`VLLM_REFUSES`, each
 message checked against the vLLM check it names). A connector engine runs the greedy requests twice,
@@ -160,11 +160,15 @@ N_BEST = dict(n=2, temperature=1.0, top_k=1, max_tokens=6, ignore_eos=True, seed
 PENALTIES = dict(temperature=0.0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.2,
                  logprobs=2)
 BEAM = dict(beam_width=2, max_tokens=4, ignore_eos=True)
+# Structured output (chapter 08): greedy inside a regex with branches, so the mask changes every step.
+STRUCTURED = dict(temperature=0.0, max_tokens=8)
+STRUCTURED_REGEX = r"(yes|no|maybe)(, [a-z]{2,6}){1,3}\."
 
 
 def run_llm(llm, connector: bool) -> dict:
     """The workload through LLM -> {what: comparable result}."""
     from mini_vllm import BeamSearchParams, SamplingParams
+    from mini_vllm.sampling_params import StructuredOutputsParams
 
     def greedy(from_pool: bool = False):
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(**GREEDY), use_tqdm=False)
@@ -185,6 +189,9 @@ def run_llm(llm, connector: bool) -> dict:
     out["penalties + logprobs"] = (pen.outputs[0].token_ids, _logprobs(pen.outputs[0].logprobs))
     out["prompt logprobs"] = [None if e is None else {t: round(lp.logprob, 4) for t, lp in e.items()}
                               for e in pen.prompt_logprobs]
+    structured = SamplingParams(**STRUCTURED, structured_outputs=StructuredOutputsParams(regex=STRUCTURED_REGEX))
+    out["structured output"] = llm.generate({"prompt_token_ids": PROMPTS[0]}, structured,
+                                            use_tqdm=False)[0].outputs[0].token_ids
     return out
 
 
@@ -219,6 +226,8 @@ def run_serve(url: str, connector: bool) -> dict:
     out["beam search"] = [PROMPTS[1] + c["token_ids"] for c in beam["choices"]]
     pen = post(prompt=PROMPTS[2], **PENALTIES)["choices"][0]
     out["penalties + logprobs"] = (pen["token_ids"], [round(x, 4) for x in pen["logprobs"]["token_logprobs"]])
+    out["structured output"] = post(prompt=PROMPTS[0], **STRUCTURED,
+                                    structured_outputs={"regex": STRUCTURED_REGEX})["choices"][0]["token_ids"]
     return out
 
 
