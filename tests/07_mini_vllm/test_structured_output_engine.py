@@ -216,3 +216,21 @@ def test_params_are_checked():
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="choice"):
         StructuredOutputsParams(choice=[])
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_with_async_scheduling_both_backends_agree(make_llm, smollm2_dir, smollm2_tokenizer):
+    """On CUDA (the Triton mask kernel, masks copied to the device, async scheduling on): each output
+    is in its language and the two backends write the same tokens."""
+    prompts = [chat(smollm2_tokenizer, text) for _, _, text in CASES]
+    params = [constrained(**spec) for _, spec, _ in CASES]
+    results = {}
+    for backend in ("from_scratch", "xgrammar"):
+        llm = make_llm(smollm2_dir, dtype="float32", device="cuda", kv_cache_memory=256 << 20, async_scheduling=True,
+                       structured_outputs_config={"backend": backend})
+        outs = llm.generate(prompts, params)
+        for (kind, spec, _), out in zip(CASES, outs):
+            assert out.outputs[0].finish_reason == "stop", (backend, kind)
+            check_output(kind, spec, out.outputs[0].text)
+        results[backend] = [o.outputs[0].token_ids for o in outs]
+    assert results["from_scratch"] == results["xgrammar"]

@@ -276,3 +276,17 @@ def test_benchmark_smoke(tmp_path):
     result = bench_token_bitmask.main(["--smoke", "--out-dir", str(tmp_path)])
     assert [(r["batch"], r["mask"]) for r in result["rows"]] == [(1, "permissive"), (1, "strict"), (1, "random")]
     assert all(r["torch / xgrammar"] > 0 for r in result["rows"]) and result["path"].exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", CASES + BIG_CASES)
+def test_triton_on_the_gpu_equals_the_reference(dtype, case):
+    """The native Triton kernel (what the engine runs on a GPU) gives the CPU reference's bits."""
+    logits, bitmask, indices = make_case(case, dtype)
+    expected = reference_result(logits, bitmask, indices)
+    on_gpu = logits.cuda()
+    if isinstance(indices, torch.Tensor):
+        indices = indices.cuda()
+    ops.apply_token_bitmask_inplace(on_gpu, bitmask.cuda(), indices, backend="triton")
+    assert_same_bits(on_gpu.cpu(), expected)
