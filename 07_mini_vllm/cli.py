@@ -80,6 +80,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--logprobs-mode", default="raw_logprobs", choices=list(LOGPROBS_MODES))
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                    help="schedule step N+1 while step N runs")
+    g.add_argument("--structured-outputs-config", type=json_dict, default=None,
+                   help='JSON (chapter 08), e.g. \'{"backend": "xgrammar"}\' (default backend: from_scratch)')
     g = p.add_argument_group("parallelism, speculative decoding, KV transfer")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
@@ -128,7 +130,7 @@ def engine_config(args) -> EngineConfig:
         max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode, async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend, speculative_config=args.speculative_config,
-        kv_transfer_config=args.kv_transfer_config)
+        kv_transfer_config=args.kv_transfer_config, structured_outputs_config=args.structured_outputs_config)
 
 
 def sampling_params(args, **overrides) -> SamplingParams:

@@ -46,3 +46,14 @@ def test_bench_command(tiny_engine_models, capsys):
           "--max-model-len", "64", "--kv-cache-memory", "0.01"])
     out = capsys.readouterr().out
     assert "5 requests" in out and "random prompts of 4-12 tokens" in out and "output tok/s" in out
+
+
+def test_the_structured_outputs_flag_reaches_the_engine_config():
+    """`serve` / `generate` take vLLM's --structured-outputs-config (JSON) like the other config flags."""
+    from mini_vllm.cli import build_parser, engine_config
+
+    args = build_parser().parse_args(["serve", "--model", "m", "--structured-outputs-config", '{"backend": "xgrammar"}'])
+    assert engine_config(args).structured_outputs_config == {"backend": "xgrammar"}
+    args = build_parser().parse_args(["serve", "--model", "m", "--structured-outputs-config", '{"backend": "nope"}'])
+    with pytest.raises(ValueError, match="backend must be one of"):
+        engine_config(args)
