@@ -18,6 +18,11 @@ from mini_vllm.structured_output_backend import (StructuredOutputBackend, Struct
                                                  StructuredOutputOptions)
 
 
+def _separators(any_whitespace: bool) -> tuple[str, str] | None:
+    """vLLM's: without whitespace, no space after "," and ":" either (xgrammar's default would add one)."""
+    return None if any_whitespace else (",", ":")
+
+
 class XgrammarGrammar(StructuredOutputGrammar):
     def __init__(self, matcher: xgr.GrammarMatcher, vocab_size: int):
         self.matcher, self.vocab_size = matcher, vocab_size
@@ -67,7 +72,7 @@ class XgrammarBackend(StructuredOutputBackend):
         O = StructuredOutputOptions
         try:
             if request_type == O.JSON:
-                xgr.Grammar.from_json_schema(grammar_spec, any_whitespace=any_whitespace)
+                xgr.Grammar.from_json_schema(grammar_spec, any_whitespace=any_whitespace, separators=_separators(any_whitespace))
             elif request_type == O.REGEX:
                 xgr.Grammar.from_regex(grammar_spec)
             elif request_type == O.GRAMMAR:
@@ -80,9 +85,11 @@ class XgrammarBackend(StructuredOutputBackend):
         O = StructuredOutputOptions
         try:
             if request_type == O.JSON:
-                compiled = self.compiler.compile_json_schema(grammar_spec, any_whitespace=any_whitespace)
+                compiled = self.compiler.compile_json_schema(grammar_spec, any_whitespace=any_whitespace,
+                                                             separators=_separators(any_whitespace))
             elif request_type == O.JSON_OBJECT:
-                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace,
+                                                             separators=_separators(any_whitespace))
             elif request_type == O.REGEX:
                 compiled = self.compiler.compile_regex(grammar_spec)
             elif request_type == O.CHOICE:

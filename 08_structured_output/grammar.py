@@ -230,13 +230,13 @@ escape ::= ["\\/bfnrt] | "u" [0-9a-fA-F]{4}
 number ::= "-"? ( "0" | [1-9] [0-9]* ) ( "." [0-9]+ )? ( [eE] [+-]? [0-9]+ )?
 """
 
-# The same documents in ONE layout (disable_any_whitespace): ", " between items, ": " after keys, no
-# other whitespace — xgrammar's any_whitespace=False layout, and json.dumps'.
+# The same documents in ONE layout (disable_any_whitespace): no whitespace between tokens at all —
+# vLLM's layout (its xgrammar backend passes separators "," and ":").
 JSON_GRAMMAR_COMPACT = r"""
 root   ::= object
-object ::= "{" ( member ( ", " member )* )? "}"
-member ::= string ": " value
-array  ::= "[" ( value ( ", " value )* )? "]"
+object ::= "{" ( member ( "," member )* )? "}"
+member ::= string ":" value
+array  ::= "[" ( value ( "," value )* )? "]"
 value  ::= object | array | string | number | "true" | "false" | "null"
 string ::= "\"" ( [^"\\\x00-\x1f] | "\\" escape )* "\""
 escape ::= ["\\/bfnrt] | "u" [0-9a-fA-F]{4}

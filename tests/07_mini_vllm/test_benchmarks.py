@@ -188,3 +188,20 @@ def test_host_overhead_async_ab_smoke(tmp_path):
         assert row["tokens_identical"] and len(row["per_round"]["sync"]) == len(row["per_round"]["async"]) == 2
         assert row["sync"]["step_ms"] > 0 and row["async_"]["step_ms"] > 0
         assert row["async_over_sync_step_ms"] == round(row["async_"]["step_ms"] / row["sync"]["step_ms"], 3)
+
+
+def test_structured_output_benchmark_quick(tmp_path):
+    """Chapter 08's mask-time plumbing on one small schema: ours, xgrammar and outlines-core each walk
+    the same token path (every token allowed by its mask and accepted), cold and warm, and the
+    ratio to xgrammar is reported."""
+    from benchmarks import bench_structured_output
+
+    result = bench_structured_output.main(["--quick", "--out-dir", str(tmp_path)])
+    assert (tmp_path / "structured_output_quick.json").exists() and (tmp_path / "structured_output_quick.png").exists()
+    [row] = result["rows"]
+    assert row["part"] == "mask" and row["spec"] == "json flat" and row["path_tokens"] > 5
+    for impl in ("ours", "xgrammar", "outlines"):
+        assert "error" not in row[impl] and "skipped" not in row[impl], row[impl]
+        assert row[impl]["per_token_median_warm_us"] > 0 and row[impl]["compile_cold_ms"] > 0
+    assert result["summary"]["mask"]["ours_over_xgrammar_per_token_warm_median"]["json flat"] > 0
+    assert "engine" not in result["summary"]

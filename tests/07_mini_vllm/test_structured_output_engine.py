@@ -89,7 +89,8 @@ def test_greedy_equals_hf_generate_with_xgrammars_logits_processor(case, engines
     info = xgr.TokenizerInfo.from_huggingface(smollm2_tokenizer, vocab_size=smollm2_hf.config.vocab_size,
                                               stop_token_ids=eos if isinstance(eos, list) else [eos])
     compiler = xgr.GrammarCompiler(info)
-    compiled = (compiler.compile_json_schema(json.dumps(spec["json"]), any_whitespace=False) if kind == "json"
+    compiled = (compiler.compile_json_schema(json.dumps(spec["json"]), any_whitespace=False, separators=(",", ":"))
+                if kind == "json"
                 else compiler.compile_regex(spec["regex"]))
     with torch.no_grad():
         out = smollm2_hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
