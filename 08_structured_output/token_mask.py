@@ -20,6 +20,9 @@ the current stacks' top nodes are walked through the full PDA (`split_mask`).
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+from functools import lru_cache
+
 import numpy as np
 import torch
 
@@ -70,6 +73,12 @@ class VocabTrie:
         return mask
 
 
+@lru_cache(maxsize=4)
+def shared_vocab_trie(token_bytes: tuple[bytes | None, ...]) -> "VocabTrie":
+    """The vocabulary's trie, built once per vocabulary (~0.3 s for 49k tokens), not per grammar."""
+    return VocabTrie(list(token_bytes))
+
+
 def _common_prefix(a: bytes, b: bytes) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -84,9 +93,12 @@ class TokenMasker:
     def __init__(self, pda: PDA, token_bytes: list[bytes | None]):
         self.pda = pda
         self.token_bytes = token_bytes
-        self.trie = VocabTrie(token_bytes)
+        self.trie = shared_vocab_trie(tuple(token_bytes))     # one per vocabulary, shared by its grammars
         self._split: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # node -> (accepted mask, dependent ids)
         self.last_walked = 0          # dependent tokens walked through the full PDA by the last split_mask
+        # PDA state -> its packed bitmask row: states are interned, and a generation revisits the same
+        # few (inside a string, after a comma at one depth), so most steps are one lookup + one copy.
+        self._rows: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
     # -- the reference: every token through the PDA --
     def plain_mask(self, state: int) -> np.ndarray:
@@ -165,6 +177,22 @@ class TokenMasker:
         return mask
 
 
+MAX_CACHED_ROWS = 4096                  # x 6 KiB for SmolLM2's vocabulary: 24 MiB at most per grammar
+
+
+def cached_row(masker: TokenMasker, key: tuple, compute) -> torch.Tensor:
+    """The packed row for `key` (a PDA state and what else decides the row), computed once, LRU-bounded."""
+    rows = masker._rows
+    row = rows.get(key)
+    if row is None:
+        row = rows[key] = compute()
+        if len(rows) > MAX_CACHED_ROWS:
+            rows.popitem(last=False)
+    else:
+        rows.move_to_end(key)
+    return row
+
+
 class PDAGrammar(StructuredOutputGrammar):
     """One request's grammar state, vLLM's `StructuredOutputGrammar` (the xgrammar backend's
     `XgrammarGrammar` wraps a GrammarMatcher the same way). Stop tokens are not bytes of the output:
@@ -214,7 +242,12 @@ class PDAGrammar(StructuredOutputGrammar):
         return allowed
 
     def fill_bitmask(self, bitmask: torch.Tensor, batch_index: int) -> None:
-        bitmask[batch_index].copy_(pack_bits(self.allowed_tokens(), bitmask.shape[1]))
+        words = bitmask.shape[1]
+        if self._terminated:
+            bitmask[batch_index].copy_(pack_bits(self.allowed_tokens(), words))
+            return
+        key = (self.matcher.state, self.vocab_size, self.eos_token_ids, words, self.use_split)
+        bitmask[batch_index].copy_(cached_row(self.masker, key, lambda: pack_bits(self.allowed_tokens(), words)))
 
     def is_terminated(self) -> bool:
         return self._terminated
