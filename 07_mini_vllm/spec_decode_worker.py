@@ -374,7 +374,9 @@ class SpecDecodeWorker:
         # EAGLE-2 trees for every request but those whose sampling reads their own output tokens
         # (penalties, bad words, min_tokens: a tree node's output is its path, which the draft rows'
         # logits processing does not know) — they get the chain.
-        tree = [self.config.uses_tree and not batch.states[i].sampling_params.uses_logits_processors for i in rows]
+        # Structured output too: the grammar's mask rows follow one path of drafts (k + 1 rows), not a tree.
+        tree = [self.config.uses_tree and not batch.states[i].sampling_params.uses_logits_processors
+                and batch.states[i].sampling_params.structured_outputs is None for i in rows]
         chains = [r for r, t in zip(requests, tree) if not t]
         trees = [r for r, t in zip(requests, tree) if t]
         drafted = list(zip(chains, self._propose_isolated(chains) if chains else []))

@@ -173,10 +173,11 @@ def test_sampled_n_completions_all_follow_the_grammar(engines, smollm2_tokenizer
 @pytest.mark.parametrize("config", [
     dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                              "prompt_lookup_max": 3}),
+    dict(speculative_config={"method": "eagle", "num_speculative_tokens": 4, "tree_depth": 3, "tree_top_k": 2}),
     dict(enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=4),
     dict(async_scheduling=True),
     dict(num_gpu_blocks_override=12, max_num_seqs=3),          # preemption: 3 requests, room for about 2
-], ids=["ngram", "chunked", "async", "preemption"])
+], ids=["ngram", "eagle_tree", "chunked", "async", "preemption"])
 def test_composes_and_keeps_the_greedy_tokens(config, engines, make_llm, smollm2_dir, smollm2_tokenizer):
     prompts = [chat(smollm2_tokenizer, text) for _, _, text in CASES]
     params = [constrained(**spec) for _, spec, _ in CASES]
