@@ -1,6 +1,6 @@
 """Which adapters are loaded, and which sit in the fixed device slots the LoRA layers read.
 
-Mirrors vLLM's `vllm/lora/models.py: LRUCacheLoRAModelManager` and `vllm/lora/worker_manager.py:
+Mirrors vLLM's `vllm/lora/model_manager.py: LRUCacheLoRAModelManager` and `vllm/lora/worker_manager.py:
 LRUCacheWorkerLoRAManager`. Two caches, two sizes:
 
     host cache   up to `max_cpu_loras` LoRAModels read from disk (CPU tensors), least recently used evicted

@@ -13,9 +13,9 @@ runs on any device. The two ways of batching different adapters are Punica's:
   drive the Python loop) and a few small ops to find the segments.
 
 `use_bgmv` is the rule between them (`method=None`): BGMV up to BGMV_MAX_TOKENS tokens, SGMV
-above. On a CPU the crossover is early (benchmarks/bench_lora_ops.py's sides "torch bgmv" /
-"torch sgmv", SmolLM2's qkv): at 1 token BGMV is ahead (215 vs 299 us), at 4 tokens SGMV already
-is, at 16 BGMV takes 2.7x as long and at 256 17x (the gather copies 256 adapters). On a GPU
+above. On a CPU the crossover is early (measured while writing this op, SmolLM2's qkv: at 1 token BGMV
+was ahead, 215 vs 299 us; at 4 tokens SGMV was; at 16 BGMV took 2.7x as long and at 256 17x: the
+gather copies one adapter per token). On a GPU
 BGMV's other merit, no host sync, would move the crossover up (vLLM's punica_cpu uses bgmv for
 every decode batch).
 
