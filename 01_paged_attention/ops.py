@@ -39,20 +39,30 @@ _MODULES = {
 
 def check_backend(backend: str, device: torch.device) -> None:
     """Fail loudly for a backend this machine (or these tensors) cannot run."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
-    if backend == "cuda":
+    if backend == "cuda" and backend in BACKENDS:
         if not torch.cuda.is_available():
             raise RuntimeError("backend='cuda' needs an NVIDIA GPU and a CUDA build of torch; "
                                "use backend='torch' (or 'triton' with TRITON_INTERPRET=1) on CPU")
         if device.type != "cuda":
             raise ValueError(f"backend='cuda' needs tensors on the GPU, got {device}")
+    check_kernel_backend(backend, device, BACKENDS, "paged_attention.cpu_ops", "paged attention")
+
+
+def check_kernel_backend(backend: str, device: torch.device, backends: tuple[str, ...], cpu_ops: str,
+                         what: str) -> None:
+    """The backend checks every chapter's op dispatch shares (chapters 08 and 09 call it too): a
+    known name, the C++ kernel only for CPU tensors and only where it builds (`cpu_ops`: the module
+    with is_available / unavailable_reason), Triton on CPU tensors only under the interpreter."""
+    if backend not in backends:
+        if backend == "cuda":
+            raise ValueError(f"{what} has no CUDA C++ rung: on a GPU use backend='triton' (or 'torch')")
+        raise ValueError(f"unknown backend {backend!r}; choose one of {backends}")
     if backend == "cpu":
         if device.type != "cpu":
             raise ValueError(f"backend='cpu' is the C++/OpenMP kernel for CPU tensors, got {device}")
-        from paged_attention import cpu_ops
-        if not cpu_ops.is_available():
-            raise RuntimeError(f"backend='cpu' is unavailable here: {cpu_ops.unavailable_reason()}; use backend='torch'")
+        module = importlib.import_module(cpu_ops)
+        if not module.is_available():
+            raise RuntimeError(f"backend='cpu' is unavailable here: {module.unavailable_reason()}; use backend='torch'")
     if backend == "triton" and device.type != "cuda":
         from paged_attention.triton_common import interpreting
         if not interpreting():

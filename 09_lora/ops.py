@@ -26,11 +26,12 @@ vllm/lora/ops/torch_ops/lora_ops.py).
 from __future__ import annotations
 
 import importlib
-import os
 from types import ModuleType
 from typing import Sequence
 
 import torch
+
+from paged_attention.ops import check_kernel_backend
 
 from lora.reference import ScaleLike, Segments, TokenLoraLike, segments_from_token_lora
 
@@ -47,20 +48,8 @@ _MODULES = {
 
 
 def check_backend(backend: str, device: torch.device) -> None:
-    """Fail loudly for a backend this machine (or these tensors) cannot run."""
-    if backend == "cuda":
-        raise ValueError("the LoRA ops have no CUDA C++ rung: on a GPU use backend='triton' (or 'torch')")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
-    if backend == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"backend='cpu' is the C++/OpenMP kernel for CPU tensors, got {device}")
-        from lora import cpu_ops
-        if not cpu_ops.is_available():
-            raise RuntimeError(f"backend='cpu' is unavailable here: {cpu_ops.unavailable_reason()}; use backend='torch'")
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise RuntimeError(f"backend='triton' on {device} tensors needs TRITON_INTERPRET=1 set before triton "
-                           "is imported (the Triton interpreter); on a GPU pass CUDA tensors")
+    """Fail loudly for a backend this machine (or these tensors) cannot run (chapter 01's checks)."""
+    check_kernel_backend(backend, device, BACKENDS, "lora.cpu_ops", "the LoRA ops")
 
 
 def backend_module(backend: str, device: torch.device) -> ModuleType:

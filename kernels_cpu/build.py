@@ -208,3 +208,13 @@ def loaded_extensions() -> list[str]:
     """The extensions this process has loaded (`vfs_<stem>_<isa>`), sorted: empty while no
     kernel of this package has run (e.g. an engine with cpu_kernels="off")."""
     return sorted(f"vfs_{stem}_{isa}" for stem, isa in _loaded if isa is not None)
+
+
+def unavailable_reason_of(load) -> str | None:
+    """Why `load()` (a kernel module's loader) fails here, None when it works; builds on the first call.
+    Each kernel module's `is_available` / `unavailable_reason` are this."""
+    try:
+        load()
+        return None
+    except RuntimeError as e:
+        return str(e)

@@ -35,11 +35,7 @@ def is_available() -> bool:
 
 def unavailable_reason() -> str | None:
     """Why `load` fails here (None when it works)."""
-    try:
-        load()
-        return None
-    except RuntimeError as e:
-        return str(e)
+    return build.unavailable_reason_of(load)
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_lora: torch.Tensor, scales: torch.Tensor,

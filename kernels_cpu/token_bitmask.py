@@ -35,11 +35,7 @@ def is_available() -> bool:
 
 def unavailable_reason() -> str | None:
     """Why `load` fails here (None when it works)."""
-    try:
-        load()
-        return None
-    except RuntimeError as e:
-        return str(e)
+    return build.unavailable_reason_of(load)
 
 
 def apply_token_bitmask_inplace(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None,
