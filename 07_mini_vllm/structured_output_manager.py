@@ -88,6 +88,7 @@ class StructuredOutputManager:
         self._tokenizer_loader, self._eos = tokenizer_loader, set(eos_token_ids)
         self._backend: StructuredOutputBackend | None = None
         self._lock = threading.Lock()
+        self.num_compiling = 0           # grammars submitted and not finished (ready or failed)
         # One thread: compiles and bitmask fills run in submission order, never two at once on one grammar.
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="structured_output")
 
@@ -98,14 +99,27 @@ class StructuredOutputManager:
                 self._backend = load_backend(self.backend_name, self._tokenizer_loader(), self.vocab_size, self._eos)
             return self._backend
 
+    @property
+    def in_use(self) -> bool:
+        """Has any grammar been compiled? Until one has, no request can have one to advance or mask:
+        the scheduler's per-step hooks skip their loops (host time of every unconstrained step)."""
+        return self._backend is not None
+
     # ------------------------------------------------------------------ per request
     def grammar_init(self, request) -> None:
         """Start compiling `request`'s grammar (vLLM: grammar_init); the scheduler admits the
         request once it is ready, or fails it with the compile error."""
         params = request.sampling_params.structured_outputs
         kind, spec, any_whitespace = structured_output_key(params)
-        request.structured_output_request = StructuredOutputRequest(
-            self._thread.submit(lambda: self.backend.compile_grammar(kind, spec, any_whitespace)))
+        with self._lock:
+            self.num_compiling += 1
+        future = self._thread.submit(lambda: self.backend.compile_grammar(kind, spec, any_whitespace))
+        future.add_done_callback(self._compiled)
+        request.structured_output_request = StructuredOutputRequest(future)
+
+    def _compiled(self, _future: Future) -> None:
+        with self._lock:
+            self.num_compiling -= 1
 
     @staticmethod
     def should_advance(request) -> bool:

@@ -52,7 +52,7 @@ class StructuredOutputScheduler(Scheduler):
     def update_from_output(self, scheduler_output: SchedulerOutput, model_runner_output) -> list[EngineCoreOutput]:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         manager = self.structured_output_manager
-        if manager is None:
+        if manager is None or not manager.in_use:
             return outputs
         for i, out in enumerate(outputs):
             request = self.requests.get(out.request_id)
@@ -68,22 +68,23 @@ class StructuredOutputScheduler(Scheduler):
 
     def update_draft_token_ids(self, draft_token_ids: dict[str, list[int]]) -> None:
         manager = self.structured_output_manager
-        if manager is not None:
+        if manager is not None and manager.in_use:
             draft_token_ids = {r: (manager.validate_tokens(req, d) if (req := self.requests.get(r)) is not None
                                    and PLACEHOLDER_TOKEN_ID not in d else d)
                                for r, d in draft_token_ids.items()}
         super().update_draft_token_ids(draft_token_ids)
 
     def get_num_waiting_for_grammar(self) -> int:
-        """Waiting requests whose grammar is still compiling (they cannot be scheduled yet)."""
-        return sum(1 for r in self.requests.values()
-                   if (so := getattr(r, "structured_output_request", None)) is not None and not so.ready)
+        """Grammars still compiling (their requests cannot be scheduled yet); the manager counts them,
+        so an unconstrained step does not walk every request to find none."""
+        manager = self.structured_output_manager
+        return 0 if manager is None else manager.num_compiling
 
     def get_grammar_bitmask(self, scheduler_output: SchedulerOutput):
         """The masks of this step's constrained requests that sample (vLLM's name), started on the
         manager's thread; None when there are none."""
         manager = self.structured_output_manager
-        if manager is None:
+        if manager is None or not manager.in_use:
             return None
         req_ids = [r for r in scheduler_output.num_scheduled_tokens
                    if (req := self.requests.get(r)) is not None and manager.should_advance(req)
