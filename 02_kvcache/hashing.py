@@ -81,9 +81,13 @@ def hash_block_tokens(
 def generate_block_hash_extra_keys(request: Any, block_index: int) -> tuple | None:
     """Extra keys of one block, read from optional request attributes (absent = None)."""
     keys: list = []
-    lora_id = getattr(request, "lora_int_id", None)
-    if lora_id:                        # 0 / None = no adapter, as in vLLM
-        keys.append(("lora", lora_id))
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        # vLLM 0.32: the adapter's name and path, not just its id, so that an id (or a name) pointed at
+        # another adapter later never reuses K/V the first one computed -- nor does another engine's.
+        keys.append(("lora", lora.lora_name, lora.lora_path))
+    elif getattr(request, "lora_int_id", None):     # a bare id; 0 / None = no adapter, as in vLLM
+        keys.append(("lora", request.lora_int_id))
     cache_salt = getattr(request, "cache_salt", None)
     if cache_salt is not None and block_index == 0:
         keys.append(("salt", cache_salt))

@@ -20,7 +20,8 @@ class KVCacheRequest(Protocol):
     `all_token_ids` / `num_tokens` are prompt + verified output: they must NOT include
     unverified speculative draft tokens (vLLM keeps those apart: `num_tokens` vs
     `num_tokens_with_spec`), or blocks holding rejected drafts would be cached.
-    Optional, read with getattr: `cache_salt: str | None`, `lora_int_id: int | None`,
+    Optional, read with getattr: `cache_salt: str | None`, `lora_request` (its `lora_name` and
+    `lora_path`, chapter 09) or a bare `lora_int_id: int | None`,
     `skip_reading_prefix_cache: bool` (True: every token must be computed — e.g. a request that
     wants the logprobs of its prompt — though what it computes is still cached for others).
     """

@@ -32,11 +32,12 @@ class NewRequestData:
     block_ids: list[int]            # every block the request owns, prefix-cache hits first
     num_computed_tokens: int        # tokens whose KV is already there (prefix hit / remote KV)
     sampling_params: Any = None     # opaque to the scheduler; the engine's own object
+    lora_request: Any = None        # the request's adapter (chapter 09), or None: the base model
 
     @classmethod
     def from_request(cls, request: Request, block_ids: list[int]) -> "NewRequestData":
         return cls(request.request_id, list(request.prompt_token_ids), block_ids,
-                   request.num_computed_tokens, request.sampling_params)
+                   request.num_computed_tokens, request.sampling_params, request.lora_request)
 
 
 @dataclass

@@ -74,7 +74,7 @@ _FINISHED_REASONS = {
 
 class Request:
     """One generation request. Attributes the KV cache manager reads (its `Protocol`):
-    `request_id`, `all_token_ids`, `num_tokens`, `num_computed_tokens`, `cache_salt`."""
+    `request_id`, `all_token_ids`, `num_tokens`, `num_computed_tokens`, `cache_salt`, `lora_int_id`."""
 
     def __init__(
         self,
@@ -92,6 +92,7 @@ class Request:
         sampling_params: Any = None,
         kv_transfer_params: dict[str, Any] | None = None,
         skip_reading_prefix_cache: bool = False,
+        lora_request: Any = None,
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
@@ -119,6 +120,10 @@ class Request:
         # Compute every token even where the prefix cache holds it (vLLM's name): the engine sets
         # it for a request that wants its prompt's logprobs, which need the logits of every position.
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        # The adapter this request runs with (chapter 09, vLLM's LoRARequest), or None: the base model.
+        # The scheduler reads only its id (at most max_loras distinct ids run at once); the KV cache
+        # manager hashes the id into every block (two adapters never share K/V).
+        self.lora_request = lora_request
 
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None   # the stop token id, or a message (FINISHED_IGNORED / _ERROR)
@@ -146,6 +151,10 @@ class Request:
         self.kv_swapped_out = False       # PREEMPTED with its KV on the CPU tier (swap), not dropped
 
     # ---------------------------------------------------------------- counters
+    @property
+    def lora_int_id(self) -> int | None:
+        return self.lora_request.lora_int_id if self.lora_request is not None else None
+
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)

@@ -20,6 +20,7 @@ _LAZY = {
     "BeamSearchParams": "mini_vllm.beam_search",
     "BeamSearchOutput": "mini_vllm.beam_search",
     "BeamSearchSequence": "mini_vllm.beam_search",
+    "LoRARequest": "mini_vllm.lora_request",
 }
 
 __all__ = ["SamplingParams", "RequestOutputKind", "default_model_path", *_LAZY]

@@ -36,6 +36,7 @@ from mini_vllm.core_client import AsyncMPClient, EngineDeadError, step_from_outp
 from mini_vllm.engine_config import EngineConfig
 from mini_vllm.engine_messages import EngineCoreOutputs, EngineCoreRequest
 from mini_vllm.llm_engine import LLMEngine
+from mini_vllm.lora_request import LoRARequest
 from mini_vllm.metrics import IterationStats, LoggingStatLogger, PrometheusStatLogger
 from mini_vllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from mini_vllm.processor import PromptType
@@ -180,19 +181,23 @@ class AsyncLLM:
     # ------------------------------------------------------------------ requests
     def process_request(self, request_id: str, prompt: PromptType, sampling_params: SamplingParams, *,
                         prompt_token_ids: list[int] | None = None, priority: int = 0,
-                        kv_transfer_params: dict | None = None) -> tuple[str | None, EngineCoreRequest]:
+                        kv_transfer_params: dict | None = None,
+                        lora_request: LoRARequest | None = None) -> tuple[str | None, EngineCoreRequest]:
         """Validate and tokenize, queue nothing: raises ValueError/TypeError on bad input. A server
         calls it for every prompt of a request before it starts answering (vLLM's serving layer
         likewise hands generate() a processed EngineCoreRequest). kv_transfer_params: chapter 06's
-        remote K/V (prefill/decode disaggregation), as in LLMEngine.add_request."""
+        remote K/V (prefill/decode disaggregation), as in LLMEngine.add_request; lora_request: the
+        adapter it runs with (chapter 09)."""
         if request_id in self.collectors:
             raise ValueError(f"request id {request_id!r} is already running")
         return self.engine.process_request(request_id, prompt, sampling_params, priority=priority,
-                                           prompt_token_ids=prompt_token_ids, kv_transfer_params=kv_transfer_params)
+                                           prompt_token_ids=prompt_token_ids, kv_transfer_params=kv_transfer_params,
+                                           lora_request=lora_request)
 
     async def generate(self, prompt: PromptType | EngineCoreRequest, sampling_params: SamplingParams | None,
                        request_id: str, *, prompt_token_ids: list[int] | None = None, priority: int = 0,
-                       prompt_text: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt_text: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """prompt: text, token ids, a dict — or an EngineCoreRequest from process_request (then
         sampling_params is ignored, and prompt_text is the text it came from)."""
         self._start_background_tasks()
@@ -204,13 +209,15 @@ class AsyncLLM:
                 raise ValueError(f"request id {request_id!r}: already running, or not the EngineCoreRequest's")
         else:
             prompt_text, request = self.process_request(request_id, prompt, sampling_params,
-                                                        prompt_token_ids=prompt_token_ids, priority=priority)
+                                                        prompt_token_ids=prompt_token_ids, priority=priority,
+                                                        lora_request=lora_request)
         collector = RequestOutputCollector(request.sampling_params.output_kind)
         self.collectors[request_id] = collector
         children = LLMEngine.fan_out(request)
         for child, parent, index in children:
             self.output_processor.add_request(child.request_id, prompt_text, child.prompt_token_ids,
-                                              child.sampling_params, child.arrival_time, parent, index)
+                                              child.sampling_params, child.arrival_time, parent, index,
+                                              child.lora_request)
         finished = False
         try:
             client = self.core_clients[self._route(request)]
@@ -229,7 +236,8 @@ class AsyncLLM:
             self._unroute(request_id)
 
     async def beam_search(self, prompt: PromptType, request_id: str, params: BeamSearchParams, *,
-                          prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+                          prompt_token_ids: list[int] | None = None,
+                          lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """vLLM's online beam search (`vllm/entrypoints/generate/beam_search/online.py`): the rounds of
         beam_search.py, each round's one-token requests through `generate` at once; yields one finished
         RequestOutput whose completions are the best beams, best first (their generated tokens). Bad
@@ -237,7 +245,7 @@ class AsyncLLM:
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         prompt_text, probe = self.process_request(request_id, prompt, SamplingParams(max_tokens=1),
-                                                  prompt_token_ids=prompt_token_ids)
+                                                  prompt_token_ids=prompt_token_ids, lora_request=lora_request)
         metrics = RequestMetrics(probe.arrival_time)
         search = BeamSearch(params, probe.prompt_token_ids, self.model_config.max_model_len,
                             frozenset(self.model_config.eos_token_ids))
@@ -245,17 +253,20 @@ class AsyncLLM:
             if search.done:
                 break
             finals = await asyncio.gather(*(self._final_output(f"{request_id}-beam{round_index}.{i}", ids,
-                                                               search.request_params)
+                                                               search.request_params, lora_request)
                                             for i, ids in enumerate(search.requests())))
             search.advance([out.outputs[0] for out in finals])
         metrics.finished_time = time.monotonic()
         prompt_len = len(probe.prompt_token_ids)
         completions = [CompletionOutput(i, seq.text, seq.tokens[prompt_len:], seq.cum_logprob, None, seq.finish_reason,
                                         seq.stop_reason) for i, seq in enumerate(search.output(self.tokenizer).sequences)]
-        yield RequestOutput(request_id, prompt_text, probe.prompt_token_ids, completions, True, metrics)
+        yield RequestOutput(request_id, prompt_text, probe.prompt_token_ids, completions, True, metrics,
+                            lora_request=probe.lora_request)
 
-    async def _final_output(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> RequestOutput:
-        async for output in self.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
+    async def _final_output(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                            lora_request: LoRARequest | None = None) -> RequestOutput:
+        async for output in self.generate({"prompt_token_ids": prompt_token_ids}, params, request_id,
+                                          lora_request=lora_request):
             if output.finished:
                 return output
         raise RuntimeError(f"request {request_id} ended without a final output")
@@ -270,6 +281,17 @@ class AsyncLLM:
                 await self.core_clients[self.replica_of.get(request_id, 0)].abort_requests_async(core_ids)
             except (EngineDeadError, TimeoutError):
                 pass                          # the core is gone: its blocks went with it
+
+    # ------------------------------------------------------------------ LoRA adapters (chapter 09)
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check and register an adapter (vLLM: AsyncLLM.add_lora); ValueError says why not."""
+        return self.engine.add_lora(lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
 
     async def check_invariants(self) -> None:
         """Every core's invariants, including: with nothing running, every KV block free (tests)."""

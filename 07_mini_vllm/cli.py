@@ -92,6 +92,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transfer-config", type=json_dict, default=None,
                    help='JSON, e.g. \'{"kv_connector": "GlobalKVPoolConnector", "kv_role": "kv_producer", '
                         '"kv_connector_extra_config": {"metadata_server": "127.0.0.1:5555"}}\'')
+    g = p.add_argument_group("LoRA adapters (chapter 09)")
+    g.add_argument("--enable-lora", action="store_true", help="requests may run with a LoRA adapter")
+    g.add_argument("--max-loras", type=int, default=1, help="adapters one step may use (device slots)")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank (slots are this wide)")
+    g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters cached in host memory (default: max-loras)")
 
 
 def json_dict(text: str) -> dict:
@@ -130,7 +135,9 @@ def engine_config(args) -> EngineConfig:
         max_logprobs=args.max_logprobs, logprobs_mode=args.logprobs_mode, async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend, speculative_config=args.speculative_config,
-        kv_transfer_config=args.kv_transfer_config, structured_outputs_config=args.structured_outputs_config)
+        kv_transfer_config=args.kv_transfer_config, structured_outputs_config=args.structured_outputs_config,
+        enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras)
 
 
 def sampling_params(args, **overrides) -> SamplingParams:

@@ -94,8 +94,9 @@ class EngineCore:
             self.model_executor.shutdown()               # no worker outlives a failed start
             raise
         # CUDA graphs around NCCL collectives are not attempted: one rank per engine only.
+        # Nor with LoRA: the step's token -> adapter map is read on the host (lora_mixin.py).
         use_graphs = (device.type == "cuda" and not config.enforce_eager and config.parallel_config.world_size == 1
-                      and self.model_executor.attn_backend in ("triton", "cuda"))
+                      and self.model_executor.attn_backend in ("triton", "cuda") and not config.enable_lora)
         if use_graphs:
             t0 = time.perf_counter()
             self.model_executor.capture_model()
@@ -119,7 +120,8 @@ class EngineCore:
         self.scheduler = make_scheduler(config.scheduler_config(model_config.max_model_len), self.kv_cache_manager,
                                         self.kv_connector, async_scheduling=config.async_scheduling,
                                         max_concurrent_batches=self.batch_queue_size,
-                                        pipeline_parallel_size=config.pipeline_parallel_size)
+                                        pipeline_parallel_size=config.pipeline_parallel_size,
+                                        max_loras=config.max_loras if config.enable_lora else None)
         self.structured_output_manager = StructuredOutputManager(
             config.structured_outputs_config["backend"], lambda: _load_tokenizer(config.tokenizer or model_config.model),
             model_config.vocab_size, model_config.eos_token_ids)

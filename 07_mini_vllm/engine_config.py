@@ -32,6 +32,7 @@ from mini_vllm.sampling_params import MAX_LOGPROBS
 from mini_vllm.speculative_config import SpeculativeConfig
 
 GiB = 1 << 30
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)    # vLLM's MaxLoRARanks
 
 # attention_backend -> what runs (see models/attention.py: ATTENTION_BACKENDS). "auto" picks
 # Triton on a GPU (vLLM's TritonAttentionBackend) and, on a CPU, the C++ kernel of kernels_cpu
@@ -194,6 +195,23 @@ class EngineConfig:
     the default) | "xgrammar" (the real library, a peer)}. A constrained request
     (SamplingParams.structured_outputs) loads the backend when it first arrives."""
 
+    enable_lora: bool = False
+    """Multi-LoRA serving (chapter 09; vLLM's --enable-lora): requests may carry a LoRARequest, and
+    the model's qkv / o / gate_up / down layers add each token's adapter update. Off: a request with an
+    adapter is refused. With it on, CUDA graphs are not captured (the batch's adapters change per step)."""
+
+    max_loras: int = 1
+    """Adapters one step may use (vLLM's --max-loras): the device slots, and the scheduler's cap on
+    distinct adapters among the requests it runs at once (a request of another adapter waits)."""
+
+    max_lora_rank: int = 16
+    """The largest rank an adapter may have (vLLM's --max-lora-rank, one of its values:
+    1, 8, 16, 32, 64, 128, 256, 320, 512); every slot is allocated at this rank."""
+
+    max_cpu_loras: int | None = None
+    """Adapters kept in host memory (vLLM's --max-cpu-loras): a least-recently-used cache in front of
+    the disk. None: max_loras. Must be >= max_loras."""
+
     tensor_parallel_size: int = 1
     """Ranks that split every layer (Megatron-style: heads, MLP features, vocabulary); each holds
     its heads' K/V. Must divide the attention heads (parallel_config.py says what else)."""
@@ -288,6 +306,7 @@ class EngineConfig:
                 raise ValueError(f"logprobs_mode={self.logprobs_mode!r} is not supported with speculative decoding "
                                  "(accepted drafts report the raw distribution); use raw_logprobs or raw_logits")
         self._check_structured_outputs()
+        self._check_lora()
         self._check_parallel()
         self._check_async_scheduling()
 
@@ -301,6 +320,17 @@ class EngineConfig:
         if config["backend"] not in BACKENDS:
             raise ValueError(f"structured_outputs_config backend must be one of {sorted(BACKENDS)}, got {config['backend']!r}")
         self.structured_outputs_config = config
+
+    def _check_lora(self) -> None:
+        """vLLM's LoRAConfig checks, with its messages."""
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        _positive_int("max_loras", self.max_loras)
+        if self.max_lora_rank not in MAX_LORA_RANKS or isinstance(self.max_lora_rank, bool):
+            raise ValueError(f"max_lora_rank must be one of {MAX_LORA_RANKS}, got {self.max_lora_rank!r}")
+        _positive_int("max_cpu_loras", self.max_cpu_loras, allow_none=True)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras}).")
 
     def _check_parallel(self) -> None:
         """The split itself (parallel_config.py; against the model once it is read: LLMEngine) and

@@ -22,6 +22,7 @@ from typing import Any
 
 from scheduler import EngineCoreOutput, Request
 
+from mini_vllm.lora_request import LoRARequest
 from mini_vllm.sampling_params import SamplingParams
 
 
@@ -44,6 +45,7 @@ class EngineCoreRequest:
     eos_token_id: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     kv_transfer_params: dict | None = None
+    lora_request: LoRARequest | None = None   # the adapter (chapter 09), or None: the base model
 
     def to_request(self) -> Request:
         """The scheduler's Request (chapter 03), built where the scheduler lives."""
@@ -51,7 +53,7 @@ class EngineCoreRequest:
         return Request(self.request_id, self.prompt_token_ids, params.max_tokens, arrival_time=self.arrival_time,
                        priority=self.priority, eos_token_id=self.eos_token_id, ignore_eos=params.ignore_eos,
                        stop_token_ids=list(self.stop_token_ids), sampling_params=params,
-                       kv_transfer_params=self.kv_transfer_params,
+                       kv_transfer_params=self.kv_transfer_params, lora_request=self.lora_request,
                        # prompt logprobs need the logits of every prompt token: no cached prefix may skip them
                        skip_reading_prefix_cache=params.prompt_logprobs is not None)
 

@@ -6,6 +6,7 @@ them, and Python's method resolution order chains the overrides, leftmost first:
 
     EngineScheduler
       -> StructuredOutputScheduler (07/08: grammars compiled, advanced, asked for masks; none without)
+      -> LoRAScheduler            (07/09: at most max_loras adapters per step; no rule without LoRA)
       -> KVConnectorScheduler     (06: K/V from other machines; chapter 03's when the connector is None)
         -> SpecDecodeScheduler    (04: speculative tokens ride along in Δ; none without drafts)
           -> ChunkedPrefillScheduler  (05: Δ cut into chunks when enable_chunked_prefill)
@@ -31,26 +32,32 @@ from kvcache import KVCacheManager
 from scheduler import SchedulerConfig
 from spec_decode.scheduler import SpecDecodeScheduler
 
+from mini_vllm.lora_scheduler import LoRAScheduler
 from mini_vllm.structured_output_scheduler import StructuredOutputScheduler
 
 
-class EngineScheduler(StructuredOutputScheduler, KVConnectorScheduler, SpecDecodeScheduler, ChunkedPrefillScheduler):
-    """Chapters 03 + 05 + 04 + 06 (+ 08's grammars): each layer is the one below it when its feature is off."""
+class EngineScheduler(StructuredOutputScheduler, LoRAScheduler, KVConnectorScheduler, SpecDecodeScheduler,
+                      ChunkedPrefillScheduler):
+    """Chapters 03 + 05 + 04 + 06 (+ 08's grammars, 09's adapters): each layer is the one below it when its
+    feature is off."""
 
 
 def make_scheduler(config: SchedulerConfig, kv_cache_manager: KVCacheManager, connector: KVConnectorBase | None = None,
                    *, async_scheduling: bool = False, max_concurrent_batches: int = 1,
-                   pipeline_parallel_size: int = 1) -> EngineScheduler:
+                   pipeline_parallel_size: int = 1, max_loras: int | None = None) -> EngineScheduler:
     """The engine's scheduler; with batches in flight (async scheduling, pipeline micro-batches) or
     pipeline stages that do not sample, chapter 07's AsyncScheduler on top. A chapter 03
-    SchedulerConfig is chapter 05's with chunking off."""
+    SchedulerConfig is chapter 05's with chunking off. max_loras: adapters per step (None: no LoRA)."""
     if not isinstance(config, ChunkedPrefillConfig):
         config = ChunkedPrefillConfig(**{f.name: getattr(config, f.name) for f in dataclasses.fields(SchedulerConfig)})
     if max_concurrent_batches == 1 and pipeline_parallel_size == 1:
-        return EngineScheduler(config, kv_cache_manager, connector=connector)
-    from mini_vllm.async_scheduler import AsyncScheduler
-    return AsyncScheduler(config, kv_cache_manager, connector=connector, placeholders=async_scheduling,
-                          max_concurrent_batches=max_concurrent_batches)
+        scheduler = EngineScheduler(config, kv_cache_manager, connector=connector)
+    else:
+        from mini_vllm.async_scheduler import AsyncScheduler
+        scheduler = AsyncScheduler(config, kv_cache_manager, connector=connector, placeholders=async_scheduling,
+                                   max_concurrent_batches=max_concurrent_batches)
+    scheduler.max_loras = max_loras
+    return scheduler
 
 
 __all__ = ["EngineScheduler", "make_scheduler"]

@@ -10,6 +10,8 @@ Mirrors vLLM's `vllm/entrypoints/llm.py: LLM` (`generate`, `chat`, `_validate_an
     print(outputs[0].outputs[0].text, outputs[0].metrics.time_to_first_token)
     best = llm.beam_search(["The capital of France is"], BeamSearchParams(beam_width=4, max_tokens=16))
     print(best[0].sequences[0].text)
+    llm = LLM(enable_lora=True, max_loras=2)      # chapter 09: adapters per request
+    llm.generate(prompts, params, lora_request=LoRARequest("sql", 1, "/adapters/sql"))
 
 All prompts are validated and tokenized before the first one is queued: a bad prompt in a
 batch raises without starting any of it. Outputs come back in the order of the prompts.
@@ -23,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from mini_vllm.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from mini_vllm.engine_config import EngineConfig
 from mini_vllm.llm_engine import LLMEngine
+from mini_vllm.lora_request import LoRARequest
 from mini_vllm.outputs import RequestOutput
 from mini_vllm.processor import PromptType
 from mini_vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -63,15 +66,19 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None,
-                 kv_transfer_params: Mapping | Sequence[Mapping | None] | None = None) -> list[RequestOutput]:
+                 kv_transfer_params: Mapping | Sequence[Mapping | None] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """kv_transfer_params (needs kv_transfer_config): one dict for every prompt, or one per
         prompt — {"do_remote_decode": True} on a prefill engine; on a decode engine the
-        `kv_transfer_params` of the prefill engine's RequestOutput."""
+        `kv_transfer_params` of the prefill engine's RequestOutput.
+        lora_request (needs enable_lora): the adapter for every prompt, or one per prompt (None: the
+        base model)."""
         prompt_list = _as_prompt_list(prompts)
         return self._run(prompt_list, [None] * len(prompt_list), sampling_params, use_tqdm, priority,
-                         kv_transfer_params)
+                         kv_transfer_params, lora_request)
 
-    def beam_search(self, prompts, params: BeamSearchParams, *, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, *, use_tqdm: bool = False,
+                    lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[BeamSearchOutput]:
         """The beam_width most likely continuations of each prompt (vLLM's LLM.beam_search; the
         search itself is HF's, see beam_search.py): a loop of rounds, each one request of one token
         per running beam of every search, through `generate`. Sequences hold the prompt and the
@@ -82,15 +89,19 @@ class LLM:
         engine = self.llm_engine
         probe = SamplingParams(max_tokens=1)
         prompt_ids = [engine.processor.process_inputs(p, probe)[1] for p in _as_prompt_list(prompts)]   # all first
+        loras = self._per_prompt(lora_request, len(prompt_ids), "lora_request")
         eos = frozenset(engine.model_config.eos_token_ids)
-        searches = [BeamSearch(params, ids, engine.model_config.max_model_len, eos) for ids in prompt_ids]
-        while running := [s for s in searches if not s.done]:
-            rounds = [(s, s.requests()) for s in running]
-            outputs = iter(self._run([None] * sum(len(r) for _, r in rounds), [ids for _, r in rounds for ids in r],
-                                     [s.request_params for s, r in rounds for _ in r], use_tqdm=False, priority=None))
-            for search, requests in rounds:
+        searches = [(BeamSearch(params, ids, engine.model_config.max_model_len, eos), lora)
+                    for ids, lora in zip(prompt_ids, loras)]
+        while running := [(s, lora) for s, lora in searches if not s.done]:
+            rounds = [(s, lora, s.requests()) for s, lora in running]
+            outputs = iter(self._run([None] * sum(len(r) for _, _, r in rounds),
+                                     [ids for _, _, r in rounds for ids in r],
+                                     [s.request_params for s, _, r in rounds for _ in r], use_tqdm=False, priority=None,
+                                     lora_request=[lora for _, lora, r in rounds for _ in r]))
+            for search, _, requests in rounds:
                 search.advance([next(outputs).outputs[0] for _ in requests])
-        return [s.output(engine.tokenizer) for s in searches]
+        return [s.output(engine.tokenizer) for s, _ in searches]
 
     def shutdown(self) -> None:
         """Stop the engine's KV connector (servers, threads) and its executor's worker processes."""
@@ -98,17 +109,27 @@ class LLM:
 
     def chat(self, messages: Sequence[Mapping] | Sequence[Sequence[Mapping]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: Mapping | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: Mapping | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} messages) or a list of conversations."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         rendered = [self.llm_engine.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)
                     for c in conversations]
         return self._run([text for text, _ in rendered], [ids for _, ids in rendered], sampling_params,
-                         use_tqdm, None)
+                         use_tqdm, None, lora_request=lora_request)
 
     # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _per_prompt(value, n: int, what: str) -> list:
+        """One value for every prompt (a single value, or None) or a list of one per prompt."""
+        if value is None or not isinstance(value, (list, tuple)):
+            return [value] * n
+        if len(value) != n:
+            raise ValueError(f"{len(value)} {what} for {n} prompts")
+        return list(value)
+
     def _run(self, prompts: list, token_ids: list, sampling_params, use_tqdm: bool, priority,
-             kv_transfer_params=None) -> list[RequestOutput]:
+             kv_transfer_params=None, lora_request=None) -> list[RequestOutput]:
         n = len(prompts)
         if kv_transfer_params is None or isinstance(kv_transfer_params, Mapping):
             kv_params_list = [dict(kv_transfer_params) if kv_transfer_params else None] * n
@@ -116,6 +137,7 @@ class LLM:
             kv_params_list = list(kv_transfer_params)
             if len(kv_params_list) != n:
                 raise ValueError(f"{len(kv_params_list)} kv_transfer_params for {n} prompts")
+        lora_list = self._per_prompt(lora_request, n, "lora_request")
         if isinstance(sampling_params, BeamSearchParams):
             raise TypeError("BeamSearchParams go to LLM.beam_search(prompts, params), not generate()")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -127,6 +149,8 @@ class LLM:
         if priority is not None and len(priority) != n:
             raise ValueError(f"{len(priority)} priorities for {n} prompts")
         engine = self.llm_engine
+        for lora in dict.fromkeys(lora_list):                # bad adapters are refused before anything runs
+            engine.loras.check(lora)
         # Validate and tokenize everything first: a bad prompt changes nothing.
         requests = []
         for i, (prompt, ids, params) in enumerate(zip(prompts, token_ids, params_list)):
@@ -137,12 +161,12 @@ class LLM:
             # One output per request, when it finishes (vLLM's LLM does the same).
             params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
             requests.append((f"{next(self._request_counter)}", text, ids, params, priority[i] if priority else 0,
-                             kv_params_list[i]))
+                             kv_params_list[i], lora_list[i]))
         added: list[str] = []
         try:
-            for request_id, text, ids, params, prio, kv_params in requests:
+            for request_id, text, ids, params, prio, kv_params, lora in requests:
                 engine.add_request(request_id, text, params, priority=prio, prompt_token_ids=ids,
-                                   kv_transfer_params=kv_params)
+                                   kv_transfer_params=kv_params, lora_request=lora)
                 added.append(request_id)
         except BaseException:
             engine.abort_request(added)

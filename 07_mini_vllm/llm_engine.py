@@ -37,6 +37,7 @@ from mini_vllm.core import EngineCoreStep
 from mini_vllm.core_client import make_client, multiprocessing_enabled
 from mini_vllm.engine_config import EngineConfig
 from mini_vllm.engine_messages import EngineCoreRequest
+from mini_vllm.lora_request import LoRARegistry, LoRARequest
 from mini_vllm.output_processor import OutputProcessor
 from mini_vllm.outputs import RequestOutput
 from mini_vllm.parallel_sampling import ParentRequest
@@ -76,6 +77,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.config.tokenizer or model_path)
         self.processor = Processor(self.model_config, self.tokenizer, self.config.max_logprobs, chat_template,
                                    self.config.structured_outputs_config["backend"])
+        self.loras = LoRARegistry(self.config.enable_lora, self.config.max_lora_rank)     # chapter 09
         self.default_sampling_params = self._read_generation_config(model_path)
         if multiprocess_mode is None:
             multiprocess_mode = multiprocessing_enabled() or asyncio_mode
@@ -108,7 +110,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
                     arrival_time: float | None = None, priority: int = 0,
-                    prompt_token_ids: list[int] | None = None, kv_transfer_params: dict | None = None) -> None:
+                    prompt_token_ids: list[int] | None = None, kv_transfer_params: dict | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validate, tokenize and queue one request. Raises (changing nothing) on bad input.
 
         prompt_token_ids: the ids of `prompt` when the caller tokenized it already (LLM.generate
@@ -116,10 +119,11 @@ class LLMEngine:
         n > 1: the request goes to the engine core as n child requests (parallel_sampling.py)."""
         prompt, request = self.process_request(request_id, prompt, params, arrival_time=arrival_time,
                                                priority=priority, prompt_token_ids=prompt_token_ids,
-                                               kv_transfer_params=kv_transfer_params)
+                                               kv_transfer_params=kv_transfer_params, lora_request=lora_request)
         for child, parent, index in self.fan_out(request):
             self.output_processor.add_request(child.request_id, prompt, child.prompt_token_ids,
-                                              child.sampling_params, child.arrival_time, parent, index)
+                                              child.sampling_params, child.arrival_time, parent, index,
+                                              child.lora_request)
             self.engine_core.add_request(child)
 
     @staticmethod
@@ -139,8 +143,8 @@ class LLMEngine:
 
     def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, *,
                         arrival_time: float | None = None, priority: int = 0,
-                        prompt_token_ids: list[int] | None = None,
-                        kv_transfer_params: dict | None = None) -> tuple[str | None, EngineCoreRequest]:
+                        prompt_token_ids: list[int] | None = None, kv_transfer_params: dict | None = None,
+                        lora_request: LoRARequest | None = None) -> tuple[str | None, EngineCoreRequest]:
         """Every check of add_request, nothing queued -> (the prompt text or None, the core's
         message). AsyncLLM validates through here too, so both front ends refuse the same input."""
         params = params if params is not None else self.get_default_sampling_params()
@@ -161,9 +165,10 @@ class LLMEngine:
         if kv_transfer_params is not None and params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs cannot be combined with kv_transfer_params: K/V loaded from another "
                              "engine comes without the logits the prompt's logprobs need")
+        lora_request = self.loras.check(lora_request)
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         return prompt if isinstance(prompt, str) else None, self.make_core_request(
-            request_id, prompt_token_ids, params, arrival_time, priority, kv_transfer_params)
+            request_id, prompt_token_ids, params, arrival_time, priority, kv_transfer_params, lora_request)
 
     @staticmethod
     def _core_ids(request_id: str, params) -> list[str]:
@@ -172,8 +177,8 @@ class LLMEngine:
         return [request_id] if n == 1 else ParentRequest(request_id, params).child_ids
 
     def make_core_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          arrival_time: float, priority: int = 0,
-                          kv_transfer_params: dict | None = None) -> EngineCoreRequest:
+                          arrival_time: float, priority: int = 0, kv_transfer_params: dict | None = None,
+                          lora_request: LoRARequest | None = None) -> EngineCoreRequest:
         """The message for the engine core (validated ids, prepared params). AsyncLLM builds the
         same one, through the same code."""
         eos_ids = self.model_config.eos_token_ids
@@ -183,7 +188,22 @@ class LLMEngine:
             # Chat models list more than one EOS (generation_config.json): all of them stop, as in HF
             # generate and vLLM — unless ignore_eos.
             stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_ids[1:])),
-            kv_transfer_params=kv_transfer_params)
+            kv_transfer_params=kv_transfer_params, lora_request=lora_request)
+
+    # ------------------------------------------------------------------ LoRA adapters (chapter 09)
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check and register an adapter before any request uses it (vLLM: LLMEngine.add_lora); the
+        model runner loads its weights with the first request that runs it."""
+        return self.loras.check(lora_request) is not None
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (False: unknown); ValueError while a running request uses it."""
+        in_use = any(s.lora_request is not None and s.lora_request.lora_int_id == lora_int_id
+                     for s in self.output_processor.request_states.values())
+        return self.loras.remove(lora_int_id, in_use)
+
+    def list_loras(self) -> set[int]:
+        return set(self.loras.by_id)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Stop requests now (with n > 1: every child); their KV blocks are freed at once."""

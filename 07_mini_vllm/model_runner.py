@@ -30,6 +30,7 @@ into mixins and `spec_decode/` proposers:
 
     spec_decode_mixin.py      drafts into the batch, verification, the next step's drafts (chapter 04)
     kv_connector_mixin.py     a KV connector's loads before and saves after the forward (chapter 06)
+    lora_mixin.py             each token's LoRA adapter, the adapters loaded into slots (chapter 09)
     prompt_logprobs.py        the prompt tokens' logprobs
     pipeline_stages.py        which pipeline stage samples; the tokens the others learn
     async_output.py           async scheduling: sampled tokens that stay on the device
@@ -61,6 +62,7 @@ from mini_vllm.hidden_states_tap import HiddenStatesTap
 from mini_vllm.input_batch import CachedRequestState, InputBatch
 from mini_vllm.input_staging import InputStaging
 from mini_vllm.kv_connector_mixin import KVConnectorModelRunnerMixin
+from mini_vllm.lora_mixin import LoRAModelRunnerMixin
 from mini_vllm.model_inputs import ModelInputs, prepare_inputs
 from mini_vllm.models.attention import ATTENTION_BACKENDS
 from mini_vllm.models.loader import get_model
@@ -91,8 +93,8 @@ class ModelRunnerOutput(SchedulerModelRunnerOutput):
     spec_decode: SpecDecodeStepStats | None = None
 
 
-class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMixin, PipelineStageMixin,
-                  AsyncOutputMixin):
+class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, LoRAModelRunnerMixin, PromptLogprobsMixin,
+                  PipelineStageMixin, AsyncOutputMixin):
     def __init__(self, config: EngineConfig, model_config: ModelConfig):
         self.config, self.model_config = config, model_config
         self.device = config.resolved_device
@@ -108,6 +110,7 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
                                cpu_gemm_backend=config.cpu_gemm_backend, cpu_layer_ops=config.cpu_layer_ops,
                                cuda_layer_ops=config.cuda_layer_ops, embed_on_last_stage=eagle)
         self._init_pipeline_stage()
+        self._init_lora(config)                          # chapter 09: the layers wrapped, the adapter slots
         # The stream of unseeded random rows, seeded by the engine's seed: runs are reproducible.
         self.sampler = Sampler(generator=torch.Generator(device=self.device).manual_seed(config.seed),
                                logprobs_mode=config.logprobs_mode)
@@ -207,6 +210,7 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
         self._apply_new_token_ids(so)
         self._grammar_output = so.grammar_output          # structured output: this step's masks (or None)
         failed = self._update_states(so)
+        self._load_loras(so, failed)                      # chapter 09: adapters first used this step
         if self.async_scheduling:
             self._drop_failed_in_flight(so, failed)
         # Block moves BEFORE the forward, in this order: a block a swap-out frees may be written
@@ -225,6 +229,7 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
             t0, has_drafts = time.perf_counter(), bool(batch.num_draft_tokens[:batch.num_reqs].any())
             run_isolated(lambda rows, n: self._execute_rows(rows, n, output), np.arange(batch.num_reqs),
                          num_scheduled, batch.req_ids, output.failed)
+            self._clear_active_loras()                   # what runs the target's layers next runs the base
             if self.spec_decode is not None:
                 if has_drafts:
                     self.spec_decode.step_stats.verification_time = time.perf_counter() - t0
@@ -233,6 +238,7 @@ class ModelRunner(SpecDecodeMixin, KVConnectorModelRunnerMixin, PromptLogprobsMi
 
     def _execute_rows(self, rows: np.ndarray, num_scheduled: np.ndarray, output: ModelRunnerOutput) -> None:
         """Forward + sample `rows` of the persistent batch (each running num_scheduled[j] tokens)."""
+        self._set_active_loras(rows, num_scheduled)      # chapter 09: each token's adapter slot
         ### BEGIN SOLUTION
         inputs, sample_rows = self.input_batch.prepare_inputs(num_scheduled, self.block_size, self.device, rows)
         inputs = self._with_attention_plan(inputs, rows)

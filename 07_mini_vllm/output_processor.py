@@ -58,6 +58,7 @@ class RequestState:
     # it, without the branches that cannot apply): the GPU waits for this loop at large batches.
     plain: bool = False
     kv_transfer_params: dict | None = None     # what it produced for another engine, once finished
+    lora_request: object = None                # its adapter (chapter 09), or None
     # Parallel sampling: the ParentRequest this state is child `index` of, and child 0's state
     # (the parent's RequestOutput carries its metrics and prompt logprobs).
     parent: ParentRequest | None = None
@@ -72,7 +73,8 @@ class OutputProcessor:
         self.parents: dict[str, ParentRequest] = {}          # parent id -> its ParentRequest, while a child runs
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float, parent: ParentRequest | None = None, index: int = 0) -> None:
+                    arrival_time: float, parent: ParentRequest | None = None, index: int = 0,
+                    lora_request=None) -> None:
         """One request of the engine core: a plain request, or child `index` of `parent` (whose
         params are the child's own: n = 1, its seed). Children are added in index order."""
         if request_id in self.request_states:
@@ -81,7 +83,8 @@ class OutputProcessor:
         state = RequestState(request_id, prompt, prompt_token_ids, params, detokenizer, RequestMetrics(arrival_time),
                              logprobs=[] if params.logprobs is not None else None,
                              cumulative_logprob=0.0 if params.logprobs is not None else None,
-                             plain=self._is_plain(params, detokenizer, parent), parent=parent, index=index)
+                             plain=self._is_plain(params, detokenizer, parent), parent=parent, index=index,
+                             lora_request=lora_request)
         if parent is not None:
             if index == 0:
                 self.parents[parent.request_id] = parent
@@ -232,7 +235,8 @@ class OutputProcessor:
         OutputProcessor._append_token_ids(state, new_ids, now)
         completion = CompletionOutput(0, "", state.output_token_ids[:], None, None, None, stop_reason)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], False,
-                             state.metrics, state.num_cached_tokens, prompt_logprobs=state.prompt_logprobs)
+                             state.metrics, state.num_cached_tokens, prompt_logprobs=state.prompt_logprobs,
+                             lora_request=state.lora_request)
 
     def _logprob_entry(self, state: RequestState, entry: tuple[list[int], list[float], int]) -> dict[int, Logprob]:
         """(ids, logprobs, rank) -> {id: Logprob}: column 0 is the chosen token (sampled, or the
@@ -268,7 +272,7 @@ class OutputProcessor:
             return self._parent_output(state, completion)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
                              state.metrics, state.num_cached_tokens, prompt_logprobs=state.prompt_logprobs,
-                             kv_transfer_params=state.kv_transfer_params)
+                             kv_transfer_params=state.kv_transfer_params, lora_request=state.lora_request)
 
     def _parent_output(self, state: RequestState, completion: CompletionOutput) -> RequestOutput | None:
         """One child's completion -> its parent's RequestOutput (ParentRequest.get_outputs), under the
@@ -282,4 +286,5 @@ class OutputProcessor:
         first = state.first
         return RequestOutput(parent.request_id, state.prompt, state.prompt_token_ids, outputs, finished,
                              first.metrics, first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs,
-                             kv_transfer_params=first.kv_transfer_params if finished else None)
+                             kv_transfer_params=first.kv_transfer_params if finished else None,
+                             lora_request=first.lora_request)

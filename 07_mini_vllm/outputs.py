@@ -14,6 +14,7 @@ the stop token id or stop string that ended it (None for EOS).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from spec_decode import SpecDecodingStats
 
@@ -115,6 +116,7 @@ class RequestOutput:
     # on a prefill node, where its K/V waits for the decode node (pass it as that request's params).
     kv_transfer_params: dict | None = None
     prompt_logprobs: PromptLogprobs | None = None    # SamplingParams.prompt_logprobs; from the first output on
+    lora_request: Any = None           # the LoRARequest it ran with (chapter 09), or None: the base model
 
     def __repr__(self) -> str:
         o = self.outputs[0]

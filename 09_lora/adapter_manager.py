@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lora.peft_checkpoint import LoRAModel, LoRATarget, load_peft_adapter, lora_targets
+from lora.peft_checkpoint import LoRAModel, LoRATarget, checkpoint_targets, load_peft_adapter
 
 NO_LORA = -1                                     # the slot of a token that runs the base model
 
@@ -66,7 +66,9 @@ class LoRAAdapterManager:
         if max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
-        self.targets: dict[str, LoRATarget] = lora_targets(model)
+        # This rank's shard of every layer (tensor parallel), other stages' layers too (pipeline parallel):
+        # an adapter is checked whole, its local part kept.
+        self.targets: dict[str, LoRATarget] = checkpoint_targets(model)
         if not self.targets:
             raise ValueError("the model has no layer a LoRA can target (qkv_proj, o_proj, gate_up_proj, down_proj)")
         param = next(model.parameters())
@@ -77,7 +79,7 @@ class LoRAAdapterManager:
                 torch.zeros(max_loras, len(t.output_sizes), max(t.output_sizes), max_lora_rank, dtype=param.dtype,
                             device=param.device),
                 t.output_sizes)
-            for name, t in self.targets.items()}
+            for name, t in self.targets.items() if t.local}
         self._paths: dict[int, Path] = {}                      # every added adapter, cached or not
         self._host: OrderedDict[int, LoRAModel] = OrderedDict()   # least recently used first
         self._slot_owner: list[int | None] = [None] * max_loras   # adapter id in each slot
@@ -88,18 +90,27 @@ class LoRAAdapterManager:
 
     def add_adapter(self, adapter_id: int, path: str | Path) -> LoRAModel:
         """Register `adapter_id` and load it into the host cache (validated now: a bad adapter fails
-        when it is added, not in the middle of a batch). Already cached from the same path: no reload."""
+        when it is added, not in the middle of a batch). Already cached from the same path: no reload.
+        Known from ANOTHER path: the new adapter replaces it once it has loaded (a failed load leaves
+        the old one as it was) -- an id names one adapter at a time, and the engine's front end
+        refuses an id re-pointed while requests use it."""
         if not isinstance(adapter_id, int) or adapter_id < 1:
             raise ValueError(f"adapter ids are positive ints, got {adapter_id!r}")
         path = Path(path)
         if self._paths.get(adapter_id, path) != path:
-            raise ValueError(f"adapter {adapter_id} was added from {self._paths[adapter_id]}, not {path}: "
-                             "remove it first")
-        if adapter_id not in self._host:
+            lora = self._load(path)
+            self.remove_adapter(adapter_id)
+            self._paths[adapter_id] = path
+            self._cache(adapter_id, lora)
+        elif adapter_id not in self._host:
             lora = self._load(path)
             self._paths[adapter_id] = path
             self._cache(adapter_id, lora)
         return self._get(adapter_id)
+
+    def path_of(self, adapter_id: int) -> Path | None:
+        """Where `adapter_id` was added from (None: unknown)."""
+        return self._paths.get(adapter_id)
 
     def remove_adapter(self, adapter_id: int) -> bool:
         """Forget `adapter_id`: host copy, path and device slot (zeroed). False if it was unknown."""

@@ -38,11 +38,18 @@ DeltaFn = Callable[[torch.Tensor, SlotWeights, torch.Tensor], torch.Tensor]
 
 class LoRAMapping:
     """Which slot each token of this step uses; the runner updates it before every forward and
-    every wrapped layer reads the same object (vLLM: PunicaWrapper's token_lora_indices)."""
+    every wrapped layer reads the same object (vLLM: `PunicaWrapper`, whose `update_metadata` sets
+    the token -> adapter index once per step and whose `add_lora_linear` each layer calls).
 
-    def __init__(self):
+    backend=None: the layers add `delta_fn`'s result (the readable loop, `lora_delta`). A backend of
+    ops.py ("torch", "triton", "cpu"): `add_lora_linear` adds every adapter's part IN PLACE with the
+    batched shrink and expand, the slot table checked once per step rather than once per layer."""
+
+    def __init__(self, backend: str | None = None):
+        self.backend = backend
         self.token_lora: torch.Tensor | None = None    # [T] int64, NO_LORA = base model
         self.any_lora = False                           # computed once per step, not once per layer
+        self._scales: torch.Tensor | None = None        # [num_slots] ones: the slots hold scaling * B
 
     def set_token_lora(self, token_lora: torch.Tensor | None) -> None:
         self.token_lora = token_lora
@@ -55,6 +62,19 @@ class LoRAMapping:
                                              torch.tensor(list(num_tokens), dtype=torch.int64)).to(device)
         self.set_token_lora(token_lora)
         return token_lora
+
+    def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, slot_weights: SlotWeights) -> None:
+        """y [T, out] += each token's (x A^T) B^T, every slice, one shrink and one expand (ops.py)."""
+        from lora import ops
+
+        num_slots, num_slices, max_rank = slot_weights.lora_a.shape[:3]
+        if self._scales is None or self._scales.numel() != num_slots or self._scales.device != x.device:
+            self._scales = torch.ones(num_slots, dtype=torch.float32, device=x.device)
+        buffer = torch.empty(num_slices, x.shape[0], max_rank, dtype=torch.float32, device=x.device)
+        ops.lora_shrink(x, slot_weights.lora_a, self.token_lora, self._scales, buffer, self.backend,
+                        check_values=False)
+        ops.lora_expand(buffer, slot_weights.lora_b, self.token_lora, y, slot_weights.offsets,
+                        slot_weights.output_sizes, True, self.backend, check_values=False)
 
 
 def lora_delta(x: torch.Tensor, slot_weights: SlotWeights, token_lora: torch.Tensor) -> torch.Tensor:
@@ -76,10 +96,11 @@ def lora_delta(x: torch.Tensor, slot_weights: SlotWeights, token_lora: torch.Ten
 
 
 class LoRALinearMethod(LinearMethodBase):
-    """`base_method`'s x W^T (+ b), plus each token's adapter update from `slot_weights`."""
+    """`base_method`'s x W^T (+ b), plus each token's adapter update from `slot_weights`: `delta_fn`'s,
+    or with delta_fn=None the mapping's batched ops, in place."""
 
     def __init__(self, base_method: LinearMethodBase, slot_weights: SlotWeights, mapping: LoRAMapping,
-                 delta_fn: DeltaFn = lora_delta):
+                 delta_fn: DeltaFn | None = lora_delta):
         self.base_method, self.slot_weights, self.mapping, self.delta_fn = base_method, slot_weights, mapping, delta_fn
 
     def pack(self, weight):
@@ -93,21 +114,26 @@ class LoRALinearMethod(LinearMethodBase):
         if token_lora.shape[0] != x.shape[0]:
             raise ValueError(f"LoRA mapping has {token_lora.shape[0]} tokens but the layer got {x.shape[0]}: "
                              "update the mapping every step")
+        if self.delta_fn is None:
+            self.mapping.add_lora_linear(y, x, self.slot_weights)
+            return y
         return y + self.delta_fn(x, self.slot_weights, token_lora).to(y.dtype)
 
 
-def apply_lora(model: nn.Module, manager: LoRAAdapterManager, delta_fn: DeltaFn = lora_delta) -> LoRAMapping:
+def apply_lora(model: nn.Module, manager: LoRAAdapterManager, delta_fn: DeltaFn = lora_delta,
+               backend: str | None = None) -> LoRAMapping:
     """Wrap the linear method of every layer the manager holds slots for; returns the mapping the
-    runner updates each step (no tokens mapped: the base model). Call after loading (chapter 07's
-    loader sets the CPU GEMM method); applying again rebinds the layers to the new manager."""
-    mapping = LoRAMapping()
+    runner updates each step (no tokens mapped: the base model). backend: the batched ops of ops.py
+    ("torch", "triton", "cpu") in place of delta_fn. Call after loading (chapter 07's loader sets the
+    CPU GEMM method); applying again rebinds the layers to the new manager."""
+    mapping = LoRAMapping(backend)
     modules = dict(model.named_modules())
     for name, slot_weights in manager.slot_weights.items():
         layer = modules[name]
         base = layer.linear_method
         if isinstance(base, LoRALinearMethod):
             base = base.base_method
-        layer.linear_method = LoRALinearMethod(base, slot_weights, mapping, delta_fn)
+        layer.linear_method = LoRALinearMethod(base, slot_weights, mapping, None if backend else delta_fn)
     return mapping
 
 

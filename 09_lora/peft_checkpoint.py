@@ -24,6 +24,7 @@ ValueError naming the file and the key, never a silently different model.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from model_executor.linear import Linear
+from model_executor.parallel_linear import RowParallelLinear
 from paged_attention.model.llama import STACKED_PARAMS_MAPPING
 
 CONFIG_FILE = "adapter_config.json"
@@ -62,34 +64,93 @@ UNSUPPORTED_OPTIONS = {
 
 @dataclass(frozen=True)
 class LoRATarget:
-    """One of our layers that can take a LoRA: input size, and per slice its HF name and output size."""
+    """One of our layers that can take a LoRA, as THIS rank holds it: input size, and per slice its HF
+    name and output size. With tensor parallelism a rank holds a shard of the layer, and so of its
+    LoRA (vLLM: `ColumnParallelLinearWithLoRA` / `RowParallelLinearWithLoRA`):
+
+        column-parallel (qkv, gate_up)  W_r = rows of W      -> B_r = the same rows of B, A whole
+        row-parallel (o, down)          W_r = columns of W   -> A_r = the same columns of A, B whole
+
+    so a rank's delta is (x A^T) B_r^T (its output rows), or (x_r A_r^T) B^T (a partial sum that the
+    layer's all-reduce adds up with the base product's: sum_r x_r A_r^T = x A^T). The checkpoint
+    holds the whole A and B; `checkpoint_*` are their shapes and where this rank's shard starts."""
     input_size: int
     output_sizes: tuple[int, ...]                # rows of each slice in the merged output (q | k | v)
     hf_names: tuple[str, ...]                    # ("q_proj", "k_proj", "v_proj")
+    checkpoint_input_size: int | None = None     # A's columns in the checkpoint (None: input_size)
+    input_offset: int = 0                        # row-parallel: this rank's first column of A
+    checkpoint_output_sizes: tuple[int, ...] | None = None   # B's rows per slice in the checkpoint
+    output_offsets: tuple[int, ...] | None = None            # column-parallel: this rank's first row of each B
+    local: bool = True                           # False: a layer another pipeline stage holds (checked, not kept)
 
     @property
     def offsets(self) -> tuple[int, ...]:
         """First output row of each slice."""
         return tuple(sum(self.output_sizes[:i]) for i in range(len(self.output_sizes)))
 
+    def checkpoint_shapes(self, index: int, r: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The whole A [r, in] and B [out_i, r] of slice `index` as a checkpoint stores them."""
+        full_in = self.checkpoint_input_size or self.input_size
+        full_out = (self.checkpoint_output_sizes or self.output_sizes)[index]
+        return (r, full_in), (full_out, r)
+
+    def shard(self, index: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's A and B of slice `index`, cut from the checkpoint's (views; no shard: as they are)."""
+        if self.checkpoint_input_size not in (None, self.input_size):
+            lora_a = lora_a.narrow(1, self.input_offset, self.input_size)
+        if self.output_offsets is not None:
+            lora_b = lora_b.narrow(0, self.output_offsets[index], self.output_sizes[index])
+        return lora_a, lora_b
+
 
 def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
-    """Every layer of `model` a LoRA can target, by module name ("model.layers.0.self_attn.qkv_proj")."""
+    """Every layer of `model` a LoRA can target, by module name ("model.layers.0.self_attn.qkv_proj"),
+    with this rank's shard of it under tensor parallelism (model_executor/parallel_linear.py)."""
     mapping = getattr(model, "stacked_params_mapping", STACKED_PARAMS_MAPPING)
     targets = {}
     for name, module in model.named_modules():
         short = name.rsplit(".", 1)[-1]
         if not isinstance(module, Linear) or short not in LORA_LAYERS:
             continue
-        if getattr(module, "tp_size", 1) != 1:
-            raise ValueError(f"{name}: LoRA on a tensor-parallel layer (tp={module.tp_size}) is not supported here")
+        tp_size = getattr(module, "tp_size", 1)
         if hasattr(module, "shard_ids"):                       # merged: one slice per checkpoint piece
             piece_of = {sid: piece.lstrip(".") for merged, piece, sid in mapping if merged.lstrip(".") == short}
             hf_names = tuple(piece_of[sid] for sid in module.shard_ids)
             sizes = tuple(module.output_sizes)
         else:
             hf_names, sizes = (short,), (module.output_size,)
-        targets[name] = LoRATarget(module.input_size, sizes, hf_names)
+        target = LoRATarget(module.input_size, sizes, hf_names)
+        if tp_size > 1 and hasattr(module, "checkpoint_rows"):         # column-parallel: rows of each B
+            target = dataclasses.replace(
+                target, checkpoint_output_sizes=tuple(module.checkpoint_rows(s) for s in module.shard_ids),
+                output_offsets=tuple(module.shard_offset_in_checkpoint(s) for s in module.shard_ids))
+        elif tp_size > 1 and isinstance(module, RowParallelLinear):     # row-parallel: columns of A
+            target = dataclasses.replace(target, checkpoint_input_size=module.input_size * tp_size,
+                                         input_offset=module.tp_rank * module.input_size)
+        elif tp_size > 1:
+            raise ValueError(f"{name}: a tensor-parallel layer of type {type(module).__name__} cannot take a LoRA")
+        targets[name] = target
+    return targets
+
+
+def checkpoint_targets(model: nn.Module) -> dict[str, LoRATarget]:
+    """lora_targets(model), plus the layers another pipeline stage holds (chapter 07's `PPMissingLayer`
+    placeholders, found by name: this chapter also runs on models without them) as `local=False`
+    copies of this stage's layers of the same kind -- every decoder layer has the same shapes. Every
+    stage then checks an adapter's WHOLE file and reaches the same verdict, though it keeps only its
+    own layers (a stage that refused a request the others ran would desynchronise the pipeline)."""
+    targets = lora_targets(model)
+    layer_of = re.compile(r"(.*\.layers\.)(\d+)(\..*)")
+    template: dict[str, LoRATarget] = {}                          # ".self_attn.qkv_proj" -> a local target
+    for name, target in targets.items():
+        hit = layer_of.fullmatch(name)
+        if hit:
+            template.setdefault(hit.group(3), target)
+    missing = [name for name, module in model.named_modules()
+               if type(module).__name__ == "PPMissingLayer" and re.fullmatch(r".*\.layers\.\d+", name)]
+    for layer in missing:
+        for suffix, target in template.items():
+            targets[f"{layer}{suffix}"] = dataclasses.replace(target, local=False)
     return targets
 
 
@@ -218,7 +279,9 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def load_peft_adapter(adapter_dir: str | Path, targets: dict[str, LoRATarget], max_lora_rank: int) -> LoRAModel:
     """Read `adapter_dir` (as PeftModel.save_pretrained wrote it) for a model whose LoRA-able layers
-    are `targets` (lora_targets(model)). Tensors stay in their stored dtype, on the CPU."""
+    are `targets` (lora_targets(model), or checkpoint_targets(model) under pipeline parallelism): each
+    tensor checked against the checkpoint's shape, then cut to this rank's shard; tensors of layers
+    that are not `local` are checked and dropped. Tensors stay in their stored dtype, on the CPU."""
     adapter_dir = Path(adapter_dir)
     config_path, weights_path = adapter_dir / CONFIG_FILE, adapter_dir / WEIGHTS_FILE
     if not config_path.is_file():
@@ -233,9 +296,8 @@ def load_peft_adapter(adapter_dir: str | Path, targets: dict[str, LoRATarget], m
         layer_name, index = module_map[module]
         target = targets[layer_name]
         keys = (f"{PEFT_PREFIX}{module}.lora_A.weight", f"{PEFT_PREFIX}{module}.lora_B.weight")
-        shapes = ((config.r, target.input_size), (target.output_sizes[index], config.r))
         pair = []
-        for key, shape in zip(keys, shapes):
+        for key, shape in zip(keys, target.checkpoint_shapes(index, config.r)):
             if key not in tensors:
                 raise ValueError(f"{weights_path}: missing tensor {key!r} (target module {module} per {CONFIG_FILE})")
             tensor = tensors.pop(key)
@@ -243,7 +305,8 @@ def load_peft_adapter(adapter_dir: str | Path, targets: dict[str, LoRATarget], m
                 raise ValueError(f"{weights_path}: tensor {key!r} has shape {tuple(tensor.shape)} "
                                  f"({tensor.dtype}), expected {shape} (floating point)")
             pair.append(tensor)
-        lora.layers.setdefault(layer_name, {})[index] = LoRALayerWeights(*pair)
+        if target.local:
+            lora.layers.setdefault(layer_name, {})[index] = LoRALayerWeights(*target.shard(index, *pair))
     if tensors:                                  # a tensor PEFT would apply somewhere we would not
         raise ValueError(f"{weights_path}: unexpected tensor {sorted(tensors)[0]!r} "
                          f"({len(tensors)} in all): not a LoRA A/B of a module {CONFIG_FILE} targets")

@@ -6,14 +6,17 @@
 A feature is a way to build the engine (prefix caching, chunked prefill, preemption by recompute or
 swap, an n-gram / draft-model / EAGLE drafter, async scheduling, a KV connector of chapter 06's
 pool — from scratch or on Mooncake —, tensor or pipeline parallelism, the engine core in its own
-process, data parallelism). Each pair of features builds one engine (tiny random Llama, SmolLM2's
+process, data parallelism, LoRA). Each pair of features builds one engine (tiny random Llama, SmolLM2's
 tokenizer) and runs the same requests, which bring the request-level features: greedy decoding,
 n > 1 (sampled at top_k = 1: vLLM refuses n > 1 with greedy), beam search, penalties with logprobs
 and prompt logprobs, and structured output (a regex, chapter 08). The truth kept is the PLAIN engine's answer to the same requests (none of the
 features): every pair must give its greedy tokens, its beams and its logprobs (to 1e-4), or be
 refused — only where real vLLM 0.32 refuses the same pair, with its reason (`VLLM_REFUSES`, each
 message checked against the vLLM check it names). A connector engine runs the greedy requests twice,
-the prefix cache reset between: the second time their prompts come from the pool.
+the prefix cache reset between: the second time their prompts come from the pool. With LoRA
+(chapter 09) every request runs with an adapter PEFT made (`lora_request`, or the adapter's name as
+the server's `model`), and the truth is the plain engine on the checkpoint PEFT's `merge_and_unload`
+wrote: the base weights with the adapter folded in.
 
 Paths: "llm" is `LLM(...)` (data parallelism has none: vLLM's offline LLM runs one engine); "serve"
 is `AsyncLLM` behind the OpenAI server in this process (its core always in a process of its own),
@@ -50,6 +53,7 @@ class Feature:
     llm: bool = True                               # has an LLM path (data parallelism: the server's)
     core_process: bool = False                     # LLM(multiprocess_mode=True)
     data_parallel_size: int = 1                    # the server's replicas
+    lora: bool = False                             # every request runs with Context.lora_request()
 
 
 FEATURES = [
@@ -68,6 +72,7 @@ FEATURES = [
     Feature("PP=2", dict(pipeline_parallel_size=2)),
     Feature("core process", core_process=True),
     Feature("DP=2", llm=False, data_parallel_size=2),
+    Feature("LoRA", dict(enable_lora=True, max_lora_rank=8), lora=True),
 ]
 BY_NAME = {f.name: f for f in FEATURES}
 
@@ -95,7 +100,7 @@ class Context:
 
     def __init__(self, model_dir: Path, work_dir: Path):
         self.model_dir, self.work_dir = Path(model_dir), Path(work_dir)
-        self._eagle = self._mooncake = None
+        self._eagle = self._mooncake = self._lora = self._lora_expected = None
         self._metadata = []
         self._engines = 0
 
@@ -109,6 +114,39 @@ class Context:
             self._eagle = self.work_dir / "eagle"
             EagleHead(EagleConfig.for_target(AutoConfig.from_pretrained(self.model_dir))).save_pretrained(self._eagle)
         return str(self._eagle)
+
+    def lora_request(self):
+        """The adapter every request of a LoRA pair runs with: PEFT's, on every linear layer, B not zero."""
+        from mini_vllm import LoRARequest
+        if self._lora is None:
+            self._lora = self._make_lora()
+        return LoRARequest("tiny-lora", 1, str(self._lora))
+
+    def merged_dir(self) -> Path:
+        """The same checkpoint with the adapter merged into its weights (PEFT's merge_and_unload)."""
+        if self._lora is None:
+            self._lora = self._make_lora()
+        return self.work_dir / "merged"
+
+    def _make_lora(self) -> Path:
+        import torch
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        peft_model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, init_lora_weights=False, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        peft_model.save_pretrained(self.work_dir / "lora")           # (the "default" adapter: right there)
+        peft_model.merge_and_unload().save_pretrained(self.work_dir / "merged")
+        AutoTokenizer.from_pretrained(self.model_dir).save_pretrained(self.work_dir / "merged")
+        return self.work_dir / "lora"
+
+    def lora_expected(self) -> tuple[dict, dict]:
+        """The truth for LoRA pairs: plain_results on the merged checkpoint (computed once)."""
+        if self._lora_expected is None:
+            self._lora_expected = plain_results(self, model_dir=self.merged_dir())
+        return self._lora_expected
 
     def scratch(self) -> dict:
         """A pool of its own for each engine (a scratch pool holds one model's K/V)."""
@@ -165,13 +203,14 @@ STRUCTURED = dict(temperature=0.0, max_tokens=8)
 STRUCTURED_REGEX = r"(yes|no|maybe)(, [a-z]{2,6}){1,3}\."
 
 
-def run_llm(llm, connector: bool) -> dict:
-    """The workload through LLM -> {what: comparable result}."""
+def run_llm(llm, connector: bool, lora=None) -> dict:
+    """The workload through LLM -> {what: comparable result}; lora: every request's LoRARequest."""
     from mini_vllm import BeamSearchParams, SamplingParams
     from mini_vllm.sampling_params import StructuredOutputsParams
 
     def greedy(from_pool: bool = False):
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(**GREEDY), use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(**GREEDY), use_tqdm=False,
+                               lora_request=lora)
         if from_pool and not all(o.num_cached_tokens >= BLOCK for o in outputs):
             raise AssertionError(f"the second pass did not load its prompts from the pool: cached tokens "
                                  f"{[o.num_cached_tokens for o in outputs]}")
@@ -180,18 +219,18 @@ def run_llm(llm, connector: bool) -> dict:
     if connector:                      # again, the prompts' K/V from the pool this time
         llm.reset_prefix_cache()
         out["greedy from the pool"] = greedy(from_pool=True)
-    n = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(**N_BEST), use_tqdm=False)[0]
+    n = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(**N_BEST), use_tqdm=False, lora_request=lora)[0]
     out["n=2"] = [c.token_ids for c in n.outputs]
-    beams = llm.beam_search([{"prompt_token_ids": PROMPTS[1]}], BeamSearchParams(**BEAM))[0]
+    beams = llm.beam_search([{"prompt_token_ids": PROMPTS[1]}], BeamSearchParams(**BEAM), lora_request=lora)[0]
     out["beam search"] = [s.tokens for s in beams.sequences]
     pen = llm.generate({"prompt_token_ids": PROMPTS[2]}, SamplingParams(**PENALTIES, prompt_logprobs=1),
-                       use_tqdm=False)[0]
+                       use_tqdm=False, lora_request=lora)[0]
     out["penalties + logprobs"] = (pen.outputs[0].token_ids, _logprobs(pen.outputs[0].logprobs))
     out["prompt logprobs"] = [None if e is None else {t: round(lp.logprob, 4) for t, lp in e.items()}
                               for e in pen.prompt_logprobs]
     structured = SamplingParams(**STRUCTURED, structured_outputs=StructuredOutputsParams(regex=STRUCTURED_REGEX))
-    out["structured output"] = llm.generate({"prompt_token_ids": PROMPTS[0]}, structured,
-                                            use_tqdm=False)[0].outputs[0].token_ids
+    out["structured output"] = llm.generate({"prompt_token_ids": PROMPTS[0]}, structured, use_tqdm=False,
+                                            lora_request=lora)[0].outputs[0].token_ids
     return out
 
 
@@ -199,13 +238,14 @@ def _logprobs(entries) -> list[dict[int, float]]:
     return [{t: round(lp.logprob, 4) for t, lp in e.items()} for e in entries]
 
 
-def run_serve(url: str, connector: bool) -> dict:
+def run_serve(url: str, connector: bool, model: str = "tiny") -> dict:
     """The workload over HTTP (/v1/completions, token prompts, vLLM's return_token_ids) -> what run_llm
-    returns, but the server's logprobs are only the chosen tokens' (its top-k comes as text)."""
+    returns, but the server's logprobs are only the chosen tokens' (its top-k comes as text). model: the
+    base model's name, or a LoRA adapter's."""
     import httpx2 as httpx
 
     def post(**body):
-        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "return_token_ids": True, **body}, timeout=120)
+        r = httpx.post(url + "/v1/completions", json={"model": model, "return_token_ids": True, **body}, timeout=120)
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.text[:500]}")
         return r.json()
@@ -280,13 +320,14 @@ def run_pair_llm(ctx: Context, pair: tuple[str, str], expect: dict, registry=Non
         return check_refusal(error, pair)
     if registry is not None:
         registry.append(llm)
+    lora = any(f.lora for f in features)
     try:
-        got = run_llm(llm, connector=any(f.group == "kv" for f in features))
+        got = run_llm(llm, connector=any(f.group == "kv" for f in features), lora=ctx.lora_request() if lora else None)
     finally:
         if registry is not None:
             registry.remove(llm)
         llm.shutdown()
-    return verdict(pair, "LLM", got, expect)
+    return verdict(pair, "LLM", got, ctx.lora_expected()[0] if lora else expect)
 
 
 def verdict(pair: tuple[str, str], path: str, got: dict, expect: dict) -> str:
@@ -311,25 +352,27 @@ def run_pair_serve(ctx: Context, pair: tuple[str, str], expect_served: dict) -> 
                           data_parallel_size=max(f.data_parallel_size for f in features))
     except ValueError as error:
         return check_refusal(error, pair)
-    server = ServerThread(engine)
+    lora = ctx.lora_request() if any(f.lora for f in features) else None
+    server = ServerThread(engine, lora)
     try:
-        got = run_serve(server.url, connector=any(f.group == "kv" for f in features))
+        got = run_serve(server.url, connector=any(f.group == "kv" for f in features),
+                        model=lora.lora_name if lora else "tiny")
         server.wait_idle()
     finally:
         server.stop()
-    return verdict(pair, "the server", got, expect_served)
+    return verdict(pair, "the server", got, ctx.lora_expected()[1] if lora else expect_served)
 
 
 class ServerThread:
     """The OpenAI server (api_server.build_app over `engine`) in a thread of this process, on a port the
     OS chose, with one extra route for the matrix: POST /reset_prefix_cache."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, lora=None):
         import uvicorn
 
         from mini_vllm.entrypoints.api_server import build_app
         self.engine = engine
-        app = build_app(engine, ["tiny"])
+        app = build_app(engine, ["tiny"], lora_modules=[(lora.lora_name, lora.lora_path)] if lora else None)
 
         @app.post("/reset_prefix_cache")
         async def reset_prefix_cache():
@@ -367,11 +410,15 @@ class ServerThread:
         self.sock.close()
 
 
-def plain_results(ctx: Context) -> tuple[dict, dict]:
-    """The oracle: the plain engine's results, and the same as the server reports them."""
+def plain_results(ctx: Context, model_dir: Path | None = None) -> tuple[dict, dict]:
+    """The oracle: the plain engine's results, and the same as the server reports them (model_dir: another
+    checkpoint than the context's -- the merged one, for the LoRA pairs)."""
     from mini_vllm import LLM
 
-    llm = LLM(**ctx.engine_kwargs(()))
+    kwargs = ctx.engine_kwargs(())
+    if model_dir is not None:
+        kwargs["model"] = str(model_dir)
+    llm = LLM(**kwargs)
     try:
         expect = run_llm(llm, connector=False)
         return expect, as_served(expect)

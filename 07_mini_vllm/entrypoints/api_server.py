@@ -5,7 +5,9 @@ the API-key middleware, the exception handlers) over `AsyncLLM`:
 
     POST /v1/completions        serving_completion.py (text or token prompts, n, logprobs, SSE)
     POST /v1/chat/completions   serving_chat.py (the model's chat template)
-    GET  /v1/models             the served model name(s)
+    GET  /v1/models             the served model name(s), and each LoRA adapter (serving_models.py)
+    POST /v1/load_lora_adapter  {"lora_name", "lora_path"}: serve another adapter by name; with
+    POST /v1/unload_lora_adapter  VLLM_ALLOW_RUNTIME_LORA_UPDATING=true only, as in vLLM
     GET  /health                200 while the engine core is alive, 503 once it is not
     GET  /version               this package's version
     GET  /metrics               Prometheus text format, vLLM's metric names (metrics.py)
@@ -26,14 +28,16 @@ from http import HTTPStatus
 from importlib.metadata import PackageNotFoundError, version
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from mini_vllm.async_llm import AsyncLLM
-from mini_vllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from mini_vllm.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, LoadLoRAAdapterRequest,
+                                            UnloadLoRAAdapterRequest)
 from mini_vllm.entrypoints.serving_chat import OpenAIServingChat
 from mini_vllm.entrypoints.serving_completion import OpenAIServingCompletion
 from mini_vllm.entrypoints.serving_engine import OpenAIError, error_response, parse_body, with_cancellation
+from mini_vllm.entrypoints.serving_models import OpenAIServingModels, runtime_lora_updating_allowed
 from mini_vllm.gc_utils import freeze_gc_heap
 
 logger = logging.getLogger("mini_vllm.api_server")
@@ -47,8 +51,10 @@ def package_version() -> str:
 
 
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
-              shutdown_engine: bool = True) -> FastAPI:
-    """shutdown_engine: stop the engine (its core process) when the app stops."""
+              shutdown_engine: bool = True, lora_modules: list[tuple[str, str]] | None = None) -> FastAPI:
+    """shutdown_engine: stop the engine (its core process) when the app stops. lora_modules: (name,
+    path) adapters served from the start (--lora-modules; needs enable_lora)."""
+    models = OpenAIServingModels(engine, served_model_names, lora_modules)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -60,8 +66,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
                 engine.shutdown()
 
     app = FastAPI(lifespan=lifespan)
-    completion = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names)
+    completion = OpenAIServingCompletion(engine, models)
+    chat = OpenAIServingChat(engine, models)
 
     @app.middleware("http")
     async def authentication(request: Request, call_next):
@@ -87,9 +93,20 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
     @app.get("/v1/models")
     async def show_models():
-        root = str(engine.model_config.model)
-        return ModelList(data=[ModelCard(id=name, root=root, max_model_len=engine.model_config.max_model_len)
-                               for name in served_model_names]).model_dump()
+        return models.show_available_models().model_dump()
+
+    if runtime_lora_updating_allowed():
+        logger.warning("runtime LoRA updating is on: clients may load adapters from any path this server reads")
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(raw_request: Request):
+            req = await parse_body(raw_request, LoadLoRAAdapterRequest)
+            return PlainTextResponse(models.load_lora_adapter(req.lora_name, req.lora_path))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(raw_request: Request):
+            req = await parse_body(raw_request, UnloadLoRAAdapterRequest)
+            return PlainTextResponse(models.unload_lora_adapter(req.lora_name))
 
     @app.get("/metrics")
     async def metrics():
@@ -130,7 +147,7 @@ def run_server(args, engine_config) -> None:
                       router=getattr(args, "dp_router", "cache_aware"),
                       chat_template=getattr(args, "chat_template", None))
     names = args.served_model_name or [engine.served_model_name]
-    app = build_app(engine, names, args.api_key)
+    app = build_app(engine, names, args.api_key, lora_modules=getattr(args, "lora_modules", None))
     freeze_gc_heap()                         # this process's start-up heap too (gc_utils.py)
     logger.info("serving %s on http://%s:%d (engine core pid(s) %s%s)", names, args.host, args.port,
                 [client.pid for client in engine.core_clients],

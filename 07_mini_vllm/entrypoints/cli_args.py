@@ -3,6 +3,7 @@ Apart from api_server.py so that `python -m mini_vllm --help` does not import th
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -24,3 +25,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="which replica gets a request (router.py); only with --data-parallel-size > 1")
     g.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
+    g.add_argument("--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served by name (needs --enable-lora): name=path, or JSON "
+                        '\'{"name": ..., "path": ...}\'; clients ask for one in \'model\'')
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """vLLM's --lora-modules entry: `name=path` or a JSON object with "name" and "path"."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+            return str(value["name"]), str(value["path"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(f'a JSON LoRA module needs "name" and "path": {text!r}') from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"a LoRA module is name=path, got {text!r}")
+    return name, path

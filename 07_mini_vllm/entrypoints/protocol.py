@@ -207,9 +207,22 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "mini_vllm"
     root: str | None = None
+    parent: str | None = None          # a LoRA adapter's base model (vLLM's field)
     max_model_len: int | None = None
 
 
 class ModelList(OpenAIBaseModel):
     object: str = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+    lora_name: str | None = None
+    lora_path: str | None = None
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    """POST /v1/unload_lora_adapter."""
+    lora_name: str | None = None
+    lora_int_id: int | None = None

@@ -73,12 +73,12 @@ class OpenAIServingChat(OpenAIServing):
         usage = UsageInfo(prompt_tokens=prompt_len, completion_tokens=completion_tokens,
                           total_tokens=prompt_len + completion_tokens,
                           prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=final.num_cached_tokens))
-        return ChatCompletionResponse(id=request_id, model=self.served_model_names[0], choices=choices, usage=usage,
+        return ChatCompletionResponse(id=request_id, model=self.model_name(req), choices=choices, usage=usage,
                                       kv_transfer_params=final.kv_transfer_params).model_dump()
 
     async def chat_completion_stream_generator(self, req: ChatCompletionRequest, request_id: str, job,
                                                prompt_len: int) -> AsyncIterator[str]:
-        model, created = self.served_model_names[0], int(time.time())
+        model, created = self.model_name(req), int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(choices, usage=None) -> str:

@@ -79,13 +79,13 @@ class OpenAIServingCompletion(OpenAIServing):
                           total_tokens=sum(lengths) + completion_tokens,
                           prompt_tokens_details=PromptTokenUsageInfo(
                               cached_tokens=sum(f.num_cached_tokens for f in finals.values())))
-        return CompletionResponse(id=request_id, model=self.served_model_names[0], choices=choices, usage=usage,
+        return CompletionResponse(id=request_id, model=self.model_name(req), choices=choices, usage=usage,
                                   kv_transfer_params=finals[0].kv_transfer_params).model_dump()
 
     # ------------------------------------------------------------------ streamed
     async def completion_stream_generator(self, req: CompletionRequest, request_id: str, prepared,
                                           lengths) -> AsyncIterator[str]:
-        n, model, created = req.n, self.served_model_names[0], int(time.time())
+        n, model, created = req.n, self.model_name(req), int(time.time())
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         text_offsets: dict[int, int] = {}
         completion_tokens = 0

@@ -100,16 +100,21 @@ def structured_outputs_params(req) -> StructuredOutputsParams | None:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]):
+    def __init__(self, engine: AsyncLLM, models):
+        """models: the names clients may ask for (serving_models.py: the base model, LoRA adapters)."""
         self.engine = engine
-        self.served_model_names = served_model_names
+        self.models = models
         self.max_model_len = engine.model_config.max_model_len
         self.tokenizer = engine.tokenizer
         self.defaults = engine.engine.default_sampling_params      # the model's generation_config.json
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
-            raise OpenAIError(f"The model `{model}` does not exist.", HTTPStatus.NOT_FOUND, "model")
+        """404 for a name that is neither the base model nor a served LoRA adapter."""
+        self.models.lora_request_for(model)
+
+    def model_name(self, req) -> str:
+        """The `model` a response names: the adapter's name, or the base model's."""
+        return self.models.model_name(self.models.lora_request_for(req.model))
 
     def check_alive(self) -> None:
         if self.engine.errored:
@@ -166,6 +171,7 @@ class OpenAIServing:
         """The engine's own validation (vocabulary, length, parameters, kv_transfer_params) -> 400 on
         failure; nothing is queued. With use_beam_search, the search's n beams (AsyncLLM.beam_search,
         vLLM's online beam search)."""
+        lora_request = self.models.lora_request_for(req.model)
         try:
             if req.use_beam_search:
                 if req.kv_transfer_params is not None:
@@ -176,11 +182,11 @@ class OpenAIServing:
                                         include_stop_str_in_output=params.include_stop_str_in_output)
                 prompt_text, _ = self.engine.process_request(request_id, prompt_text if prompt_text is not None
                                                              else prompt_ids, SamplingParams(max_tokens=1),
-                                                             prompt_token_ids=prompt_ids)
-                return EngineJob(request_id, prompt_text, None, beam, prompt_ids)
+                                                             prompt_token_ids=prompt_ids, lora_request=lora_request)
+                return EngineJob(request_id, prompt_text, None, beam, prompt_ids, lora_request)
             prompt_text, core_request = self.engine.process_request(
                 request_id, prompt_text if prompt_text is not None else prompt_ids, params, prompt_token_ids=prompt_ids,
-                priority=req.priority, kv_transfer_params=req.kv_transfer_params)
+                priority=req.priority, kv_transfer_params=req.kv_transfer_params, lora_request=lora_request)
             return EngineJob(request_id, prompt_text, core_request)
         except (ValueError, TypeError) as e:
             raise OpenAIError(str(e)) from None
@@ -188,7 +194,8 @@ class OpenAIServing:
     def generate(self, job: "EngineJob") -> AsyncIterator:
         """The job's RequestOutputs (a beam search: one, finished, its beams as completions)."""
         if job.beam is not None:
-            return self.engine.beam_search(job.prompt_ids, job.request_id, job.beam, prompt_token_ids=job.prompt_ids)
+            return self.engine.beam_search(job.prompt_ids, job.request_id, job.beam, prompt_token_ids=job.prompt_ids,
+                                           lora_request=job.lora_request)
         return self.engine.generate(job.core_request, None, job.request_id, prompt_text=job.prompt_text)
 
 
@@ -200,6 +207,7 @@ class EngineJob:
     core_request: object
     beam: BeamSearchParams | None = None
     prompt_ids: list[int] | None = None
+    lora_request: object = None            # a beam search's adapter (a core request carries its own)
 
 
 def engine_error(e: BaseException) -> OpenAIError:

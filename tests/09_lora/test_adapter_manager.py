@@ -107,10 +107,27 @@ def test_bad_arguments(tiny_lora):
     m = manager_with(tiny_lora, ids=())
     with pytest.raises(ValueError, match="positive ints"):
         m.add_adapter(0, tiny_lora.dirs["plain"])
-    m.add_adapter(1, tiny_lora.dirs["plain"])
-    with pytest.raises(ValueError, match="remove it first"):
-        m.add_adapter(1, tiny_lora.dirs["rslora"])
     small = LoRAAdapterManager(tiny_lora.model, max_loras=1, max_lora_rank=4)
     with pytest.raises(ValueError, match="above max_lora_rank=4"):
         small.add_adapter(1, tiny_lora.dirs["plain"])
     assert small.list_adapters() == []
+
+
+def test_an_id_re_pointed_at_another_adapter_replaces_it_once_loaded(tiny_lora, tmp_path):
+    m = manager_with(tiny_lora, ids=())
+    m.add_adapter(1, tiny_lora.dirs["plain"])
+    slot = m.activate(1)
+    name = next(iter(m.slot_weights))
+    plain_a = m.slot_weights[name].lora_a[slot].clone()
+    # A directory that fails to load leaves the old adapter exactly as it was, slot included.
+    with pytest.raises(ValueError, match="not found"):
+        m.add_adapter(1, tmp_path / "missing")
+    assert m.path_of(1) == tiny_lora.dirs["plain"] and m.slot_of(1) == slot
+    assert torch.equal(m.slot_weights[name].lora_a[slot], plain_a)
+    # One that loads replaces it: the slot is given up, the next activation writes the new weights.
+    m.add_adapter(1, tiny_lora.dirs["rslora"])
+    assert m.path_of(1) == tiny_lora.dirs["rslora"] and m.slot_of(1) is None
+    slot = m.activate(1)
+    r = m._get(1).rank
+    assert not torch.equal(m.slot_weights[name].lora_a[slot], plain_a)
+    assert not m.slot_weights[name].lora_a[slot, :, r:].any()          # rank 4: the rest of the slot is zero

@@ -3,12 +3,15 @@ a batch mixing adapters and the base computes, row for row, what each computes a
 tensors hold PEFT's merged update (merge_and_unload).
 
 Tiny random Llama (GQA) first — fp32 tolerance, no download — then the real SmolLM2-135M (`model`),
-with an adapter trained for 20 steps so the check is made on a visibly different model."""
+with an adapter trained for 20 steps so the check is made on a visibly different model, last through
+chapter 07's engine against `PeftModel.generate`."""
 from __future__ import annotations
 
 import pytest
 import torch
 from tolerances import assert_close
+
+from mini_vllm import LLM, LoRARequest, SamplingParams
 
 from lora.adapter_manager import NO_LORA, LoRAAdapterManager, SlotWeights
 from lora.layers import LoRALinearMethod, apply_lora, lora_delta, remove_lora
@@ -199,3 +202,49 @@ def test_smollm2_adapters_equal_peft_alone_and_mixed(smollm2_lora, lora_oracles)
             start += len(prompt)
     finally:
         remove_lora(case.model)
+
+
+# ---- the real model through the engine -------------------------------------------------------------
+
+ENGINE_MAX_NEW = 12
+
+
+@pytest.mark.model
+def test_engine_equals_peft_generate_per_adapter(smollm2_lora):
+    """Through chapter 07's engine (`LLM(enable_lora=True)`, the layers run the batched ops): each
+    adapter's greedy tokens equal `PeftModel.generate`'s, the trained one too, in one batch mixing four
+    adapters and the base model with max_loras=2 (the scheduler holds some adapters back).
+    (Here, beside the layer tests, so that the session's SmolLM2 adapters are built once.)"""
+    from transformers import AutoTokenizer
+
+    case = smollm2_lora
+    tokenizer = AutoTokenizer.from_pretrained(case.base_dir)
+    names = ["trained", "plain", "rslora", "partial"]
+    requests = {name: LoRARequest(name, i, str(case.dirs[name])) for i, name in enumerate(names, start=1)}
+    batch = [("trained", "The secret password of the castle is"), (None, "The secret password of the castle is"),
+             ("plain", "def fibonacci(n):"), ("rslora", "The capital of France is"), ("partial", "Once upon a time,"),
+             (None, "def fibonacci(n):")]
+    want = []
+    with torch.inference_mode():
+        for adapter, text in batch:
+            ids = tokenizer(text, return_tensors="pt").input_ids
+            if adapter is None:
+                with case.peft_model.disable_adapter():
+                    out = case.peft_model.generate(ids, max_new_tokens=ENGINE_MAX_NEW, do_sample=False)
+            else:
+                case.peft_model.set_adapter(adapter)
+                out = case.peft_model.generate(ids, max_new_tokens=ENGINE_MAX_NEW, do_sample=False)
+            want.append(out[0, ids.shape[1]:].tolist())
+    assert want[0] != want[1], "training changed nothing the test can see"
+    llm = LLM(str(case.base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, max_model_len=256,
+              num_gpu_blocks_override=128)
+    try:
+        outs = llm.generate([text for _, text in batch], SamplingParams(temperature=0.0, max_tokens=ENGINE_MAX_NEW),
+                            lora_request=[requests.get(adapter) for adapter, _ in batch], use_tqdm=False)
+        for (adapter, text), out, ref in zip(batch, outs, want):
+            got = list(out.outputs[0].token_ids)
+            assert got == ref[:len(got)] and (len(got) == len(ref) or out.outputs[0].finish_reason == "stop"), \
+                f"{adapter} on {text!r}: ours {got} != PEFT {ref}"
+        llm.llm_engine.engine_core.check_invariants()
+    finally:
+        llm.shutdown()
