@@ -28,11 +28,17 @@ class LoRAScheduler(Scheduler):
         super()._schedule_waiting(step)
 
     def _try_schedule_waiting(self, request: Request, step: ScheduledStep) -> str:
+        """A waiting request of an adapter this step does not run yet, when the step already runs
+        max_loras adapters: "skipped". Otherwise the layer below decides; an admitted request's adapter
+        counts from then on (`self._step_loras`: the adapters of this step's scheduled requests)."""
+        if self.max_loras is None or request.lora_request is None:
+            return super()._try_schedule_waiting(request, step)
         lora_id = request.lora_int_id
-        if (self.max_loras is not None and lora_id is not None and lora_id not in self._step_loras
-                and len(self._step_loras) >= self.max_loras):
+        ### BEGIN SOLUTION
+        if lora_id not in self._step_loras and len(self._step_loras) >= self.max_loras:
             return "skipped"                # one adapter too many this step: wait for a slot
         outcome = super()._try_schedule_waiting(request, step)
-        if outcome == "admitted" and lora_id is not None and self.max_loras is not None:
+        if outcome == "admitted":
             self._step_loras.add(lora_id)
         return outcome
+        ### END SOLUTION

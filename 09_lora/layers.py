@@ -43,16 +43,23 @@ class LoRAMapping:
 
     backend=None: the layers add `delta_fn`'s result (the readable loop, `lora_delta`). A backend of
     ops.py ("torch", "triton", "cpu"): `add_lora_linear` adds every adapter's part IN PLACE with the
-    batched shrink and expand, the slot table checked once per step rather than once per layer."""
+    batched shrink and expand. The token -> slot map is checked once per step (`set_token_lora`,
+    against `num_slots`), not once per layer: a step of SmolLM2 calls the ops 240 times, and the
+    checks of ops.py cost more than a decode-sized kernel. With "cpu" the C++ kernels are called
+    directly (their contract holds: contiguous int64 slots in range, float32 scales)."""
 
-    def __init__(self, backend: str | None = None):
-        self.backend = backend
+    def __init__(self, backend: str | None = None, num_slots: int | None = None):
+        self.backend, self.num_slots = backend, num_slots
         self.token_lora: torch.Tensor | None = None    # [T] int64, NO_LORA = base model
         self.any_lora = False                           # computed once per step, not once per layer
         self._scales: torch.Tensor | None = None        # [num_slots] ones: the slots hold scaling * B
+        self._slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id(SlotWeights) -> offsets, sizes
 
     def set_token_lora(self, token_lora: torch.Tensor | None) -> None:
-        self.token_lora = token_lora
+        if token_lora is not None and self.num_slots is not None:
+            from lora.reference import check_token_lora
+            token_lora = check_token_lora(token_lora, token_lora.numel(), self.num_slots, token_lora.device)
+        self.token_lora = token_lora if token_lora is None else token_lora.contiguous()
         self.any_lora = token_lora is not None and bool((token_lora != NO_LORA).any())
 
     def set_requests(self, slots: Sequence[int], num_tokens: Sequence[int],
@@ -61,7 +68,7 @@ class LoRAMapping:
         token_lora = torch.repeat_interleave(torch.tensor(list(slots), dtype=torch.int64),
                                              torch.tensor(list(num_tokens), dtype=torch.int64)).to(device)
         self.set_token_lora(token_lora)
-        return token_lora
+        return self.token_lora
 
     def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, slot_weights: SlotWeights) -> None:
         """y [T, out] += each token's (x A^T) B^T, every slice, one shrink and one expand (ops.py)."""
@@ -70,11 +77,24 @@ class LoRAMapping:
         num_slots, num_slices, max_rank = slot_weights.lora_a.shape[:3]
         if self._scales is None or self._scales.numel() != num_slots or self._scales.device != x.device:
             self._scales = torch.ones(num_slots, dtype=torch.float32, device=x.device)
-        buffer = torch.empty(num_slices, x.shape[0], max_rank, dtype=torch.float32, device=x.device)
+        buffer = torch.empty(num_slices, x.shape[0], max_rank, dtype=torch.float32, device=x.device)  # [S, T, R]
+        if self.backend == "cpu" and y.is_contiguous():
+            from kernels_cpu import lora_ops as kernels
+            offsets, sizes = self._slice_tensors(slot_weights)
+            kernels.lora_shrink(x.contiguous(), slot_weights.lora_a, self.token_lora, self._scales, buffer)
+            kernels.lora_expand(buffer, slot_weights.lora_b, self.token_lora, y, offsets, sizes, True)
+            return
         ops.lora_shrink(x, slot_weights.lora_a, self.token_lora, self._scales, buffer, self.backend,
                         check_values=False)
         ops.lora_expand(buffer, slot_weights.lora_b, self.token_lora, y, slot_weights.offsets,
                         slot_weights.output_sizes, True, self.backend, check_values=False)
+
+    def _slice_tensors(self, slot_weights: SlotWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        key = id(slot_weights)
+        if key not in self._slices:
+            self._slices[key] = (torch.tensor(slot_weights.offsets, dtype=torch.int64),
+                                 torch.tensor(slot_weights.output_sizes, dtype=torch.int64))
+        return self._slices[key]
 
 
 def lora_delta(x: torch.Tensor, slot_weights: SlotWeights, token_lora: torch.Tensor) -> torch.Tensor:
@@ -126,7 +146,7 @@ def apply_lora(model: nn.Module, manager: LoRAAdapterManager, delta_fn: DeltaFn 
     runner updates each step (no tokens mapped: the base model). backend: the batched ops of ops.py
     ("torch", "triton", "cpu") in place of delta_fn. Call after loading (chapter 07's loader sets the
     CPU GEMM method); applying again rebinds the layers to the new manager."""
-    mapping = LoRAMapping(backend)
+    mapping = LoRAMapping(backend, manager.max_loras)
     modules = dict(model.named_modules())
     for name, slot_weights in manager.slot_weights.items():
         layer = modules[name]

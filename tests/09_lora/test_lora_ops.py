@@ -397,6 +397,17 @@ def test_benchmark_smoke(tmp_path):
     assert all(r["torch / naive"] > 0 for r in result["rows"]) and result["path"].exists()
 
 
+def test_engine_benchmark_smoke(tmp_path):
+    """benchmarks/bench_lora_engine.py --smoke: tiny model, two adapters; the mixed engine and the
+    one-adapter-at-a-time engine give the same greedy tokens."""
+    from benchmarks import bench_lora_engine
+
+    result = bench_lora_engine.main(["--smoke", "--out-dir", str(tmp_path)])
+    summary = result["summary"]
+    assert summary["same_greedy_tokens"] == {"ours, one adapter at a time": 1.0}
+    assert summary["mixed_over_base"] > 0 and result["path"].exists()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(CASES))
