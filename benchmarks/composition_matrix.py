@@ -21,7 +21,9 @@ wrote: the base weights with the adapter folded in.
 
 Paths: "llm" is `LLM(...)` (data parallelism has none: vLLM's offline LLM runs one engine); "serve"
 is `AsyncLLM` behind the OpenAI server in this process (its core always in a process of its own),
-asked over HTTP like any client. tests/integration/test_composition_llm.py and test_composition_serve_*.py run every pair through both.
+asked over HTTP like any client. This command runs every pair through both; CI
+(tests/integration/test_composition_llm.py, test_composition_serve_*.py) runs every feature alone through
+both and each pair through one of them (tests/integration/composition_cases.py).
 """
 from __future__ import annotations
 
@@ -470,7 +472,10 @@ def main(argv: list[str] | None = None) -> dict:
                                                    dtype="float32", device="cpu", plain_engine=PLAIN,
                                                    vllm_refuses={" + ".join(sorted(k)): v for k, v in VLLM_REFUSES.items()},
                                                    failed=len(failed),
-                                                   command="python -m benchmarks.composition_matrix"), rows, args.out_dir)
+                                                   command="python -m benchmarks.composition_matrix",
+                                                   **({"rerun": f"--only {args.only}: its pairs from this run, the "
+                                                               "others from the last full run"} if args.only else {})),
+                        rows, args.out_dir)
     if args.table:
         print(markdown_table(rows))
     return dict(rows=rows, failed=failed, path=path)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft_adapters import peft_model_with, save_each
 
 from mini_vllm import LLM, LoRARequest, SamplingParams
 from mini_vllm.beam_search import BeamSearchParams
@@ -38,23 +39,12 @@ BASE = dict(max_lora_rank=8, max_loras=3, max_model_len=128, cpu_kernels="off")
 @pytest.fixture(scope="module")
 def lora_case(tmp_path_factory, tiny_engine_checkpoint, hf_oracle):
     """(base dir, {name: LoRARequest}, {(name, prompt index): PEFT's greedy tokens}, PeftModel)."""
-    from peft import LoraConfig, get_peft_model
-
     root = tmp_path_factory.mktemp("lora-engine")
     hf = tiny_engine_checkpoint(root / "base", "llama", seed=11)       # our own copy: PEFT wraps it in place
     torch.manual_seed(0)
-    peft_model = None
-    for name, kwargs in ADAPTERS.items():
-        config = LoraConfig(init_lora_weights=False, **kwargs)
-        if peft_model is None:
-            peft_model = get_peft_model(hf, config, adapter_name=name)
-        else:
-            peft_model.add_adapter(name, config)
-    peft_model.eval()
-    requests = {}
-    for i, name in enumerate(ADAPTERS, 1):
-        peft_model.save_pretrained(root / "adapters", selected_adapters=[name])
-        requests[name] = LoRARequest(name, i, str(root / "adapters" / name))
+    peft_model = peft_model_with(hf, ADAPTERS).eval()
+    dirs = save_each(peft_model, root / "adapters")
+    requests = {name: LoRARequest(name, i, str(dirs[name])) for i, name in enumerate(ADAPTERS, 1)}
     hf_greedy, _ = hf_oracle
     want = {}
     for name in [*ADAPTERS, None]:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft_adapters import peft_model_with, save_each
 
 from mini_vllm.config import ModelConfig
 from mini_vllm.model_inputs import prepare_inputs
@@ -47,16 +48,10 @@ class LoRACase:
 
 
 def build_case(base_dir: Path, root: Path, specs: dict, hf_model, train_tokens: list[int] | None = None) -> LoRACase:
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     torch.manual_seed(0)
-    peft_model = None
-    for name, kwargs in specs.items():
-        config = LoraConfig(init_lora_weights=False, **kwargs)
-        if peft_model is None:
-            peft_model = get_peft_model(hf_model, config, adapter_name=name)
-        else:
-            peft_model.add_adapter(name, config)
+    peft_model = peft_model_with(hf_model, specs)
     if train_tokens is not None:
         # PEFT's default init (B = 0): everything the adapter changes comes from these steps. On the
         # second half of the layers only (layers_to_transform): the backward stops there, twice as fast.
@@ -73,10 +68,7 @@ def build_case(base_dir: Path, root: Path, specs: dict, hf_model, train_tokens: 
             opt.step()
             opt.zero_grad()
     peft_model.eval()
-    dirs = {}
-    for name in peft_model.peft_config:
-        peft_model.save_pretrained(root, selected_adapters=[name])
-        dirs[name] = root / name
+    dirs = save_each(peft_model, root)
     config = ModelConfig.from_pretrained(base_dir)
     return LoRACase(peft_model, dirs, get_model(config), config, base_dir)
 

@@ -1,15 +1,14 @@
-"""The composition matrix through `LLM`: every pair of engine features gives the plain engine's greedy
-tokens, n > 1 children, beams, penalties' tokens and logprobs — or is refused where vLLM 0.32 refuses the
-same pair, with its reason (benchmarks/composition_matrix.py says what each feature and request is).
-Every engine's KV blocks are free after each pair (tests/conftest.py's registry)."""
+"""The composition matrix through `LLM`: every feature alone and its share of the pairs (composition_cases.py:
+CI checks each pair through one front end) give the plain engine's greedy tokens, n > 1 children, beams,
+penalties' tokens and logprobs — or are refused where vLLM 0.32 refuses the same pair, with its reason
+(benchmarks/composition_matrix.py says what each feature and request is). Every engine's KV blocks are free
+after each pair (tests/conftest.py's registry)."""
 from __future__ import annotations
 
 import pytest
 
 from benchmarks import composition_matrix as cm
-from composition_cases import matrix, pair_params  # noqa: F401 (the fixture)
-
-LLM_PAIRS = [p for p in cm.pairs() if all(cm.BY_NAME[n].llm for n in p)]
+from composition_cases import LLM_PAIRS, matrix, pair_params  # noqa: F401 (the fixture)
 
 
 @pytest.mark.parametrize("pair", pair_params(LLM_PAIRS))

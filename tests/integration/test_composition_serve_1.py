@@ -1,5 +1,5 @@
 """The composition matrix through the OpenAI server (AsyncLLM, its core in a process of its own, asked
-over HTTP), half 1 of the pairs: each gives the plain engine's tokens, children, beams and logprobs, or is
+over HTTP), half 1 of the pairs CI runs through the server (composition_cases.py): each gives the plain engine's tokens, children, beams and logprobs, or is
 refused where vLLM 0.32 refuses the same pair, with its reason (benchmarks/composition_matrix.py). After
 each pair the server's core reports every KV block free."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import composition_matrix as cm
-from composition_cases import matrix, pair_params  # noqa: F401 (the fixture)
+from composition_cases import SERVE_PAIRS, matrix, pair_params  # noqa: F401 (the fixture)
 
-PAIRS = cm.pairs()[1::2]
+PAIRS = SERVE_PAIRS[1::2]
 
 
 @pytest.mark.parametrize("pair", pair_params(PAIRS))
