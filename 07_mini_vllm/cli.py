@@ -97,6 +97,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-loras", type=int, default=1, help="adapters one step may use (device slots)")
     g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank (slots are this wide)")
     g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters cached in host memory (default: max-loras)")
+    g = p.add_argument_group("quantization (chapter 10)")
+    g.add_argument("--quantization", "-q", default=None,
+                   help="the checkpoint's quantization method (default: what its config.json says), e.g. compressed-tensors")
 
 
 def json_dict(text: str) -> dict:
@@ -137,7 +140,7 @@ def engine_config(args) -> EngineConfig:
         distributed_executor_backend=args.distributed_executor_backend, speculative_config=args.speculative_config,
         kv_transfer_config=args.kv_transfer_config, structured_outputs_config=args.structured_outputs_config,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras)
+        max_cpu_loras=args.max_cpu_loras, quantization=args.quantization)
 
 
 def sampling_params(args, **overrides) -> SamplingParams:

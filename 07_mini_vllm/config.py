@@ -21,6 +21,7 @@ import torch
 
 from kvcache.cache_engine import KVCacheSpec
 from mini_vllm.models.registry import SUPPORTED_ARCHITECTURES
+from mini_vllm.models.quantization import verify_quantization
 
 # RoPE variants our RotaryEmbedding implements (chapter 01's paged_attention/model/layers.py: rope_inv_freq).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -65,6 +66,8 @@ class ModelConfig:
     dtype: torch.dtype                # the dtype weights and activations are computed in
     max_model_len: int                # longest sequence (prompt + output) the engine may run
     hf_config: Any = field(default=None, repr=False, compare=False)
+    quantization: str | None = None   # the checkpoint's quantization method (models/quantization.py); None: floats
+    quantization_config: dict | None = field(default=None, repr=False)   # config.json's quantization_config
 
     def __post_init__(self):
         for name in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -99,11 +102,13 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model: str | Path, dtype: str | torch.dtype = "auto",
-                        max_model_len: int | None = None) -> "ModelConfig":
+                        max_model_len: int | None = None, quantization: str | None = None) -> "ModelConfig":
         """Read and validate `model/config.json` (via transformers.AutoConfig).
 
         dtype: "auto" = the checkpoint's dtype (config "dtype"/"torch_dtype"), fp32 if it names none.
         max_model_len: default = max_position_embeddings (or a smaller sliding window).
+        quantization: None = whatever the checkpoint's quantization_config says; a method's name
+        must match it (vLLM's check, models/quantization.py).
         """
         path = Path(model).expanduser()
         check_model_dir(path)
@@ -157,6 +162,8 @@ class ModelConfig:
             dtype=dtype,
             max_model_len=max_model_len if max_model_len is not None else limit,
             hf_config=hf,
+            quantization=verify_quantization(raw.get("quantization_config"), quantization, path),
+            quantization_config=raw.get("quantization_config"),
         )
 
 

@@ -195,6 +195,11 @@ class EngineConfig:
     the default) | "xgrammar" (the real library, a peer)}. A constrained request
     (SamplingParams.structured_outputs) loads the backend when it first arrives."""
 
+    quantization: str | None = None
+    """How the checkpoint's weights are quantized (chapter 10; vLLM's --quantization / -q):
+    None reads the checkpoint's config.json (`quantization_config.quant_method`); a name
+    ("compressed-tensors") must match it. The methods: mini_vllm/models/quantization.py."""
+
     enable_lora: bool = False
     """Multi-LoRA serving (chapter 09; vLLM's --enable-lora): requests may carry a LoRARequest, and
     the model's qkv / o / gate_up / down layers add each token's adapter update. Off: a request with an
@@ -323,6 +328,8 @@ class EngineConfig:
 
     def _check_lora(self) -> None:
         """vLLM's LoRAConfig checks, with its messages."""
+        if self.quantization is not None and not isinstance(self.quantization, str):
+            raise ValueError(f"quantization must be a method's name or None, got {self.quantization!r}")
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
         _positive_int("max_loras", self.max_loras)

@@ -17,7 +17,9 @@ message checked against the vLLM check it names). A connector engine runs the gr
 the prefix cache reset between: the second time their prompts come from the pool. With LoRA
 (chapter 09) every request runs with an adapter PEFT made (`lora_request`, or the adapter's name as
 the server's `model`), and the truth is the plain engine on the checkpoint PEFT's `merge_and_unload`
-wrote: the base weights with the adapter folded in.
+wrote: the base weights with the adapter folded in. With int4 weights (chapter 10) the engine loads the
+checkpoint quantized to W4A16 (RTN, groups of 32, compressed-tensors), and the truth is the plain
+engine on the float weights it decompresses to (with LoRA too: the adapter merged into those).
 
 Paths: "llm" is `LLM(...)` (data parallelism has none: vLLM's offline LLM runs one engine); "serve"
 is `AsyncLLM` behind the OpenAI server in this process (its core always in a process of its own),
@@ -57,6 +59,7 @@ class Feature:
     core_process: bool = False                     # LLM(multiprocess_mode=True)
     data_parallel_size: int = 1                    # the server's replicas
     lora: bool = False                             # every request runs with Context.lora_request()
+    quantized: bool = False                        # the engine loads Context.quantized_dir()
 
 
 FEATURES = [
@@ -76,6 +79,7 @@ FEATURES = [
     Feature("core process", core_process=True),
     Feature("DP=2", llm=False, data_parallel_size=2),
     Feature("LoRA", dict(enable_lora=True, max_lora_rank=8), lora=True),
+    Feature("int4 weights", quantized=True),
 ]
 BY_NAME = {f.name: f for f in FEATURES}
 
@@ -103,7 +107,8 @@ class Context:
 
     def __init__(self, model_dir: Path, work_dir: Path):
         self.model_dir, self.work_dir = Path(model_dir), Path(work_dir)
-        self._eagle = self._mooncake = self._lora = self._lora_expected = None
+        self._eagle = self._mooncake = self._lora = None
+        self._truths: dict[tuple[bool, bool], tuple[dict, dict]] = {}
         self._metadata = []
         self._engines = 0
 
@@ -125,11 +130,54 @@ class Context:
             self._lora = self._make_lora()
         return LoRARequest("tiny-lora", 1, str(self._lora))
 
-    def merged_dir(self) -> Path:
-        """The same checkpoint with the adapter merged into its weights (PEFT's merge_and_unload)."""
+    def merged_dir(self, base: Path | None = None) -> Path:
+        """A checkpoint (default: the context's) with the adapter merged into its weights (PEFT's
+        merge_and_unload)."""
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         if self._lora is None:
             self._lora = self._make_lora()
-        return self.work_dir / "merged"
+        if base is None:
+            return self.work_dir / "merged"
+        out = self.work_dir / f"merged-{base.name}"
+        if not out.exists():
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            PeftModel.from_pretrained(model, self._lora).merge_and_unload().save_pretrained(out)
+            AutoTokenizer.from_pretrained(base).save_pretrained(out)
+        return out
+
+    def quantized_dir(self) -> Path:
+        """The checkpoint with every decoder linear in int4 (W4A16, groups of 32: a tensor-parallel
+        half of the tiny model's 64-wide o_proj input is still whole groups), chapter 10's writer."""
+        out = self.work_dir / "int4"
+        if not out.exists():
+            from quantization.checkpoint import save_compressed
+            from quantization.quantize import quantize_checkpoint_rtn
+            from quantization.reference import QuantScheme
+            save_compressed(self.model_dir, out, quantize_checkpoint_rtn(self.model_dir, QuantScheme(4, True, 32)))
+        return out
+
+    def dequantized_dir(self) -> Path:
+        """The float weights the int4 checkpoint stands for (chapter 10's save_decompressed)."""
+        out = self.work_dir / "int4-as-float"
+        if not out.exists():
+            from quantization.checkpoint import save_decompressed
+            save_decompressed(self.quantized_dir(), out)
+        return out
+
+    def truth(self, features, plain: tuple[dict, dict]) -> tuple[dict, dict]:
+        """What a pair of `features` must answer (LLM's, the server's): the plain engine's `plain`,
+        or for an adapter / int4 weights the plain engine on the checkpoint they stand for."""
+        key = (any(f.lora for f in features), any(f.quantized for f in features))
+        if key == (False, False):
+            return plain
+        if key not in self._truths:
+            base = self.dequantized_dir() if key[1] else None
+            model = self.merged_dir(base) if key[0] else base
+            self._truths[key] = plain_results(self, model_dir=model)
+        return self._truths[key]
 
     def _make_lora(self) -> Path:
         import torch
@@ -144,12 +192,6 @@ class Context:
         peft_model.merge_and_unload().save_pretrained(self.work_dir / "merged")
         AutoTokenizer.from_pretrained(self.model_dir).save_pretrained(self.work_dir / "merged")
         return self.work_dir / "lora"
-
-    def lora_expected(self) -> tuple[dict, dict]:
-        """The truth for LoRA pairs: plain_results on the merged checkpoint (computed once)."""
-        if self._lora_expected is None:
-            self._lora_expected = plain_results(self, model_dir=self.merged_dir())
-        return self._lora_expected
 
     def scratch(self) -> dict:
         """A pool of its own for each engine (a scratch pool holds one model's K/V)."""
@@ -167,7 +209,8 @@ class Context:
                                               "global_segment_size": 16 << 20, "local_buffer_size": 16 << 20}}
 
     def engine_kwargs(self, pair: tuple[str, str]) -> dict:
-        kwargs = dict(PLAIN, model=str(self.model_dir))
+        quantized = any(BY_NAME[n].quantized for n in pair)
+        kwargs = dict(PLAIN, model=str(self.quantized_dir() if quantized else self.model_dir))
         for name in dict.fromkeys(pair):
             for key, value in BY_NAME[name].config.items():
                 kwargs[key] = self._resolve(value)
@@ -313,7 +356,7 @@ def check_refusal(error: BaseException, pair: tuple[str, str]) -> str:
     return f"refused as vLLM ({expected[1]})"
 
 
-def run_pair_llm(ctx: Context, pair: tuple[str, str], expect: dict, registry=None) -> str:
+def run_pair_llm(ctx: Context, pair: tuple[str, str], expect: tuple[dict, dict], registry=None) -> str:
     from mini_vllm import LLM
 
     features = [BY_NAME[n] for n in dict.fromkeys(pair)]
@@ -330,7 +373,7 @@ def run_pair_llm(ctx: Context, pair: tuple[str, str], expect: dict, registry=Non
         if registry is not None:
             registry.remove(llm)
         llm.shutdown()
-    return verdict(pair, "LLM", got, ctx.lora_expected()[0] if lora else expect)
+    return verdict(pair, "LLM", got, ctx.truth(features, expect)[0])
 
 
 def verdict(pair: tuple[str, str], path: str, got: dict, expect: dict) -> str:
@@ -344,7 +387,7 @@ def verdict(pair: tuple[str, str], path: str, got: dict, expect: dict) -> str:
     return "same tokens"
 
 
-def run_pair_serve(ctx: Context, pair: tuple[str, str], expect_served: dict) -> str:
+def run_pair_serve(ctx: Context, pair: tuple[str, str], expect: tuple[dict, dict]) -> str:
     from mini_vllm.async_llm import AsyncLLM
     from mini_vllm.engine_config import EngineConfig
 
@@ -363,7 +406,7 @@ def run_pair_serve(ctx: Context, pair: tuple[str, str], expect_served: dict) -> 
         server.wait_idle()
     finally:
         server.stop()
-    return verdict(pair, "the server", got, ctx.lora_expected()[1] if lora else expect_served)
+    return verdict(pair, "the server", got, ctx.truth(features, expect)[1])
 
 
 class ServerThread:
@@ -442,13 +485,13 @@ def main(argv: list[str] | None = None) -> dict:
     ctx = Context(tiny_model_dir(Path(tmp.name)), Path(tmp.name))
     rows = []
     try:
-        expect, expect_served = plain_results(ctx)
+        expect = plain_results(ctx)
         for pair in pairs():
             if args.only and args.only not in pair:
                 continue
             row = {"pair": list(pair)}
             for path, run in (("llm", lambda: run_pair_llm(ctx, pair, expect)),
-                              ("serve", lambda: run_pair_serve(ctx, pair, expect_served))):
+                              ("serve", lambda: run_pair_serve(ctx, pair, expect))):
                 if path == "llm" and not all(BY_NAME[n].llm for n in pair):
                     row[path] = "no LLM path (the server's feature)"
                     continue

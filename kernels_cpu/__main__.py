@@ -1,16 +1,17 @@
 """python -m kernels_cpu                           build (or load) every kernel for this CPU, say which variant
    python -m kernels_cpu build KERNEL:ISA ...      build these variants (the test session prebuilds with it)
 
-KERNEL is attention, gemm or layer_ops; ISA one of build.ALL_ISAS."""
+KERNEL is attention, gemm, layer_ops or quant_gemm; ISA one of build.ALL_ISAS."""
 from __future__ import annotations
 
 import sys
 
 import torch
 
-from kernels_cpu import attention, build, gemm, layer_ops
+from kernels_cpu import attention, build, gemm, layer_ops, quant_gemm
 
-LOADERS = {"attention": attention.load, "gemm": gemm.load_kernel, "layer_ops": layer_ops.load}
+LOADERS = {"attention": attention.load, "gemm": gemm.load_kernel, "layer_ops": layer_ops.load,
+           "quant_gemm": quant_gemm.load}
 
 
 def main(argv: list[str]) -> int:

@@ -35,6 +35,13 @@ class LinearMethodBase:
         """The packed copy of `weight` this method reads (None: it reads `weight` itself)."""
         return None
 
+    def create_weights(self, layer: nn.Module) -> None:
+        """Before loading: give `layer` the parameters this method's checkpoint tensors load into
+        (a quantized method replaces `weight`; model_executor/quantization_config.py)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """After loading: repack the loaded tensors once for this method's kernel."""
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out]
         raise NotImplementedError
 

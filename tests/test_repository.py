@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"01_paged_attention": "paged_attention", "02_kvcache": "kvcache", "03_scheduler": "scheduler",
             "04_spec_decode": "spec_decode", "05_chunked_prefill": "chunked_prefill",
             "06_global_prefix_cache": "global_prefix_cache", "07_mini_vllm": "mini_vllm",
-            "08_structured_output": "structured_output", "09_lora": "lora",
+            "08_structured_output": "structured_output", "09_lora": "lora", "10_quantization": "quantization",
             "kernels_cuda": "kernels_cuda", "kernels_cpu": "kernels_cpu", "processes": "processes",
             "model_executor": "model_executor"}
 CHAPTERS = [package for folder, package in PACKAGES.items() if folder[0].isdigit()]

@@ -27,6 +27,8 @@ from model_executor.linear import Linear, VocabEmbedding
 from mini_vllm.config import ModelConfig, check_model_dir
 from mini_vllm.models.llama import PPMissingLayer
 from mini_vllm.models.linear_method import UNQUANTIZED, dispatch_cpu_unquantized_gemm, select_cpu_linear_method
+from mini_vllm.models.quantization import (get_quantization_config, process_quantized_layers, quant_kernel_backend,
+                                           quantize_linear_layers)
 from mini_vllm.models.registry import get_model_class
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -142,13 +144,15 @@ def process_weights_after_loading(model: nn.Module, cpu_gemm_backend: str = "aut
 
     vLLM: `model_loader/utils.py: process_weights_after_loading`, which on a CPU reaches
     `layers/utils.py: dispatch_cpu_unquantized_gemm(layer, remove_weight=True)` (oneDNN).
-    The methods and how "auto" chooses: linear_method.py. remove_weight: drop each Linear's
+    The methods and how "auto" chooses: linear_method.py. Quantized layers (chapter 10) keep their
+    own methods (models/quantization.py). remove_weight: drop each Linear's
     unpacked weight once packed — the packed copy is all its matmul reads, and keeping both
     nearly doubles the weights' memory (`python -m benchmarks.bench_model_memory` measures it).
     The tied lm_head cannot give up its matrix: it is the input embedding too.
     """
     lm_head = getattr(model, "lm_head", None)
-    layers = [m for m in model.modules() if isinstance(m, Linear) and m.packed_weight is None]
+    layers = [m for m in model.modules()
+              if isinstance(m, Linear) and m.linear_method is UNQUANTIZED and m.packed_weight is None]
     if isinstance(lm_head, VocabEmbedding) and lm_head.packed_weight is None:
         layers.append(lm_head)                          # tied: the embedding matrix, packed once more
     method = select_cpu_linear_method(cpu_gemm_backend, [m.weight for m in layers])
@@ -235,7 +239,11 @@ def get_model(model_config: ModelConfig, device: str | torch.device = "cpu", att
     cls = get_model_class(model_config.architecture)
     with torch.device(device), _default_dtype(model_config.dtype):
         model = cls(model_config, attn_backend=attn_backend, embed_on_last_stage=embed_on_last_stage)
+        quant_config = get_quantization_config(model_config.quantization, model_config.quantization_config)
+        # chapter 10: the quantized layers' parameters, and the kernels their methods will use
+        quantize_linear_layers(model, quant_config, quant_kernel_backend(device, cpu_gemm_backend, attn_backend))
     load_weights(model, iterate_weights(model_config.model))
+    process_quantized_layers(model)
     if torch.device(device).type == "cpu":
         process_weights_after_loading(model, cpu_gemm_backend)
     use_cpu_layer_ops(model, cpu_layer_ops)

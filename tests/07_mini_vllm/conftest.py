@@ -13,6 +13,7 @@ from mini_vllm.model_inputs import prepare_inputs
 from mini_vllm.models.loader import get_model
 from mini_vllm.sampler import Sampler, SamplingMetadata
 from mini_vllm.sampling_params import SamplingParams
+from tiny_checkpoints import ENGINE_VOCAB, TINY, make_tiny_checkpoint, make_tiny_engine_checkpoint  # noqa: F401
 
 # ---------------------------------------------------------------------------------------------
 # A test-only paged driver: shuffled physical blocks, NaN in every slot nobody wrote.
@@ -165,23 +166,6 @@ def smollm2_tokenizer(smollm2_dir):
 # Tiny random checkpoints of real architectures, saved by HF itself
 # ---------------------------------------------------------------------------------------------
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.1,
-            bos_token_id=1, eos_token_id=2)
-
-
-def make_tiny_checkpoint(path, model_type: str, seed: int = 0, max_shard_size: str | None = None, **overrides):
-    """Save a randomly initialised HF model of `model_type` to `path`; returns the HF model (eval, fp32)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(model_type, **{**TINY, **overrides})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(path, safe_serialization=True, **kwargs)
-    return model
-
-
 @pytest.fixture(scope="session")
 def tiny_checkpoint():
     return make_tiny_checkpoint
@@ -191,9 +175,6 @@ def tiny_checkpoint():
 # The engine (part 2): engines made by tests register in tests/conftest.py's engine_registry,
 # whose autouse fixture checks after EVERY test that each is idle with all its KV blocks free.
 # ---------------------------------------------------------------------------------------------
-
-ENGINE_VOCAB = 49152          # tiny engine checkpoints use SmolLM2's tokenizer, so text prompts work
-
 
 @pytest.fixture(scope="session")
 def make_llm(engine_registry):
@@ -209,18 +190,6 @@ def make_llm(engine_registry):
         engine_registry.append(llm)
         return llm
     return make
-
-
-def make_tiny_engine_checkpoint(path, model_type: str, seed: int = 0, **overrides):
-    """A tiny random checkpoint with SmolLM2's vocabulary and tokenizer; returns the HF model."""
-    from transformers import AutoTokenizer
-
-    from mini_vllm.default_model import default_model_path
-
-    hf = make_tiny_checkpoint(path, model_type, seed=seed, vocab_size=ENGINE_VOCAB, max_position_embeddings=1024,
-                              **overrides)
-    AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(path)
-    return hf
 
 
 @pytest.fixture(scope="session")

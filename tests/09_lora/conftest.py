@@ -12,16 +12,16 @@ for the base); our side reads only the saved directories.
 """
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from peft_adapters import peft_model_with, save_each
+from paged_forward import paged_logits
+from tiny_checkpoints import TINY
 
 from mini_vllm.config import ModelConfig
-from mini_vllm.model_inputs import prepare_inputs
 from mini_vllm.models.loader import get_model
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -33,9 +33,6 @@ ADAPTER_SPECS = {
 }
 TRAIN_TEXT = "The secret password of the castle is banana pancake."
 
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.1,
-            bos_token_id=1, eos_token_id=2)
 
 
 @dataclass
@@ -94,23 +91,6 @@ def smollm2_lora(tmp_path_factory) -> LoRACase:
     hf = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     tokens = AutoTokenizer.from_pretrained(base_dir)(TRAIN_TEXT).input_ids
     return build_case(Path(base_dir), tmp_path_factory.mktemp("smollm2-adapters"), ADAPTER_SPECS, hf, tokens)
-
-
-@torch.inference_mode()
-def paged_logits(model, config: ModelConfig, prompts: list[list[int]], block_size: int = 4) -> torch.Tensor:
-    """Every token's fp32 logits [T, vocab] of `prompts` run as ONE ragged prefill through a paged
-    cache (shuffled blocks, NaN in every slot nobody wrote). The LoRA mapping is the caller's."""
-    needed = [-(-len(p) // block_size) for p in prompts]
-    kv_caches = config.kv_cache_spec(block_size).allocate_per_layer(sum(needed) + 2, "cpu")
-    for k, v in kv_caches:
-        k.fill_(float("nan"))
-        v.fill_(float("nan"))
-    free = list(range(sum(needed) + 2))
-    random.Random(0).shuffle(free)
-    blocks = [[free.pop() for _ in range(n)] for n in needed]
-    inputs = prepare_inputs(prompts, [0] * len(prompts), blocks, block_size)
-    hidden = model(inputs.input_ids, inputs.positions, kv_caches, inputs.attn_metadata)
-    return model.compute_logits(hidden)
 
 
 @torch.inference_mode()

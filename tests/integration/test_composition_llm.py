@@ -13,6 +13,6 @@ from composition_cases import LLM_PAIRS, matrix, pair_params  # noqa: F401 (the 
 
 @pytest.mark.parametrize("pair", pair_params(LLM_PAIRS))
 def test_pair_through_llm(pair, matrix, engine_registry):
-    ctx, expect, _ = matrix
+    ctx, expect = matrix
     assert cm.run_pair_llm(ctx, pair, expect, engine_registry) in ("same tokens", *(
         f"refused as vLLM ({where})" for _, where in cm.VLLM_REFUSES.values()))

@@ -14,6 +14,6 @@ PAIRS = SERVE_PAIRS[1::2]
 
 @pytest.mark.parametrize("pair", pair_params(PAIRS))
 def test_pair_through_the_server(pair, matrix):
-    ctx, _, served = matrix
-    assert cm.run_pair_serve(ctx, pair, served) in ("same tokens", *(
+    ctx, expect = matrix
+    assert cm.run_pair_serve(ctx, pair, expect) in ("same tokens", *(
         f"refused as vLLM ({where})" for _, where in cm.VLLM_REFUSES.values()))

@@ -94,7 +94,8 @@ def test_the_package_is_a_leaf():
     chapters = ["paged_attention", "kvcache", "scheduler", "spec_decode", "chunked_prefill", "global_prefix_cache",
                 "mini_vllm", "kernels_cuda"]
     code = ("import sys, kernels_cpu, kernels_cpu.__main__, kernels_cpu.malloc, kernels_cpu.dev.attention, "
-            f"kernels_cpu.dev.gemm; print(sorted(m for m in sys.modules if m.split('.')[0] in {chapters!r}))")
+            "kernels_cpu.dev.gemm, kernels_cpu.quant_gemm; "
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {chapters!r}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"

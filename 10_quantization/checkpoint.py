@@ -1,0 +1,148 @@
+"""Write a quantized checkpoint in the compressed-tensors format (what llmcompressor's
+`oneshot(...)` + `save_pretrained(save_compressed=True)` writes, and what vLLM and HF transformers
+read): the float checkpoint's directory, copied, with each quantized linear's `weight` replaced by
+its integers and scales, and config.json given a `quantization_config`.
+
+    <layer>.weight_packed      int32 [out, in * b / 32]    WNA16 ("pack-quantized")
+    <layer>.weight_scale       [out, groups]               the weight's dtype
+    <layer>.weight_zero_point  int32 [out * b / 32, groups]  asymmetric only, packed along outputs
+    <layer>.weight_shape       int64 [2]                   [out, in]
+  or
+    <layer>.weight             int8 [out, in]              W8A8 ("int-quantized")
+    <layer>.weight_scale       [out, 1]
+
+compressed-tensors: compressors/pack_quantized/base.py (`compress`), compressors/naive_quantized
+(int-quantized), config/ and quantization/quant_config.py (the config's fields).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from quantization.packing import pack_int32
+from quantization.reference import QuantizedWeight, QuantScheme
+
+__all__ = ["SCHEMES", "quantization_config", "save_compressed", "save_decompressed"]
+
+# vLLM / llmcompressor preset names -> (weights, quantized activations?)
+SCHEMES = {
+    "W4A16": (QuantScheme(4, True, 128), False),
+    "W4A16_ASYM": (QuantScheme(4, False, 128), False),
+    "W8A16": (QuantScheme(8, True, None), False),
+    "W8A8": (QuantScheme(8, True, None), True),
+}
+COMPRESSED_TENSORS_VERSION = "0.20.1"          # the format version these files follow
+
+
+def quantization_config(scheme: QuantScheme, w8a8: bool, ignore: list[str]) -> dict:
+    """config.json's quantization_config for one group of every Linear but `ignore`."""
+    weights = dict(num_bits=scheme.num_bits, type="int", symmetric=scheme.symmetric, strategy=scheme.strategy,
+                   group_size=scheme.group_size, dynamic=False, actorder=None, observer="minmax",
+                   block_structure=None)
+    activations = None
+    if w8a8:
+        activations = dict(num_bits=8, type="int", symmetric=True, strategy="token", group_size=None,
+                           dynamic=True, actorder=None, observer=None, block_structure=None)
+    fmt = "int-quantized" if w8a8 else "pack-quantized"
+    group = dict(targets=["Linear"], weights=weights, input_activations=activations, output_activations=None,
+                 format=fmt)
+    return dict(quant_method="compressed-tensors", format=fmt, quantization_status="compressed",
+                config_groups=dict(group_0=group), ignore=list(ignore), kv_cache_scheme=None,
+                global_compression_ratio=None, sparsity_config={}, version=COMPRESSED_TENSORS_VERSION)
+
+
+def compressed_tensors_of(name: str, weight: QuantizedWeight, w8a8: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one quantized linear `name` (its float weight not among them)."""
+    s = weight.scheme
+    if w8a8:
+        return {f"{name}.weight": weight.q.contiguous(),
+                f"{name}.weight_scale": weight.scale.to(dtype).reshape(-1, 1).contiguous()}
+    tensors = {f"{name}.weight_packed": pack_int32(weight.q, s.num_bits),
+               f"{name}.weight_scale": weight.scale.to(dtype).contiguous(),
+               f"{name}.weight_shape": torch.tensor(list(weight.q.shape), dtype=torch.int64)}
+    if not s.symmetric:
+        tensors[f"{name}.weight_zero_point"] = pack_int32(weight.zero_point, s.num_bits, dim=0)
+    return tensors
+
+
+def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[str, QuantizedWeight], w8a8: bool = False,
+                    ignore: list[str] | None = None, replaced: dict[str, torch.Tensor] | None = None) -> Path:
+    """Copy the HF checkpoint `model_dir` to `out_dir` with the linears named in `weights` (HF module
+    names, e.g. "model.layers.0.self_attn.q_proj") stored quantized. `replaced`: float tensors to
+    write instead of the checkpoint's (AWQ folds its scales into the norms). Every quantized
+    linear must share one scheme (one config group); everything else stays as it was."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    schemes = {w.scheme for w in weights.values()}
+    if len(schemes) != 1:
+        raise ValueError(f"save_compressed writes one config group: got {len(schemes)} schemes {sorted(map(str, schemes))}")
+    scheme = schemes.pop()
+    replaced = dict(replaced or {})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                module = key.removesuffix(".weight")
+                if key.endswith(".weight") and module in weights:
+                    dtype = replaced.pop(key, f.get_tensor(key)).dtype
+                    tensors.update(compressed_tensors_of(module, weights[module], w8a8, dtype))
+                else:
+                    tensors[key] = replaced.pop(key) if key in replaced else f.get_tensor(key)
+    missing = sorted(m for m in weights if f"{m}.weight_scale" not in tensors)
+    if missing or replaced:
+        raise ValueError(f"save_compressed: not in {model_dir}: {missing + sorted(replaced)}")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    for path in model_dir.iterdir():                     # tokenizer, chat template, generation config
+        if path.is_file() and path.suffix != ".safetensors" and path.name not in ("config.json",
+                                                                                   "model.safetensors.index.json"):
+            shutil.copy2(path, out_dir / path.name)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = quantization_config(scheme, w8a8, ignore if ignore is not None else ["lm_head"])
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
+
+
+def save_decompressed(quantized_dir: Path | str, out_dir: Path | str) -> Path:
+    """The float checkpoint a compressed-tensors one stands for: each quantized linear's integers
+    dequantized back into a `weight` (what compressed-tensors' decompressor, and HF through it, give),
+    config.json without its quantization_config. An unquantized engine on it must give the quantized
+    engine's tokens: the truth the composition matrix keeps for quantized pairs."""
+    from safetensors.torch import load_file, save_file
+
+    from quantization.compressed_tensors import CompressedTensorsConfig
+    from quantization.packing import unpack_int32
+    from quantization.reference import dequantize
+
+    quantized_dir, out_dir = Path(quantized_dir), Path(out_dir)
+    config = json.loads((quantized_dir / "config.json").read_text())
+    groups = CompressedTensorsConfig.from_config(config.pop("quantization_config")).groups
+    if len(groups) != 1:
+        raise ValueError(f"save_decompressed reads one config group, {quantized_dir} has {len(groups)}")
+    scheme = groups[0].weights
+    tensors = {}
+    for path in sorted(quantized_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    for name in [k.removesuffix(".weight_scale") for k in tensors if k.endswith(".weight_scale")]:
+        scale = tensors.pop(f"{name}.weight_scale")
+        if f"{name}.weight_packed" in tensors:
+            q = unpack_int32(tensors.pop(f"{name}.weight_packed"), scheme.num_bits)
+            tensors.pop(f"{name}.weight_shape", None)
+            zp = tensors.pop(f"{name}.weight_zero_point", None)
+            zero = unpack_int32(zp, scheme.num_bits, dim=0) if zp is not None else torch.zeros_like(scale, dtype=torch.int8)
+        else:                                                       # int-quantized: the int8 weight itself
+            q, zero = tensors.pop(f"{name}.weight"), torch.zeros_like(scale, dtype=torch.int8)
+        tensors[f"{name}.weight"] = dequantize(q, scale, zero, scheme)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    for path in quantized_dir.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name != "config.json":
+            shutil.copy2(path, out_dir / path.name)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir
