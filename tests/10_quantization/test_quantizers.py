@@ -100,7 +100,7 @@ def test_gptq_integers_are_on_the_reference_grid(layer, scheme):
     qw = gptq_quantize(w, H, scheme)
     groups = scheme.groups(256)
     assert qw.q.dtype == torch.int8 and qw.q.shape == w.shape
-    assert scheme.qmin <= qw.q.min() and qw.q.max() <= scheme.qmax
+    assert scheme.qmin <= qw.q.min() and qw.q.max() <= scheme.qmax and (qw.q != 0).float().mean() > 0.5
     assert qw.scale.shape == (64, groups) and qw.zero_point.shape == (64, groups)
     assert torch.equal(quantize(qw.dequantize(), qw.scale, qw.zero_point, scheme), qw.q)
     scale, zero = compute_qparams(w, scheme)
@@ -139,6 +139,7 @@ def test_gptq_lazy_batches_change_nothing(layer, scheme):
     """Deferring the update of the columns right of a block to one matmul is only a reordering."""
     w, H = layer[0], layer[1]
     full = gptq_quantize(w, H, scheme, block_size=256).q
+    assert (full != 0).float().mean() > 0.5
     for block_size in (1, 8, 128):
         assert (gptq_quantize(w, H, scheme, block_size=block_size).q == full).float().mean() > 0.999
 
@@ -153,6 +154,8 @@ def test_gptq_dead_inputs(layer):
     qw = gptq_quantize(w, h.H, QuantScheme(4, True, 64))
     assert torch.isfinite(qw.scale).all()
     assert (qw.dequantize()[:, [3, 100]] == 0).all()
+    rtn = quantize_rtn(w, QuantScheme(4, True, 64)).dequantize()
+    assert output_error(w, qw.dequantize(), x) < 0.8 * output_error(w, rtn, x)
 
 
 # --------------------------------------------------------------------------------- tiny Llama
@@ -203,8 +206,17 @@ def test_awq_scaling_keeps_the_fp32_function(kv_heads):
     no output; the scales found are not all 1; with GQA, v_proj -> o_proj is skipped."""
     model, ids = tiny_llama(kv_heads)
     fp = model(ids).logits
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
     result = awq_quantize_model(model, ids, QuantScheme(4, True, 32), batch_size=3)
     torch.testing.assert_close(model(ids).logits, fp, rtol=1e-4, atol=1e-4)
+    after = dict(model.named_parameters())
+    for i in range(2):                 # the scales really moved: norms / s, down_proj's columns * s
+        p = f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            torch.testing.assert_close(before[p + norm + ".weight"] / after[p + norm + ".weight"],
+                                       result.scales[p + norm])
+        torch.testing.assert_close(after[p + "mlp.down_proj.weight"],
+                                   before[p + "mlp.down_proj.weight"] * result.scales[p + "mlp.up_proj"])
     smooth = {f"model.layers.{i}.{n}" for i in range(2) for n in
               ("input_layernorm", "post_attention_layernorm", "mlp.up_proj")
               + (("self_attn.v_proj",) if kv_heads == 4 else ())}
@@ -227,8 +239,13 @@ def test_awq_apply_scale_into_a_linear():
     first, second = nn.Linear(16, 24, bias=True), nn.Linear(24, 8, bias=False)
     x = torch.randn(5, 16)
     before = second(first(x))
-    apply_scale(first, [second], torch.rand(24) + 0.5)
+    w1, b1, w2 = first.weight.clone(), first.bias.clone(), second.weight.clone()
+    s = torch.rand(24) + 0.5
+    apply_scale(first, [second], s)
     torch.testing.assert_close(second(first(x)), before, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(first.weight, w1 / s[:, None])
+    torch.testing.assert_close(first.bias, b1 / s)
+    torch.testing.assert_close(second.weight, w2 * s)
 
 
 def test_awq_grid():
