@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "greedy_agreement_with_ours": agreement(tokens, ours_same[1])}
                             if who != "ours" else {})))
         print(rows[-1], flush=True)
+    add_peer_ratios(rows)
     path = write_result("quantization_engine", dict(
         model="tiny random Llama" if args.smoke else "SmolLM2-135M-Instruct",
         quantization="round-to-nearest, compressed-tensors: W8A16 per channel, W4A16 groups of 64, W8A8 dynamic per token",
@@ -164,6 +165,15 @@ def main(argv: list[str] | None = None) -> dict:
         + (" --smoke" if args.smoke else "")), rows, args.out_dir)
     try_plot(plot, rows, path.with_suffix(".png"))
     return dict(rows=rows, path=path)
+
+
+def add_peer_ratios(rows: list[dict]) -> None:
+    """Each of our rows that vLLM also ran gets `vs_vllm_same_checkpoint`: our tok/s ÷ vLLM's."""
+    vllm = {(r["dtype"], r["weights"], r["workload"]): r for r in rows if r["who"] != "ours"}
+    for r in rows:
+        peer = vllm.get((r["dtype"], r["weights"], r["workload"]))
+        if r["who"] == "ours" and peer is not None:
+            r["vs_vllm_same_checkpoint"] = round(r["output_tokens_per_s"] / peer["output_tokens_per_s"], 3)
 
 
 def plot(rows: list[dict], path: Path) -> None:
