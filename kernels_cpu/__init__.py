@@ -6,6 +6,7 @@ engine's linear methods and CustomOps (chapter 07, `EngineConfig.cpu_kernels`).
     attention.py   paged attention (decode, prefill, chunked prefill) reading K/V in place, + the cache write
     gemm.py        linears on weights packed once: our column-panel kernel, and oneDNN's (vLLM's choice)
     layer_ops.py   RMSNorm (+ residual add), SiLU-and-mul, split + RoPE of the qkv projection, fused
+    quant_gemm.py  int4 / int8 weights read straight by the matmul (WNA16), int8 x int8 (W8A8): chapter 10's "cpu"
     malloc.py      keep freed memory in the process (a prefill step stops page-faulting its buffers)
     build.py       compile per instruction set on first use, choose the best the CPU runs, load
     simde.py       SIMDe's headers: the AVX-512 code emulated on AVX2 machines (tests)
