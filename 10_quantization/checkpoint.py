@@ -90,8 +90,7 @@ def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[st
             for key in f.keys():
                 module = key.removesuffix(".weight")
                 if key.endswith(".weight") and module in weights:
-                    dtype = replaced.pop(key, f.get_tensor(key)).dtype
-                    tensors.update(compressed_tensors_of(module, weights[module], w8a8, dtype))
+                    tensors.update(compressed_tensors_of(module, weights[module], w8a8, f.get_tensor(key).dtype))
                 else:
                     tensors[key] = replaced.pop(key) if key in replaced else f.get_tensor(key)
     missing = sorted(m for m in weights if f"{m}.weight_scale" not in tensors)

@@ -12,8 +12,6 @@ import argparse
 import re
 from pathlib import Path
 
-import torch
-
 from quantization.checkpoint import SCHEMES, save_compressed
 from quantization.reference import QuantizedWeight, QuantScheme, quantize_rtn
 

@@ -156,6 +156,22 @@ def engine_registry():
     return EngineRegistry()
 
 
+@pytest.fixture(scope="session")
+def make_llm(engine_registry):
+    """make_llm(model_dir, **EngineConfig fields) -> LLM (registered for the end-of-test check)."""
+    from mini_vllm import LLM
+
+    def make(model_dir, **kwargs):
+        if "kv_cache_memory" not in kwargs:
+            # A small pool: tests stay fast (KV invariant checks are O(blocks)) and reach preemption.
+            kwargs.setdefault("num_gpu_blocks_override", 256)
+        kwargs.setdefault("max_model_len", 512)
+        llm = LLM(str(model_dir), **kwargs)
+        engine_registry.append(llm)
+        return llm
+    return make
+
+
 @pytest.fixture(autouse=True)
 def all_kv_blocks_free_after_test(engine_registry):
     yield

@@ -172,25 +172,9 @@ def tiny_checkpoint():
 
 
 # ---------------------------------------------------------------------------------------------
-# The engine (part 2): engines made by tests register in tests/conftest.py's engine_registry,
-# whose autouse fixture checks after EVERY test that each is idle with all its KV blocks free.
+# The engine (part 2): engines made by tests (tests/conftest.py's make_llm) register in its
+# engine_registry, whose autouse fixture checks after EVERY test that each is idle with all its KV blocks free.
 # ---------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="session")
-def make_llm(engine_registry):
-    """make_llm(model_dir, **EngineConfig fields) -> LLM (registered for the end-of-test check)."""
-    from mini_vllm import LLM
-
-    def make(model_dir, **kwargs):
-        if "kv_cache_memory" not in kwargs:
-            # A small pool: tests stay fast (KV invariant checks are O(blocks)) and reach preemption.
-            kwargs.setdefault("num_gpu_blocks_override", 256)
-        kwargs.setdefault("max_model_len", 512)
-        llm = LLM(str(model_dir), **kwargs)
-        engine_registry.append(llm)
-        return llm
-    return make
-
 
 @pytest.fixture(scope="session")
 def tiny_engine_checkpoint():

@@ -3,7 +3,6 @@ it written by our own checkpoint writer, each made once per session."""
 from __future__ import annotations
 
 import pytest
-import torch
 from quant_cases import QUANT_CASES, TINY_QUANT
 from tiny_checkpoints import make_tiny_engine_checkpoint
 
@@ -26,17 +25,3 @@ def tiny_quantized(tiny_float, tmp_path_factory):
     for name, (scheme, w8a8) in QUANT_CASES.items():
         out[name] = save_compressed(float_dir, root / name, quantize_checkpoint_rtn(float_dir, scheme), w8a8=w8a8)
     return out
-
-
-@pytest.fixture(scope="session")
-def make_quant_llm(engine_registry):
-    """make_quant_llm(model_dir, **EngineConfig fields) -> LLM (registered for the end-of-test check)."""
-    from mini_vllm import LLM
-
-    def make(model_dir, **kwargs):
-        kwargs.setdefault("num_gpu_blocks_override", 128)
-        kwargs.setdefault("max_model_len", 256)
-        llm = LLM(str(model_dir), **kwargs)
-        engine_registry.append(llm)
-        return llm
-    return make

@@ -28,23 +28,23 @@ def hf_greedy_text(hf, tokenizer, prompt: str) -> list[int]:
 
 
 @pytest.mark.parametrize("case", ["w4a16_g32", "w8a16"])
-def test_greedy_tokens_equal_hf_on_the_same_checkpoint(case, tiny_quantized, make_quant_llm):
+def test_greedy_tokens_equal_hf_on_the_same_checkpoint(case, tiny_quantized, make_llm):
     from transformers import AutoTokenizer
 
     path = tiny_quantized[case]
     hf, tokenizer = hf_quantized(path), AutoTokenizer.from_pretrained(path)
-    llm = make_quant_llm(path)
+    llm = make_llm(path)
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY)):
         assert out.outputs[0].token_ids == hf_greedy_text(hf, tokenizer, prompt), (case, prompt)
 
 
-def test_asymmetric_greedy_equals_its_dequantized_float_copy(tiny_quantized, make_quant_llm, tmp_path):
+def test_asymmetric_greedy_equals_its_dequantized_float_copy(tiny_quantized, make_llm, tmp_path):
     """Asymmetric zero points: HF cannot load them packed (test_checkpoint.py), so the oracle is our
     unquantized engine on the float weights they decompress to (save_decompressed, equal to
     compressed-tensors' own decompressor: test_checkpoint.py)."""
     path = tiny_quantized["w4a16_asym_g64"]
-    quantized = make_quant_llm(path).generate(PROMPTS, GREEDY)
-    reference = make_quant_llm(save_decompressed(path, tmp_path / "float")).generate(PROMPTS, GREEDY)
+    quantized = make_llm(path).generate(PROMPTS, GREEDY)
+    reference = make_llm(save_decompressed(path, tmp_path / "float")).generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in quantized] == [o.outputs[0].token_ids for o in reference]
 
 
@@ -68,14 +68,14 @@ def test_w8a8_logits_follow_hf_within_activation_rounding(tiny_quantized):
 
 
 @pytest.mark.parametrize("case", sorted(QUANT_CASES))
-def test_every_kernel_backend_gives_the_same_tokens(case, tiny_quantized, make_quant_llm):
+def test_every_kernel_backend_gives_the_same_tokens(case, tiny_quantized, make_llm):
     """cpu_gemm_backend="torch" runs the readable torch ops; the default runs the C++ kernels."""
     from quantization import cpu_ops
     if not cpu_ops.is_available():
         pytest.skip(f"the C++ kernels do not build here: {cpu_ops.unavailable_reason()}")
     path = tiny_quantized[case]
-    plain = make_quant_llm(path, cpu_gemm_backend="torch").generate(PROMPTS, GREEDY)
-    fast = make_quant_llm(path).generate(PROMPTS, GREEDY)
+    plain = make_llm(path, cpu_gemm_backend="torch").generate(PROMPTS, GREEDY)
+    fast = make_llm(path).generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]
 
 
@@ -128,7 +128,7 @@ def test_a_group_cut_by_the_layer_is_refused(tiny_float, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_gptq_and_awq_checkpoints_run_as_hf_runs_them(method, tiny_float, make_quant_llm, tmp_path):
+def test_gptq_and_awq_checkpoints_run_as_hf_runs_them(method, tiny_float, make_llm, tmp_path):
     """`python -m quantization.quantize --method gptq|awq` writes a checkpoint (AWQ: with its scales
     folded into the norms) that HF and our engine read to the same greedy tokens."""
     from transformers import AutoTokenizer
@@ -139,5 +139,5 @@ def test_gptq_and_awq_checkpoints_run_as_hf_runs_them(method, tiny_float, make_q
     quantize(["--model", str(tiny_float[0]), "--out", str(out), "--scheme", "W4A16", "--group-size", "32",
               "--method", method, "--num-samples", "4", "--seq-len", "32"])
     hf, tokenizer = hf_quantized(out), AutoTokenizer.from_pretrained(out)
-    for prompt, got in zip(PROMPTS[:2], make_quant_llm(out).generate(PROMPTS[:2], GREEDY)):
+    for prompt, got in zip(PROMPTS[:2], make_llm(out).generate(PROMPTS[:2], GREEDY)):
         assert got.outputs[0].token_ids == hf_greedy_text(hf, tokenizer, prompt), (method, prompt)

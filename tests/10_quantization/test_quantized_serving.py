@@ -20,10 +20,10 @@ def test_generate_command_runs_a_quantized_checkpoint(tiny_quantized, capsys):
         main(["generate", "--model", str(path), "--quantization", "fp8", "--prompt", "x"])
 
 
-def test_server_answers_as_the_offline_engine(tiny_quantized, make_quant_llm):
+def test_server_answers_as_the_offline_engine(tiny_quantized, make_llm):
     path = tiny_quantized["w8a8"]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    offline = [o.outputs[0].token_ids for o in make_quant_llm(path).generate(PROMPTS, params)]
+    offline = [o.outputs[0].token_ids for o in make_llm(path).generate(PROMPTS, params)]
     server = ServerThread(path)
     try:
         body = httpx.post(server.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
