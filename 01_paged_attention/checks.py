@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from paged_attention.kv_quant import KVQuant
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -40,8 +42,9 @@ def contiguous_index(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_query_and_cache(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                          dtypes: tuple = SUPPORTED_DTYPES) -> None:
-    """query [T, H, D]; caches [num_blocks, block_size, KVH, D]; H a multiple of KVH (GQA/MQA)."""
+                          dtypes: tuple = SUPPORTED_DTYPES, kv_quant: KVQuant | None = None) -> None:
+    """query [T, H, D]; caches [num_blocks, block_size, KVH, D] (an 8-bit cache: `kv_quant`'s
+    storage dtype and row length, kv_quant.py); H a multiple of KVH (GQA/MQA)."""
     if query.dim() != 3:
         raise ValueError(f"query must be 3-D [tokens, num_heads, head_dim], got {tuple(query.shape)}")
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
@@ -49,16 +52,28 @@ def check_query_and_cache(query: torch.Tensor, key_cache: torch.Tensor, value_ca
                          f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
-    if key_cache.shape[3] != head_dim:
-        raise ValueError(f"head_dim mismatch: query has {head_dim}, the cache {key_cache.shape[3]}")
+    row = head_dim if kv_quant is None else kv_quant.cache_head_dim(head_dim)
+    if key_cache.shape[3] != row:
+        raise ValueError(f"head_dim mismatch: query has {head_dim}, the cache {key_cache.shape[3]}"
+                         + ("" if kv_quant is None else f" (a {kv_quant.kv_cache_dtype} cache row holds {row})"))
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}) (GQA/MQA)")
-    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
-        raise TypeError(f"dtype mismatch: query {query.dtype}, key_cache {key_cache.dtype}, value_cache {value_cache.dtype}")
+    check_cache_dtype(query.dtype, key_cache, value_cache, kv_quant, "query")
     if query.dtype not in dtypes:
         raise TypeError(f"unsupported dtype {query.dtype}; expected one of {dtypes}")
     if key_cache.device != query.device or value_cache.device != query.device:
         raise ValueError(f"device mismatch: query on {query.device}, caches on {key_cache.device} / {value_cache.device}")
+
+
+def check_cache_dtype(dtype: torch.dtype, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      kv_quant: KVQuant | None, what: str) -> None:
+    """A float cache has the query's (key's) dtype; an 8-bit one has kv_quant's storage dtype."""
+    want = dtype if kv_quant is None else kv_quant.storage_dtype
+    if key_cache.dtype != want or value_cache.dtype != want:
+        hint = ("" if kv_quant is not None or key_cache.dtype not in (torch.int8, torch.float8_e4m3fn)
+                else "; an 8-bit cache needs kv_quant= (paged_attention.kv_quant.KVQuant)")
+        raise TypeError(f"dtype mismatch: {what} {dtype}, key_cache {key_cache.dtype}, value_cache {value_cache.dtype}"
+                        + ("" if kv_quant is None else f" (a {kv_quant.kv_cache_dtype} cache is {want})") + hint)
 
 
 def _check_index(name: str, t: torch.Tensor, device: torch.device) -> None:
@@ -137,17 +152,25 @@ def check_query_start_loc(
     return query_lens
 
 
-def check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, check_values: bool = True) -> None:
-    """reshape_and_cache: key/value rows [T, KVH, D] match the cache rows; slot_mapping [T]
-    holds slots in [0, num_blocks * block_size) or -1 (skip)."""
+def check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, check_values: bool = True,
+                           kv_quant: KVQuant | None = None) -> None:
+    """reshape_and_cache: key/value rows [T, KVH, D] match the cache rows (an 8-bit cache: D +
+    its inline scale, kv_quant.py); slot_mapping [T] holds slots in [0, num_blocks * block_size)
+    or -1 (skip)."""
     if key.dim() != 3 or key.shape != value.shape:
         raise ValueError(f"key and value must both be [num_tokens, num_kv_heads, head_dim]; got {tuple(key.shape)} and {tuple(value.shape)}")
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
         raise ValueError(f"key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim]; got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
-    if key.shape[1:] != key_cache.shape[2:]:
-        raise ValueError(f"key rows {tuple(key.shape[1:])} do not match cache rows {tuple(key_cache.shape[2:])} (num_kv_heads, head_dim)")
-    if key.dtype != key_cache.dtype or value.dtype != value_cache.dtype:
-        raise TypeError(f"dtype mismatch: key {key.dtype} / value {value.dtype} vs cache {key_cache.dtype} / {value_cache.dtype}")
+    rows = (key.shape[1], key.shape[2] if kv_quant is None else kv_quant.cache_head_dim(key.shape[2]))
+    if rows != tuple(key_cache.shape[2:]):
+        raise ValueError(f"key rows {tuple(key.shape[1:])} do not match cache rows {tuple(key_cache.shape[2:])} "
+                         "(num_kv_heads, head_dim" + (")" if kv_quant is None else
+                                                      f"; a {kv_quant.kv_cache_dtype} row holds {rows[1]})"))
+    if key.dtype != value.dtype:
+        raise TypeError(f"dtype mismatch: key {key.dtype}, value {value.dtype}")
+    check_cache_dtype(key.dtype, key_cache, value_cache, kv_quant, "key")
+    if kv_quant is not None and key.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"an 8-bit cache quantizes fp32/fp16/bf16 rows, got {key.dtype}")
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping must be [num_tokens={key.shape[0]}], got {tuple(slot_mapping.shape)}")
     if slot_mapping.dtype not in INDEX_DTYPES:
@@ -174,6 +197,7 @@ def check_paged_attention_args(
     max_query_len: int | None = None,   # caller's upper bounds (they size launches): validated, never trusted
     max_seq_len: int | None = None,
     dtypes: tuple = SUPPORTED_DTYPES,
+    kv_quant: KVQuant | None = None,
 ) -> None:
     """Attention of new tokens over their requests' paged KV.
 
@@ -182,7 +206,7 @@ def check_paged_attention_args(
     query_start_loc[i]:query_start_loc[i+1], at least one each, and they are the LAST of
     its seq_lens[i] KV tokens, so seq_len >= query_len.
     """
-    check_query_and_cache(query, key_cache, value_cache, dtypes)
+    check_query_and_cache(query, key_cache, value_cache, dtypes, kv_quant)
     if query_start_loc is None and seq_lens.shape != (query.shape[0],):
         raise ValueError(f"decode takes one query per request: seq_lens must be [num_seqs={query.shape[0]}], "
                          f"got {tuple(seq_lens.shape)}")
@@ -198,10 +222,10 @@ def check_paged_attention_args(
 
 
 def check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values: bool = True,
-                      max_seq_len: int | None = None) -> None:
+                      max_seq_len: int | None = None, kv_quant: KVQuant | None = None) -> None:
     """Chapter 01's decode: one new token per request."""
     check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, None,
-                               check_values=check_values, max_seq_len=max_seq_len)
+                               check_values=check_values, max_seq_len=max_seq_len, kv_quant=kv_quant)
 
 
 def check_prefill_args(
@@ -214,10 +238,11 @@ def check_prefill_args(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int
     check_values: bool = True,
     max_query_len: int | None = None,
+    kv_quant: KVQuant | None = None,
 ) -> None:
     """Chapter 01's prefill: write the prompts' K/V, then causal attention over each prompt."""
-    check_query_and_cache(query, key_cache, value_cache)
-    check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, check_values)
+    check_query_and_cache(query, key_cache, value_cache, kv_quant=kv_quant)
+    check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, check_values, kv_quant)
     if query.shape[0] != key.shape[0]:
         raise ValueError(f"query has {query.shape[0]} tokens but key/value have {key.shape[0]}")
     check_query_start_loc(query_start_loc, query.shape[0], query.device, None, check_values,

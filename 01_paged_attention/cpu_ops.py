@@ -19,6 +19,7 @@ import torch
 
 from kernels_cpu import attention as cpu_attention
 from paged_attention import cache_ops, checks
+from paged_attention.kv_quant import KVQuant
 
 
 def is_available() -> bool:
@@ -38,13 +39,16 @@ def reshape_and_cache(
     value_cache: torch.Tensor,   # [num_blocks, block_size, num_kv_heads, head_dim]  (written in place)
     slot_mapping: torch.Tensor,  # [num_tokens] int32/int64, -1 = skip
     check_values: bool = True,
+    *,
+    kv_quant: KVQuant | None = None,   # an 8-bit cache: rows quantized as written (kv_quant.py)
 ) -> None:
-    """The cache write as one C++ row copy (bit for bit the torch path's); caches whose head_dim
-    axis is strided take the torch path (cache_ops), which handles any layout."""
-    checks.check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, check_values)
+    """The cache write as one C++ row copy or quantization (bit for bit the torch path's); caches
+    whose head_dim axis is strided take the torch path (cache_ops), which handles any layout."""
+    checks.check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, check_values, kv_quant)
     if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
-        return cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values=False)
-    cpu_attention.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return cache_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values=False,
+                                           kv_quant=kv_quant)
+    cpu_attention.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_quant=kv_quant)
 
 
 def paged_decode_attention(
@@ -57,10 +61,13 @@ def paged_decode_attention(
     check_values: bool = True,
     *,
     max_seq_len: int | None = None,
+    kv_quant: KVQuant | None = None,
 ) -> torch.Tensor:               # [num_seqs, num_heads, head_dim]
     seq_lens = checks.contiguous_index(seq_lens)
-    checks.check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values, max_seq_len)
-    return cpu_attention.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    checks.check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values, max_seq_len,
+                             kv_quant)
+    return cpu_attention.paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                                kv_quant=kv_quant)
 
 
 def paged_prefill_attention(
@@ -75,9 +82,11 @@ def paged_prefill_attention(
     check_values: bool = True,
     *,
     max_query_len: int | None = None,
+    kv_quant: KVQuant | None = None,
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     query_start_loc = checks.contiguous_index(query_start_loc)
     checks.check_prefill_args(query, key, value, key_cache, value_cache, slot_mapping, query_start_loc,
-                              check_values, max_query_len)
+                              check_values, max_query_len, kv_quant)
     return cpu_attention.paged_prefill_attention(query, key, value, key_cache, value_cache, slot_mapping,
-                                                 query_start_loc, scale, max_query_len=max_query_len)
+                                                 query_start_loc, scale, max_query_len=max_query_len,
+                                                 kv_quant=kv_quant)

@@ -8,7 +8,7 @@
                                 (kernels_cpu/): CPU tensors, built on first use (needs a C++
                                 compiler and ninja)
 
-    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values, backend)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values, backend, *, kv_quant)
     paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, backend, ...)
     paged_prefill_attention(query, key, value, key_cache, value_cache, slot_mapping,
                             query_start_loc, scale, backend, ...)
@@ -26,6 +26,8 @@ import importlib
 from types import ModuleType
 
 import torch
+
+from paged_attention.kv_quant import KVQuant
 
 BACKENDS = ("reference", "torch", "triton", "cuda", "cpu")
 _MODULES = {
@@ -70,6 +72,25 @@ def check_kernel_backend(backend: str, device: torch.device, backends: tuple[str
                                "is imported (the Triton interpreter); on a GPU pass CUDA tensors")
 
 
+# The backends that write an 8-bit cache (kv_quant.py), and those whose chapter-01 decode reads
+# one. The engine reads its cache through chapter 05's unified attention, whose backends all read
+# it; the Triton and CUDA decode kernels of this chapter read float caches only, and the CUDA
+# cache write copies float rows only (the engine pairs an 8-bit cache with Triton's write).
+QUANT_WRITE_BACKENDS = ("reference", "torch", "triton", "cpu")
+QUANT_READ_BACKENDS = ("reference", "torch", "cpu")
+
+
+def _quant_kwargs(kv_quant: KVQuant | None, backend: str, backends: tuple[str, ...] = QUANT_WRITE_BACKENDS) -> dict:
+    """{"kv_quant": ...} for a backend that takes it; {} for a float cache."""
+    if kv_quant is None:
+        return {}
+    if backend not in backends:
+        raise ValueError(f"backend {backend!r} of chapter 01 handles float caches only here; an 8-bit cache "
+                         f"({kv_quant.kv_cache_dtype}) is handled by {', '.join(backends)}, and read by every "
+                         "backend of chapter 05's unified_attention")
+    return {"kv_quant": kv_quant}
+
+
 def backend_module(backend: str, device: torch.device) -> ModuleType:
     """The module implementing `backend`, imported on first use (importing this package
     never imports triton: TRITON_INTERPRET must be set before that happens)."""
@@ -85,9 +106,11 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,  # [num_tokens] int, -1 = skip
     check_values: bool = True,
     backend: str = "torch",
+    *,
+    kv_quant: KVQuant | None = None,   # an 8-bit cache (kv_quant.py): rows are quantized as written
 ) -> None:
     backend_module(backend, key.device).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
-                                                          check_values)
+                                                          check_values, **_quant_kwargs(kv_quant, backend))
 
 
 def paged_decode_attention(
@@ -103,8 +126,9 @@ def paged_decode_attention(
     max_seq_len: int | None = None,     # AttentionMetadata.max_seq_len (saves a device read)
     num_kv_splits: int | None = None,   # triton: split-KV factor (None = heuristic)
     version: str | None = None,         # cuda: "v1" | "v2" | "v3" (None = vLLM's v1/v2 rule)
+    kv_quant: KVQuant | None = None,    # an 8-bit cache: rows are dequantized as read
 ) -> torch.Tensor:                      # [num_seqs, num_heads, head_dim]
-    variant = {}
+    variant = _quant_kwargs(kv_quant, backend, QUANT_READ_BACKENDS)
     if num_kv_splits is not None:
         if backend != "triton":
             raise ValueError(f"num_kv_splits= selects the Triton split-KV variant; backend {backend!r} has none"
@@ -132,7 +156,8 @@ def paged_prefill_attention(
     *,
     check_values: bool = True,
     max_query_len: int | None = None,
+    kv_quant: KVQuant | None = None,    # an 8-bit cache: the write quantizes (the attention uses fresh K/V)
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     return backend_module(backend, query.device).paged_prefill_attention(
         query, key, value, key_cache, value_cache, slot_mapping, query_start_loc, scale, check_values,
-        max_query_len=max_query_len)
+        max_query_len=max_query_len, **_quant_kwargs(kv_quant, backend))

@@ -15,6 +15,8 @@ The ladder, each rung checked against the one before:
 
 Conventions (shared with every other backend):
 * caches are `[num_blocks, block_size, num_kv_heads, head_dim]` (vLLM's flash layout);
+  an 8-bit cache (`kv_quant=`) stores rows quantized (kv_quant.py) and they are dequantized
+  to the query's dtype as they are read;
 * GQA/MQA: query head `h` reads KV head `h // (num_heads // num_kv_heads)`;
 * softmax runs in fp32 whatever the input dtype; the output has the query's dtype;
 * a request with seq_len 0 (a padding row) gets an all-zero output and reads nothing;
@@ -26,6 +28,7 @@ import torch
 
 from paged_attention.block_table import slot_mapping_for_request
 from paged_attention.checks import check_cache_write_args, check_decode_args, check_prefill_args
+from paged_attention.kv_quant import KVQuant, quantize_rows, read_rows
 
 
 def dense_attention(
@@ -94,15 +97,20 @@ def reshape_and_cache(
     value_cache: torch.Tensor,   # (written in place)
     slot_mapping: torch.Tensor,  # [num_tokens] int, -1 = skip
     check_values: bool = True,
+    *,
+    kv_quant: KVQuant | None = None,   # an 8-bit cache: each row quantized as written (kv_quant.py)
 ) -> None:
     """The cache write, one token at a time: slot -> (block slot // B, row slot % B)."""
-    check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, check_values)
+    check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, check_values, kv_quant)
     block_size = key_cache.shape[1]
     ### BEGIN SOLUTION
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot >= 0:                                          # -1: a padding token, write nothing
-            key_cache[slot // block_size, slot % block_size] = key[t]
-            value_cache[slot // block_size, slot % block_size] = value[t]
+            k, v = key[t], value[t]                            # [kvh, d]
+            if kv_quant is not None:
+                k, v = quantize_rows(k, kv_quant, "k"), quantize_rows(v, kv_quant, "v")
+            key_cache[slot // block_size, slot % block_size] = k
+            value_cache[slot // block_size, slot % block_size] = v
     ### END SOLUTION
 
 
@@ -116,14 +124,18 @@ def paged_decode_attention(
     check_values: bool = True,
     *,
     max_seq_len: int | None = None,   # accepted for one signature across backends; only validated
+    kv_quant: KVQuant | None = None,  # an 8-bit cache: rows dequantized as read (kv_quant.py)
 ) -> torch.Tensor:               # [num_seqs, num_heads, head_dim]
     """Rung 2: one request at a time, one history token at a time — nothing clever."""
-    check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values, max_seq_len)
+    check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values, max_seq_len, kv_quant)
     out = torch.empty_like(query)
+    head_dim = query.shape[-1]
     ### BEGIN SOLUTION
     for i, seq_len in enumerate(seq_lens.tolist()):
-        k = gather_request_kv(key_cache, block_tables[i], seq_len)            # [seq_len, kvh, d]
+        k = gather_request_kv(key_cache, block_tables[i], seq_len)            # [seq_len, kvh, d (+ 4)]
         v = gather_request_kv(value_cache, block_tables[i], seq_len)
+        k = read_rows(k, kv_quant, "k", head_dim, query.dtype)                 # [seq_len, kvh, d]
+        v = read_rows(v, kv_quant, "v", head_dim, query.dtype)
         out[i] = dense_attention(query[i:i + 1], k, v, scale, causal=False)[0]
     ### END SOLUTION
     return out
@@ -141,6 +153,7 @@ def paged_prefill_attention(
     check_values: bool = True,
     *,
     max_query_len: int | None = None,   # accepted for one signature across backends; only validated
+    kv_quant: KVQuant | None = None,    # an 8-bit cache: the write quantizes (the attention uses fresh K/V)
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     """Prompt phase: cache each prompt's K/V (for the decode steps to come) and run causal
     attention over the prompt itself, one request at a time.
@@ -150,8 +163,9 @@ def paged_prefill_attention(
     Prompts that continue an already-cached context are chapter 05's unified attention.
     """
     check_prefill_args(query, key, value, key_cache, value_cache, slot_mapping, query_start_loc, check_values,
-                       max_query_len)
-    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values=False)   # checked just above
+                       max_query_len, kv_quant)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values=False,   # checked just above
+                      kv_quant=kv_quant)
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     for s, e in zip(starts[:-1], starts[1:]):

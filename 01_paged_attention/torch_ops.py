@@ -18,6 +18,7 @@ import torch
 
 from paged_attention.cache_ops import reshape_and_cache
 from paged_attention.checks import check_decode_args, check_prefill_args
+from paged_attention.kv_quant import KVQuant, read_rows
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "reshape_and_cache"]
 
@@ -32,6 +33,7 @@ def paged_decode_attention(
     check_values: bool = True,
     *,
     max_seq_len: int | None = None,   # host-side bound of seq_lens (AttentionMetadata.max_seq_len)
+    kv_quant: KVQuant | None = None,  # an 8-bit cache: the gathered rows are dequantized (kv_quant.py)
 ) -> torch.Tensor:               # [num_seqs, num_heads, head_dim]
     """The whole ragged batch at once — gather every block, mask what is past seq_len.
 
@@ -39,9 +41,9 @@ def paged_decode_attention(
     padding entries of its block-table row) may hold anything, NaN included: their scores
     are masked to -inf and their values to 0 before they touch the result.
     """
-    check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values, max_seq_len)
+    check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values, max_seq_len, kv_quant)
     num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
+    _, block_size, num_kv_heads, row = key_cache.shape
     group = num_heads // num_kv_heads
     if num_seqs == 0:
         return torch.empty_like(query)
@@ -53,8 +55,10 @@ def paged_decode_attention(
     used = torch.arange(max_blocks, device=query.device)[None, :] < (seq_lens[:, None] + block_size - 1) // block_size
     # Entries past a request's blocks are padding: point them at block 0 (never used as data).
     ids = torch.where(used, block_tables[:, :max_blocks].long(), 0)                 # [b, n_blk]
-    k = key_cache[ids].reshape(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)   # [b, L, kvh, d]
-    v = value_cache[ids].reshape(num_seqs, max_blocks * block_size, num_kv_heads, head_dim)
+    k = key_cache[ids].reshape(num_seqs, max_blocks * block_size, num_kv_heads, row)   # [b, L, kvh, d (+ 4)]
+    v = value_cache[ids].reshape(num_seqs, max_blocks * block_size, num_kv_heads, row)
+    k = read_rows(k, kv_quant, "k", head_dim, query.dtype)                          # [b, L, kvh, d]
+    v = read_rows(v, kv_quant, "v", head_dim, query.dtype)
     valid = torch.arange(max_blocks * block_size, device=query.device)[None, :] < seq_lens[:, None]  # [b, L]
     v = torch.where(valid[:, :, None, None], v.float(), 0.0)                        # junk * 0 would be NaN
     q = query.float().reshape(num_seqs, num_kv_heads, group, head_dim)              # [b, kvh, g, d]
@@ -78,13 +82,15 @@ def paged_prefill_attention(
     check_values: bool = True,
     *,
     max_query_len: int | None = None,   # host-side bound of the prompt lengths
+    kv_quant: KVQuant | None = None,    # an 8-bit cache: the write quantizes (the attention uses fresh K/V)
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     """Write the prompts' K/V, then causal attention of every prompt over itself in one
     padded batch: prompt i's tokens are rows 0..len_i-1 of batch row i; padding rows and
     columns are masked (keys) or dropped (queries)."""
     check_prefill_args(query, key, value, key_cache, value_cache, slot_mapping, query_start_loc, check_values,
-                       max_query_len)
-    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values=False)   # checked just above
+                       max_query_len, kv_quant)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values=False,   # checked just above
+                      kv_quant=kv_quant)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_heads // num_kv_heads

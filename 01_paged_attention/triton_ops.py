@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from paged_attention.checks import check_cache_write_args, check_decode_args, check_prefill_args, contiguous_index
+from paged_attention.kv_quant import KVQuant, inline_scales
 from paged_attention.triton_common import LOG2E, dot_precision, interpreting, online_softmax_update, round_to, upcast
 
 __all__ = ["DecodeConfig", "choose_decode_config", "choose_num_kv_splits", "interpreting", "paged_decode_attention", "paged_prefill_attention",
@@ -91,6 +92,93 @@ def _reshape_and_cache_kernel(
     ### END SOLUTION
 
 
+@triton.jit
+def fp8e4m3_bits(y):
+    """fp32 y (|y| <= 448) -> the fp8 e4m3fn byte, as an int32, rounding to nearest even like
+    torch's cast. Done in integer arithmetic because the interpreter's fp8 cast rounds ties away
+    from zero; a GPU gets the same bytes (C++: fp8e4m3_from_float in kernels_cpu)."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.abs(y)
+    # below 2^-6, steps of 2^-9: adding then subtracting 2^23 rounds a * 512 to an integer, ties to even
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    b = a.to(tl.int32, bitcast=True)
+    b = b + 0x7FFFF + ((b >> 20) & 1)                    # 23 mantissa bits -> 3, ties to even
+    normal = (((b >> 23) - 120) << 3) | ((b >> 20) & 7)
+    return sign | tl.where(a < 0.015625, sub, normal)
+
+
+@triton.jit
+def _quantize_store(x, dst_ptrs, mask, scale_ptr, tensor_scale,
+                    PER_ROW: tl.constexpr, IS_INT8: tl.constexpr, QMAX: tl.constexpr):
+    """One K or V row [BLOCK_D] -> the cache (paged_attention/kv_quant.py's bytes): its scale
+    (per tensor, or absmax / QMAX stored after the row), then x * (1 / scale) rounded."""
+    x = x.to(tl.float32)
+    if PER_ROW:
+        scale = tl.maximum(tl.max(tl.abs(x), 0) / QMAX, 1e-6)   # masked lanes loaded as 0
+        tl.store(scale_ptr, scale)
+    else:
+        scale = tensor_scale
+    y = x * (1.0 / scale)
+    if IS_INT8:
+        y = tl.minimum(tl.maximum(tl.where(y >= 0, y + 0.5, y - 0.5), -128.0), 127.0)   # half away from 0
+        tl.store(dst_ptrs, y.to(tl.int8), mask=mask)                                    # the store truncates
+    else:
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        tl.store(dst_ptrs, fp8e4m3_bits(y).to(tl.uint8), mask=mask)                  # an fp8 cache seen as bytes
+
+
+@triton.jit
+def _reshape_and_cache_quant_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,   # fp8 caches passed as uint8
+    k_scale_ptr, v_scale_ptr,          # PER_ROW: [num_blocks, block_size, num_kv_heads] fp32 views of the rows
+    k_scale, v_scale,                  # per-tensor scales (not PER_ROW)
+    stride_k_tok, stride_k_head, stride_k_d, stride_v_tok, stride_v_head, stride_v_d,
+    stride_kc_blk, stride_kc_tok, stride_kc_head, stride_kc_d,
+    stride_vc_blk, stride_vc_tok, stride_vc_head, stride_vc_d,
+    stride_ks_blk, stride_ks_tok, stride_ks_head,
+    block_size,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PER_ROW: tl.constexpr, IS_INT8: tl.constexpr, QMAX: tl.constexpr,
+):
+    """grid = (num_tokens, num_kv_heads): one row of K and one of V per program."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:                                      # -1: a padding token, write nothing
+        blk = slot // block_size
+        off = slot % block_size
+        d = tl.arange(0, BLOCK_D)
+        mask = d < HEAD_DIM
+        k = tl.load(key_ptr + token * stride_k_tok + head * stride_k_head + d * stride_k_d, mask=mask, other=0.0)
+        v = tl.load(value_ptr + token * stride_v_tok + head * stride_v_head + d * stride_v_d, mask=mask, other=0.0)
+        scale_off = blk * stride_ks_blk + off * stride_ks_tok + head * stride_ks_head   # (V's view: same strides)
+        _quantize_store(k, key_cache_ptr + blk * stride_kc_blk + off * stride_kc_tok + head * stride_kc_head
+                        + d * stride_kc_d, mask, k_scale_ptr + scale_off, k_scale, PER_ROW, IS_INT8, QMAX)
+        _quantize_store(v, value_cache_ptr + blk * stride_vc_blk + off * stride_vc_tok + head * stride_vc_head
+                        + d * stride_vc_d, mask, v_scale_ptr + scale_off, v_scale, PER_ROW, IS_INT8, QMAX)
+
+
+def _reshape_and_cache_quant(key, value, key_cache, value_cache, slot_mapping, kv_quant: KVQuant) -> None:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if kv_quant.per_token_head:
+        k_scales, v_scales = inline_scales(key_cache, head_dim), inline_scales(value_cache, head_dim)
+        if k_scales.stride() != v_scales.stride():
+            raise ValueError("key_cache and value_cache must have the same strides (one scale offset for both)")
+        scale_strides = k_scales.stride()
+    else:
+        k_scales, v_scales, scale_strides = key_cache, value_cache, (0, 0, 0)   # never read
+    as_stored = (lambda c: c.view(torch.uint8)) if kv_quant.storage_dtype == torch.float8_e4m3fn else (lambda c: c)
+    _reshape_and_cache_quant_kernel[(num_tokens, num_kv_heads)](
+        key, value, as_stored(key_cache), as_stored(value_cache), slot_mapping, k_scales, v_scales,
+        kv_quant.k_scale, kv_quant.v_scale,
+        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(), *scale_strides,
+        key_cache.shape[1],
+        HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim), PER_ROW=kv_quant.per_token_head,
+        IS_INT8=kv_quant.storage_dtype == torch.int8, QMAX=kv_quant.qmax,
+    )
+
+
 def reshape_and_cache(
     key: torch.Tensor,           # [num_tokens, num_kv_heads, head_dim] (any strides)
     value: torch.Tensor,         # [num_tokens, num_kv_heads, head_dim]
@@ -98,12 +186,16 @@ def reshape_and_cache(
     value_cache: torch.Tensor,   # [num_blocks, block_size, num_kv_heads, head_dim] (written)
     slot_mapping: torch.Tensor,  # [num_tokens] int32/int64, -1 = skip
     check_values: bool = True,
+    *,
+    kv_quant: KVQuant | None = None,   # an 8-bit cache (kv_quant.py): rows quantized as written
 ) -> None:
     slot_mapping = contiguous_index(slot_mapping)      # the kernel reads storage: check what it reads
-    check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, check_values)
+    check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, check_values, kv_quant)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    if kv_quant is not None:
+        return _reshape_and_cache_quant(key, value, key_cache, value_cache, slot_mapping, kv_quant)
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
         *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
@@ -615,9 +707,11 @@ def paged_prefill_attention(
     check_values: bool = True,
     *,
     max_query_len: int | None = None,
+    kv_quant: KVQuant | None = None,   # an 8-bit cache: the write quantizes (the attention uses fresh K/V)
 ) -> torch.Tensor:
     slot_mapping, query_start_loc = contiguous_index(slot_mapping), contiguous_index(query_start_loc)
     check_prefill_args(query, key, value, key_cache, value_cache, slot_mapping, query_start_loc, check_values,
-                       max_query_len)
-    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values=False)  # checked just above
+                       max_query_len, kv_quant)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values=False,  # checked just above
+                      kv_quant=kv_quant)
     return prefill_attention(query, key, value, query_start_loc, scale, max_query_len)

@@ -28,26 +28,33 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype = torch.float16
+    # Elements one (slot, KV head) row stores: head_dim, or more when the row carries its own
+    # scale (an 8-bit cache's inline fp32 scale: head_dim + 4, paged_attention/kv_quant.py).
+    row_dim: int | None = None
 
     def __post_init__(self):
-        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+        if self.row_dim is None:
+            object.__setattr__(self, "row_dim", self.head_dim)
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "row_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"KVCacheSpec.{name} must be a positive int, got {value!r}")
+        if self.row_dim < self.head_dim:
+            raise ValueError(f"KVCacheSpec.row_dim ({self.row_dim}) cannot be less than head_dim ({self.head_dim})")
 
     @property
     def bytes_per_block(self) -> int:
         """One logical block across the whole model: K and V of every layer."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.row_dim * elem
 
     def allocate(self, num_blocks: int, device: torch.device | str, pin_memory: bool = False
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(key_caches, value_caches): num_layers tensors each of
-        [num_blocks, block_size, num_kv_heads, head_dim], zero-filled."""
+        [num_blocks, block_size, num_kv_heads, row_dim (= head_dim for a float cache)], zero-filled."""
         if not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"a KV cache needs num_blocks >= 1, got {num_blocks!r}")
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.row_dim)
 
         def one_layer() -> torch.Tensor:
             return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin_memory)

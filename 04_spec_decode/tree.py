@@ -38,6 +38,7 @@ from typing import Sequence
 import torch
 
 from paged_attention.block_table import slot_mapping_for_request
+from paged_attention.kv_quant import KVQuant, read_rows
 from paged_attention.metadata import AttentionMetadata
 from paged_attention.reference import dense_attention
 from spec_decode.reference import race, recover_token
@@ -162,9 +163,10 @@ def paged_tree_attention_reference(
 
 
 def paged_tree_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, tree_masks,
-                         scale) -> torch.Tensor:
+                         scale, *, kv_quant: KVQuant | None = None) -> torch.Tensor:
     """Vectorised per request: its K/V gathered by whole blocks through the block table, one
-    [q_len, seq_len] mask, one SDPA call (the engine verifies trees with this on every layer)."""
+    [q_len, seq_len] mask, one SDPA call (the engine verifies trees with this on every layer).
+    An 8-bit cache (`kv_quant`, chapter 01's kv_quant.py) is dequantized as it is gathered."""
     out = torch.empty_like(query)
     num_heads, head_dim = query.shape[1:]
     kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
@@ -178,8 +180,10 @@ def paged_tree_attention(query, key_cache, value_cache, block_tables, seq_lens, 
         if q_len > seq_len:
             raise ValueError(f"request {i}: {q_len} new tokens but seq_len {seq_len}")
         blocks = block_tables[i, :-(-seq_len // block_size)].long()
-        k = key_cache[blocks].reshape(-1, kv_heads, head_dim)[:seq_len]             # [L, kvh, d]
-        v = value_cache[blocks].reshape(-1, kv_heads, head_dim)[:seq_len]
+        row = key_cache.shape[3]                                                    # head_dim (+ 4: a row's scale)
+        k = read_rows(key_cache[blocks].reshape(-1, kv_heads, row)[:seq_len], kv_quant, "k", head_dim, query.dtype)
+        v = read_rows(value_cache[blocks].reshape(-1, kv_heads, row)[:seq_len], kv_quant, "v", head_dim, query.dtype)
+        # k, v: [L, kvh, d]
         mask = _new_token_mask(q_len, masks[i]).to(query.device)
         visible = torch.cat((torch.ones(q_len, seq_len - q_len, dtype=torch.bool, device=query.device), mask), 1)
         o = torch.nn.functional.scaled_dot_product_attention(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from paged_attention.checks import check_paged_attention_args
+from paged_attention.kv_quant import KVQuant, read_rows
 from paged_attention.reference import dense_attention, gather_request_kv
 
 # The reference and torch backends run any float dtype (the kernels: fp32/fp16/bf16).
@@ -41,17 +42,21 @@ def unified_attention(
     *,
     max_query_len: int | None = None,   # accepted for a uniform backend signature; only validated here
     max_seq_len: int | None = None,
+    kv_quant: KVQuant | None = None,    # an 8-bit cache: rows dequantized as read (paged_attention.kv_quant)
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     """The clear per-request loop: gather the request's K/V, dense causal attention in fp32."""
     check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                check_values=check_values, max_query_len=max_query_len, max_seq_len=max_seq_len,
-                               dtypes=FLOAT_DTYPES)
+                               dtypes=FLOAT_DTYPES, kv_quant=kv_quant)
+    head_dim = query.shape[-1]
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     ### BEGIN SOLUTION
     for i, seq_len in enumerate(lens):
-        k = gather_request_kv(key_cache, block_tables[i], seq_len)            # [seq_len, kvh, d]
+        k = gather_request_kv(key_cache, block_tables[i], seq_len)            # [seq_len, kvh, d (+ 4)]
         v = gather_request_kv(value_cache, block_tables[i], seq_len)
+        k = read_rows(k, kv_quant, "k", head_dim, query.dtype)                 # [seq_len, kvh, d]
+        v = read_rows(v, kv_quant, "v", head_dim, query.dtype)
         # the new tokens are the last query_len of the seq_len positions: causal, offset by the context
         out[starts[i]:starts[i + 1]] = dense_attention(query[starts[i]:starts[i + 1]], k, v, scale, causal=True)
     ### END SOLUTION

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from chunked_prefill.attention_reference import FLOAT_DTYPES
 from paged_attention.checks import check_paged_attention_args
+from paged_attention.kv_quant import KVQuant, read_rows
 
 # 2048 rows x 3 KV heads x 64 dims x 4 bytes = 1.5 MB per gathered K (and V) for SmolLM2
 # fp32: SDPA reads the gathered K/V while they are still in L2/L3; fewer rows pay more calls,
@@ -160,9 +161,11 @@ def build_plan(
 def _gather_padded(cache: torch.Tensor, sb: SubBatch) -> torch.Tensor:
     """[num_blocks, B, kvh, d] -> [m, longest, kvh, d]: the sub-batch's K (or V), zero past each seq_len."""
     m, nb = sb.blocks.shape
-    kv = cache.index_select(0, sb.blocks.reshape(-1)).view(m, nb * cache.shape[1], *cache.shape[2:])[:, :sb.longest]
+    # fp8 has no masked_fill: move an fp8 cache's bytes (a zero byte is fp8's 0.0, and a zero scale)
+    raw = cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache
+    kv = raw.index_select(0, sb.blocks.reshape(-1)).view(m, nb * cache.shape[1], *cache.shape[2:])[:, :sb.longest]
     kv[:, sb.shortest:].masked_fill_(sb.kv_pad[:, :, None, None], 0)   # only rows shortest..longest can be padding
-    return kv
+    return kv.view(cache.dtype)
 
 
 def unified_attention(
@@ -179,10 +182,12 @@ def unified_attention(
     max_seq_len: int | None = None,
     plan: AttentionPlan | None = None,  # build_plan(...) of these very tensors; None: build it here
     kv_rows_per_batch: int | None = None,   # with plan=None: the sub-batch cap (default KV_ROWS_PER_BATCH)
+    kv_quant: KVQuant | None = None,    # an 8-bit cache: the gathered rows are dequantized (paged_attention.kv_quant)
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                                check_values=check_values, max_query_len=max_query_len, max_seq_len=max_seq_len,
-                               dtypes=FLOAT_DTYPES)
+                               dtypes=FLOAT_DTYPES, kv_quant=kv_quant)
+    head_dim = query.shape[-1]
     if plan is None:
         plan = build_plan(block_tables, seq_lens, query_start_loc, key_cache.shape[1],
                           KV_ROWS_PER_BATCH if kv_rows_per_batch is None else kv_rows_per_batch)
@@ -194,8 +199,9 @@ def unified_attention(
     ### BEGIN SOLUTION
     for sb in plan.sub_batches:
         q = query[sb.tokens].transpose(1, 2)                                    # [m, h, q_len, d]
-        k = _gather_padded(key_cache, sb).transpose(1, 2)                       # [m, kvh, longest, d]
-        v = _gather_padded(value_cache, sb).transpose(1, 2)
+        k = read_rows(_gather_padded(key_cache, sb), kv_quant, "k", head_dim, q.dtype).transpose(1, 2)
+        v = read_rows(_gather_padded(value_cache, sb), kv_quant, "v", head_dim, q.dtype).transpose(1, 2)
+        # k, v: [m, kvh, longest, d]
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=sb.mask, is_causal=sb.mask is None, scale=scale,
                                            enable_gqa=True)                     # [m, h, q_len, d]
         out[sb.tokens] = o.transpose(1, 2)

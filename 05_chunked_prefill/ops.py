@@ -23,6 +23,7 @@ import torch
 from chunked_prefill import attention_reference, attention_vectorized
 from kernels_cpu import attention as cpu_attention
 from paged_attention.checks import check_paged_attention_args, contiguous_index
+from paged_attention.kv_quant import KVQuant
 from paged_attention.metadata import AttentionMetadata
 
 BACKENDS = ("reference", "torch", "triton", "cpu")
@@ -43,6 +44,7 @@ def unified_attention(
     max_seq_len: int | None = None,     # they let the Triton path pick tiles without a device sync
     check_values: bool = True,          # False: skip every check that reads tensor values (no sync)
     plan: object | None = None,         # build_attention_plan(...) for THIS step's metadata, or None
+    kv_quant: KVQuant | None = None,    # an 8-bit cache (paged_attention.kv_quant): every backend reads it
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     """Attention of every new token over its request's paged KV, causal with the context offset.
 
@@ -56,6 +58,8 @@ def unified_attention(
                          "takes none (build_attention_plan returns None for it)")
     args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, check_values)
     kwargs = dict(max_query_len=max_query_len, max_seq_len=max_seq_len)
+    if kv_quant is not None:
+        kwargs["kv_quant"] = kv_quant
     if backend == "torch":
         return attention_vectorized.unified_attention(*args, **kwargs, plan=plan)
     if backend == "triton":
@@ -78,14 +82,16 @@ def cpu_unified_attention(
     *,
     max_query_len: int | None = None,   # validated only: the kernel plans its own tiles
     max_seq_len: int | None = None,
+    kv_quant: KVQuant | None = None,
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     """Backend "cpu": the checks every backend runs, then the C++ kernel (kernels_cpu/attention.py),
     which adds its own layout needs (CPU tensors, head_dim a multiple of 8)."""
     seq_lens, query_start_loc = contiguous_index(seq_lens), contiguous_index(query_start_loc)
     check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                               check_values=check_values, max_query_len=max_query_len, max_seq_len=max_seq_len)
+                               check_values=check_values, max_query_len=max_query_len, max_seq_len=max_seq_len,
+                               kv_quant=kv_quant)
     return cpu_attention.unified_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                           scale)
+                                           scale, kv_quant=kv_quant)
 
 
 def build_attention_plan(attn_metadata: AttentionMetadata, block_size: int, backend: str) -> object | None:

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from paged_attention.checks import SUPPORTED_DTYPES, check_paged_attention_args, contiguous_index
+from paged_attention.kv_quant import KVQuant, inline_scales
 from paged_attention.triton_common import LOG2E, dot_precision, interpreting, online_softmax_update, round_to, upcast
 
 MAX_HEAD_DIM = 256
@@ -92,9 +93,13 @@ def _attend_kv_range(
     stride_kc_blk, stride_kc_slot, stride_kc_head, stride_kc_dim,
     stride_vc_blk, stride_vc_slot, stride_vc_head, stride_vc_dim,
     qk_scale,                       # softmax scale * log2(e)
+    k_scale_ptr, v_scale_ptr,       # KV_QUANT 2: [num_blocks, block_size, num_kv_heads] fp32 views of the rows' scales
+    stride_ks_blk, stride_ks_slot, stride_ks_head,
+    k_scale, v_scale,               # KV_QUANT 1: the layer's per-tensor scales
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,         # 0: a float cache; 1: 8 bits x per-tensor scales; 2: 8 bits x per-row scales
 ):
     """Online softmax over keys [kv_start, kv_end): the loop both kernels share."""
     ### BEGIN SOLUTION
@@ -114,9 +119,20 @@ def _attend_kv_range(
                     mask=d_mask[:, None] & k_in[None, :], other=0.0)        # [HEAD_DIM_PADDED, TILE_N]
         v = tl.load(value_cache_ptr + v_off[:, None] + offs_d[None, :] * stride_vc_dim,
                     mask=k_in[:, None] & d_mask[None, :], other=0.0)        # [TILE_N, HEAD_DIM_PADDED]
-        if UPCAST:
+        if KV_QUANT != 0:
+            # An 8-bit number is exact in any 16-bit float: q . (s k) = s (q . k), the scale after the dot.
+            k = k.to(q.dtype)
+            v = v.to(tl.float32)
+        elif UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale             # [BLOCK_M, TILE_N] (log2 units)
+        if KV_QUANT == 1:
+            s = s * k_scale
+            v = v * v_scale
+        if KV_QUANT == 2:
+            scale_off = block * stride_ks_blk + slot * stride_ks_slot + kv_head * stride_ks_head   # [TILE_N]
+            s = s * tl.load(k_scale_ptr + scale_off, mask=k_in, other=0.0)[None, :]
+            v = v * tl.load(v_scale_ptr + scale_off, mask=k_in, other=0.0)[:, None]
         # Causal mask offset by the context: row token at q_abs_pos sees keys <= q_abs_pos.
         visible = row_valid[:, None] & k_in[None, :] & (k_pos[None, :] <= q_abs_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -181,10 +197,11 @@ def kernel_unified_attention_2d(
     stride_kc_blk, stride_kc_slot, stride_kc_head, stride_kc_dim,
     stride_vc_blk, stride_vc_slot, stride_vc_head, stride_vc_dim,
     stride_bt_seq, stride_bt_blk,
+    k_scale_ptr, v_scale_ptr, stride_ks_blk, stride_ks_slot, stride_ks_head, k_scale, v_scale,   # an 8-bit cache's
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     """grid = (num_tokens // BLOCK_Q + num_seqs, num_kv_heads): one query tile x one KV head."""
     kv_head = tl.program_id(1)
@@ -201,7 +218,8 @@ def kernel_unified_attention_2d(
             block_tables_ptr + seq_idx.to(tl.int64) * stride_bt_seq, stride_bt_blk, kv_head, 0, kv_end,
             stride_kc_blk, stride_kc_slot, stride_kc_head, stride_kc_dim,
             stride_vc_blk, stride_vc_slot, stride_vc_head, stride_vc_dim,
-            qk_scale, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, UPCAST, PRECISION)
+            qk_scale, k_scale_ptr, v_scale_ptr, stride_ks_blk, stride_ks_slot, stride_ks_head, k_scale, v_scale,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, UPCAST, PRECISION, KV_QUANT)
         l_safe = tl.where(row_valid, l_i, 1.0)         # padding rows: avoid 0/0 (never stored)
         out = acc / l_safe[:, None]
         offs_d = tl.arange(0, HEAD_DIM_PADDED)
@@ -223,10 +241,11 @@ def kernel_unified_attention_3d(
     stride_kc_blk, stride_kc_slot, stride_kc_head, stride_kc_dim,
     stride_vc_blk, stride_vc_slot, stride_vc_head, stride_vc_dim,
     stride_bt_seq, stride_bt_blk,
+    k_scale_ptr, v_scale_ptr, stride_ks_blk, stride_ks_slot, stride_ks_head, k_scale, v_scale,   # an 8-bit cache's
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, KV_QUANT: tl.constexpr,
 ):
     """grid = (tiles, num_kv_heads, NUM_SEGMENTS): the 2-D kernel's work split along the keys.
 
@@ -258,7 +277,8 @@ def kernel_unified_attention_3d(
             block_tables_ptr + seq_idx.to(tl.int64) * stride_bt_seq, stride_bt_blk, kv_head, kv_start, kv_stop,
             stride_kc_blk, stride_kc_slot, stride_kc_head, stride_kc_dim,
             stride_vc_blk, stride_vc_slot, stride_vc_head, stride_vc_dim,
-            qk_scale, BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, UPCAST, PRECISION)
+            qk_scale, k_scale_ptr, v_scale_ptr, stride_ks_blk, stride_ks_slot, stride_ks_head, k_scale, v_scale,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, HEAD_DIM_PADDED, UPCAST, PRECISION, KV_QUANT)
         state = (token * NUM_HEADS + head) * NUM_SEGMENTS + segm            # [BLOCK_M] row of the state buffers
         offs_d = tl.arange(0, HEAD_DIM_PADDED)
         tl.store(segm_max_ptr + state, m_i, mask=row_valid)
@@ -344,10 +364,23 @@ class Launch(NamedTuple):
     options: dict = {}              # launch options: num_warps, num_stages (Triton's defaults when empty)
 
 
+def _kv_quant_args(key_cache, value_cache, head_dim: int, kv_quant: KVQuant | None) -> tuple:
+    """(k_scale_ptr, v_scale_ptr, 3 scale strides, k_scale, v_scale) for the kernels: the rows' fp32
+    scale views of a per-token-head cache (same strides for K and V), or placeholders never read."""
+    if kv_quant is None or not kv_quant.per_token_head:
+        k, v = (1.0, 1.0) if kv_quant is None else (kv_quant.k_scale, kv_quant.v_scale)
+        return (key_cache, value_cache, 0, 0, 0, k, v)
+    k_scales, v_scales = inline_scales(key_cache, head_dim), inline_scales(value_cache, head_dim)
+    if k_scales.stride() != v_scales.stride():
+        raise ValueError("key_cache and value_cache must have the same strides (one scale offset for both)")
+    return (k_scales, v_scales, *k_scales.stride(), 1.0, 1.0)
+
+
 def plan_launches(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale: float, out: torch.Tensor,
     *, max_query_len: int | None = None, max_seq_len: int | None = None,
     num_kv_splits: int | None = None, block_m: int | None = None, tile_n: int | None = None,
+    kv_quant: KVQuant | None = None,
 ) -> list[Launch]:
     """Tile sizes, grids and arguments for one call; reads shapes only, never values."""
     if query.dtype not in SUPPORTED_DTYPES:
@@ -377,12 +410,14 @@ def plan_launches(
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
         HEAD_DIM=head_dim, HEAD_DIM_PADDED=d_pad,
         UPCAST=upcast(query.dtype), PRECISION=dot_precision(query.dtype),
+        KV_QUANT=0 if kv_quant is None else 2 if kv_quant.per_token_head else 1,
     )
     qk_scale = scale * LOG2E                              # the kernels use exp2
     options = (dict(num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES)
                if max_query_len == 1 and query.dtype != torch.float32 else {})
     metadata = (block_tables, seq_lens, query_start_loc, num_seqs, qk_scale)
-    strides = (*key_cache.stride(), *value_cache.stride(), *block_tables.stride())
+    strides = (*key_cache.stride(), *value_cache.stride(), *block_tables.stride(),
+               *_kv_quant_args(key_cache, value_cache, head_dim, kv_quant))
     ### BEGIN SOLUTION
     if num_kv_splits == 1:
         return [Launch(kernel_unified_attention_2d, (num_q_tiles, num_kv_heads),
@@ -418,11 +453,13 @@ def unified_attention(
     num_kv_splits: int | None = None,   # None: choose_num_kv_splits; 1: force 2-D; 2^k: force 3-D
     block_m: int | None = None,         # None: choose_tiles; else rows per tile (a power of two >= GROUP)
     tile_n: int | None = None,          # None: choose_tiles; else keys per inner step (a power of two)
+    kv_quant: KVQuant | None = None,    # an 8-bit cache (paged_attention.kv_quant): dequantized in the loop
 ) -> torch.Tensor:                      # [num_tokens, num_heads, head_dim]
     # The kernels read these two by raw pointer: make them what the checks below read.
     seq_lens, query_start_loc = contiguous_index(seq_lens), contiguous_index(query_start_loc)
     check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                               check_values=check_values, max_query_len=max_query_len, max_seq_len=max_seq_len)
+                               check_values=check_values, max_query_len=max_query_len, max_seq_len=max_seq_len,
+                               kv_quant=kv_quant)
     if query.device.type != "cuda" and not interpreting():
         raise RuntimeError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
                            f"imported to run the kernel on the CPU; got tensors on {query.device}")
@@ -431,6 +468,6 @@ def unified_attention(
         return out
     for launch in plan_launches(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, out,
                                 max_query_len=max_query_len, max_seq_len=max_seq_len,
-                                num_kv_splits=num_kv_splits, block_m=block_m, tile_n=tile_n):
+                                num_kv_splits=num_kv_splits, block_m=block_m, tile_n=tile_n, kv_quant=kv_quant):
         launch.kernel[launch.grid](*launch.args, **launch.constexprs, **launch.options)
     return out

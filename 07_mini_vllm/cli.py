@@ -100,6 +100,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("quantization (chapter 10)")
     g.add_argument("--quantization", "-q", default=None,
                    help="the checkpoint's quantization method (default: what its config.json says), e.g. compressed-tensors")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="what the KV cache stores: auto (the model's dtype), fp8 / fp8_e4m3 (per-layer scales), "
+                        "int8_per_token_head, fp8_per_token_head (a scale per token and KV head)")
 
 
 def json_dict(text: str) -> dict:
@@ -140,7 +143,7 @@ def engine_config(args) -> EngineConfig:
         distributed_executor_backend=args.distributed_executor_backend, speculative_config=args.speculative_config,
         kv_transfer_config=args.kv_transfer_config, structured_outputs_config=args.structured_outputs_config,
         enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras, quantization=args.quantization)
+        max_cpu_loras=args.max_cpu_loras, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def sampling_params(args, **overrides) -> SamplingParams:

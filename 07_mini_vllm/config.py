@@ -22,6 +22,7 @@ import torch
 from kvcache.cache_engine import KVCacheSpec
 from mini_vllm.models.registry import SUPPORTED_ARCHITECTURES
 from mini_vllm.models.quantization import verify_quantization
+from paged_attention.kv_quant import KVQuant, check_kv_cache_dtype, kv_quant_for
 
 # RoPE variants our RotaryEmbedding implements (chapter 01's paged_attention/model/layers.py: rope_inv_freq).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -68,6 +69,7 @@ class ModelConfig:
     hf_config: Any = field(default=None, repr=False, compare=False)
     quantization: str | None = None   # the checkpoint's quantization method (models/quantization.py); None: floats
     quantization_config: dict | None = field(default=None, repr=False)   # config.json's quantization_config
+    kv_cache_dtype: str = "auto"      # vLLM's --kv-cache-dtype: "auto" (= dtype) or an 8-bit cache (kv_quant.py)
 
     def __post_init__(self):
         for name in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -92,17 +94,36 @@ class ModelConfig:
                              f"({self.max_position_embeddings})")
         if self.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype {self.dtype} is not supported; use float32, bfloat16 or float16")
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.kv_cache_dtype in ("float16", "bfloat16") and getattr(torch, self.kv_cache_dtype) != self.dtype:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} differs from the model's dtype {self.dtype}: a "
+                             "float cache here is in the model's dtype; use 'auto' or an 8-bit kv_cache_dtype")
+        if self.kv_quant is not None and self.kv_quant.per_token_head and self.head_dim % 4:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} stores each row's fp32 scale after its "
+                             f"head_dim numbers and needs head_dim % 4 == 0; this model's head_dim is {self.head_dim}")
+
+    @property
+    def kv_quant(self) -> KVQuant | None:
+        """The 8-bit cache every attention layer writes and reads (None: a float cache). Per-tensor fp8
+        scales are 1.0 unless the checkpoint brings its own (the loader sets them per layer)."""
+        return kv_quant_for(self.kv_cache_dtype)
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype | None = None) -> KVCacheSpec:
         """This model's paged KV cache in chapter 02's terms: one K and one V tensor per layer, each
         [num_blocks, block_size, num_key_value_heads, head_dim] (chapter 01's layout, vLLM's
-        FlashAttention layout), in the model's dtype unless another is given."""
+        FlashAttention layout), in the model's dtype unless another is given; with an 8-bit
+        kv_cache_dtype, int8 / fp8 rows (+ each row's fp32 scale for the per-token-head modes)."""
+        kv_quant = self.kv_quant if dtype is None else None
+        if kv_quant is not None:      # 8 bits a number (+ each row's scale): paged_attention/kv_quant.py
+            return KVCacheSpec(self.num_hidden_layers, block_size, self.num_key_value_heads, self.head_dim,
+                               kv_quant.storage_dtype, kv_quant.cache_head_dim(self.head_dim))
         return KVCacheSpec(self.num_hidden_layers, block_size, self.num_key_value_heads, self.head_dim,
                            dtype or self.dtype)
 
     @classmethod
     def from_pretrained(cls, model: str | Path, dtype: str | torch.dtype = "auto",
-                        max_model_len: int | None = None, quantization: str | None = None) -> "ModelConfig":
+                        max_model_len: int | None = None, quantization: str | None = None,
+                        kv_cache_dtype: str = "auto") -> "ModelConfig":
         """Read and validate `model/config.json` (via transformers.AutoConfig).
 
         dtype: "auto" = the checkpoint's dtype (config "dtype"/"torch_dtype"), fp32 if it names none.
@@ -164,6 +185,7 @@ class ModelConfig:
             hf_config=hf,
             quantization=verify_quantization(raw.get("quantization_config"), quantization, path),
             quantization_config=raw.get("quantization_config"),
+            kv_cache_dtype=kv_cache_dtype,
         )
 
 

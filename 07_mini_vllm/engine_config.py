@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from paged_attention.kv_quant import check_kv_cache_dtype
 from scheduler import POLICIES, SchedulerConfig
 
 from mini_vllm.models.linear_method import CPU_GEMMS
@@ -200,6 +201,13 @@ class EngineConfig:
     None reads the checkpoint's config.json (`quantization_config.quant_method`); a name
     ("compressed-tensors") must match it. The methods: mini_vllm/models/quantization.py."""
 
+    kv_cache_dtype: str = "auto"
+    """What the KV cache stores (vLLM's --kv-cache-dtype; paged_attention/kv_quant.py): "auto" (the
+    model's dtype), "fp8" / "fp8_e4m3" (fp8 with one scale per layer for K and one for V: the
+    checkpoint's k_scale / v_scale, else 1.0), "int8_per_token_head" / "fp8_per_token_head" (8 bits
+    with one fp32 scale per token and KV head, computed as the row is written). One byte a number:
+    the same kv_cache_memory holds 2x (vs bf16) or ~4x (vs fp32) the blocks."""
+
     enable_lora: bool = False
     """Multi-LoRA serving (chapter 09; vLLM's --enable-lora): requests may carry a LoRARequest, and
     the model's qkv / o / gate_up / down layers add each token's adapter update. Off: a request with an
@@ -330,6 +338,7 @@ class EngineConfig:
         """vLLM's LoRAConfig checks, with its messages."""
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ValueError(f"quantization must be a method's name or None, got {self.quantization!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
         _positive_int("max_loras", self.max_loras)

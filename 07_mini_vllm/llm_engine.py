@@ -74,7 +74,8 @@ class LLMEngine:
             model_path = default_model_path()
         self.model_config = ModelConfig.from_pretrained(model_path, dtype=self.config.dtype,
                                                         max_model_len=self.config.max_model_len,
-                                                        quantization=self.config.quantization)
+                                                        quantization=self.config.quantization,
+                                                        kv_cache_dtype=self.config.kv_cache_dtype)
         self.tokenizer = load_tokenizer(self.config.tokenizer or model_path)
         self.processor = Processor(self.model_config, self.tokenizer, self.config.max_logprobs, chat_template,
                                    self.config.structured_outputs_config["backend"])

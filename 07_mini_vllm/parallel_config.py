@@ -11,6 +11,8 @@ divide: a shape error in layer 17 of rank 2 after a minute of loading helps nobo
 """
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 from dataclasses import dataclass
 
@@ -83,4 +85,4 @@ class ParallelConfig:
         spec = model.kv_cache_spec(block_size)
         kv_heads = max(1, model.num_key_value_heads // self.tensor_parallel_size)
         layers = -(-model.num_hidden_layers // self.pipeline_parallel_size)
-        return KVCacheSpec(layers, block_size, kv_heads, spec.head_dim, spec.dtype)
+        return dataclasses.replace(spec, num_layers=layers, num_kv_heads=kv_heads)

@@ -29,6 +29,8 @@ like the target's pool in blocks: draft K/V is never a prefix-cache hit.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from dataclasses import dataclass, field
@@ -209,8 +211,9 @@ class SpecDecodeWorker:
                 raise ValueError(f"speculative_config: layer_skip num_layers={n} must be fewer than the target's "
                                  f"{num_target_layers} layers")
             self._draft_model = LayerSkipDraftModel(self.target, n)
-            self._draft_kv_spec = KVCacheSpec(n, self.block_size, max(1, mc.num_key_value_heads // tp), mc.head_dim,
-                                              mc.dtype)
+            # the target's own layers: their cache is the target's kind (an 8-bit one included)
+            self._draft_kv_spec = dataclasses.replace(mc.kv_cache_spec(self.block_size), num_layers=n,
+                                                      num_kv_heads=max(1, mc.num_key_value_heads // tp))
         elif self.method == "eagle":
             path = Path(cfg.model) if cfg.model is not None else DEFAULT_EAGLE_HEAD
             with whole_model_on_this_rank():

@@ -15,6 +15,8 @@ broadcast, each worker holding its heads' K/V).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import time
@@ -76,11 +78,12 @@ class Worker:
         self.model_runner.kv_cache_spec = self.get_kv_cache_spec()
 
     def get_kv_cache_spec(self):
-        """[num_blocks, block_size, KVH / tp (or 1), head_dim] per layer, for this stage's layers."""
+        """[num_blocks, block_size, KVH / tp (or 1), head_dim (+ an 8-bit row's scale)] per layer, for
+        this stage's layers."""
         pp = parallel_state.get_pp_group()
         spec = self.parallel_config.kv_cache_spec(self.model_config, self.config.block_size)
         start, end = get_pp_indices(self.model_config.num_hidden_layers, pp.rank_in_group, pp.world_size)
-        return type(spec)(end - start, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
+        return dataclasses.replace(spec, num_layers=end - start)
 
     def initialize_kv_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         """The same number of blocks on every rank: the scheduler's block ids mean the same slot everywhere."""

@@ -166,7 +166,7 @@ def run(model: str, workload: dict, kvcache_gib: int, max_num_batched_tokens: in
     t0 = time.perf_counter()
     llm = LLM(model=model, dtype=workload.get("dtype", "float32"), max_model_len=max_model_len, max_num_seqs=len(prompts),
               max_num_batched_tokens=max(max_num_batched_tokens, max_model_len), enable_prefix_caching=True,
-              seed=seed, **({"structured_outputs_config": workload["structured_outputs_config"]}
+              seed=seed, kv_cache_dtype=workload.get("kv_cache_dtype", "auto"), **({"structured_outputs_config": workload["structured_outputs_config"]}
                             if workload.get("structured_outputs_config") else {}))
     startup = time.perf_counter() - t0
 

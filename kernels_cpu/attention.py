@@ -96,15 +96,17 @@ def reshape_and_cache(
     key_cache: torch.Tensor,     # [num_blocks, block_size, num_kv_heads, head_dim], unit stride along head_dim (written)
     value_cache: torch.Tensor,   # [num_blocks, block_size, num_kv_heads, head_dim] (written in place)
     slot_mapping: torch.Tensor,  # [num_tokens] int32/int64, -1 = skip
+    *,
+    kv_quant=None,               # an 8-bit cache (paged_attention.kv_quant.KVQuant): rows quantized as written
 ) -> None:
-    """The cache write as one C++ pass: a row copy per token and KV head, bit for bit what the torch
-    path (paged_attention.cache_ops) writes, without its index tensors and index_put_ calls. The
-    C++ side range-checks every slot before it writes anything."""
+    """The cache write as one C++ pass: a row copy (or quantization) per token and KV head, bit for
+    bit what the torch path (paged_attention.cache_ops) writes, without its index tensors and
+    index_put_ calls. The C++ side range-checks every slot before it writes anything."""
     if key.shape[0] == 0:
         return
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
-    load().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    load().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *_scales(kv_quant))
 
 
 def unified_attention(
@@ -118,11 +120,12 @@ def unified_attention(
     *,
     kv_splits: int | None = None,   # tests: split every item's KV into this many pieces (None: automatic)
     q_tile: int | None = None,      # tests: new tokens per work item (None: automatic)
+    kv_quant=None,                  # an 8-bit cache (paged_attention.kv_quant.KVQuant)
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim], query's dtype
     """Unified (varlen, causal-with-context) paged attention on the CPU kernel."""
     check_cpu_layout(query, key_cache, value_cache)
     return _run(query, key_cache, value_cache, block_tables, _contiguous_index(seq_lens),
-                _contiguous_index(query_start_loc), scale, kv_splits, q_tile)
+                _contiguous_index(query_start_loc), scale, kv_splits, q_tile, kv_quant=kv_quant)
 
 
 def paged_decode_attention(
@@ -134,13 +137,14 @@ def paged_decode_attention(
     scale: float,
     *,
     kv_splits: int | None = None,
+    kv_quant=None,               # an 8-bit cache (paged_attention.kv_quant.KVQuant)
 ) -> torch.Tensor:               # [num_seqs, num_heads, head_dim]
     """Decode = unified attention with query_len 1 for every request (a seq_len-0 padding
     row gets zeros, as in the reference)."""
     check_cpu_layout(query, key_cache, value_cache)
     query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
     return _run(query, key_cache, value_cache, block_tables, _contiguous_index(seq_lens), query_start_loc, scale,
-                kv_splits, None)
+                kv_splits, None, kv_quant=kv_quant)
 
 
 def paged_prefill_attention(
@@ -154,6 +158,7 @@ def paged_prefill_attention(
     scale: float,
     *,
     max_query_len: int | None = None,
+    kv_quant=None,                  # an 8-bit cache: the write quantizes; the attention reads the fresh K/V
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     """Chapter 01's prefill: write the prompts' K/V (one row copy), then causal attention of
     each prompt over its OWN fresh K/V, as the reference does (a token with slot -1 is not
@@ -161,7 +166,7 @@ def paged_prefill_attention(
     cache of T blocks of one position each: prompt i's block table is simply its token indices."""
     check_cpu_layout(query, key_cache, value_cache)
     query_start_loc = _contiguous_index(query_start_loc)
-    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_quant=kv_quant)
     num_tokens = query.shape[0]
     starts = query_start_loc.long()
     lens = starts[1:] - starts[:-1]                                              # [num_seqs]
@@ -188,8 +193,14 @@ def plan(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_heads: int, 
     return [dict(zip(names, item)) for item in items]
 
 
+def _scales(kv_quant) -> tuple[float, float]:
+    """(k_scale, v_scale) for the kernel: an 8-bit cache's per-tensor scales (1.0 otherwise; per-row
+    scales are read from the rows)."""
+    return (1.0, 1.0) if kv_quant is None else (float(kv_quant.k_scale), float(kv_quant.v_scale))
+
+
 def _run(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, kv_splits, q_tile,
-         module=None):
+         module=None, kv_quant=None):
     """out = the kernel's attention (module: a build of it, default `load()`; kernels_cpu.dev times others)."""
     for name, knob in (("kv_splits", kv_splits), ("q_tile", q_tile)):
         if knob is not None and knob < 1:
@@ -199,5 +210,5 @@ def _run(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
     out = torch.empty(query.shape, dtype=query.dtype)
     ext.unified_attention_out(out, query, key_cache, value_cache, _index_int32(block_tables),
                               _index_int32(seq_lens), _index_int32(query_start_loc), float(scale),
-                              kv_splits or 0, q_tile or 0)
+                              kv_splits or 0, q_tile or 0, *_scales(kv_quant))
     return out

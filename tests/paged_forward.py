@@ -16,9 +16,9 @@ def paged_logits(model, config: ModelConfig, prompts: list[list[int]], block_siz
     cache (shuffled blocks, NaN in every slot nobody wrote). The LoRA mapping is the caller's."""
     needed = [-(-len(p) // block_size) for p in prompts]
     kv_caches = config.kv_cache_spec(block_size).allocate_per_layer(sum(needed) + 2, "cpu")
-    for k, v in kv_caches:
-        k.fill_(float("nan"))
-        v.fill_(float("nan"))
+    for k, v in kv_caches:           # junk: NaN, or in an 8-bit cache bytes that read as huge numbers
+        for cache in (k, v):
+            cache.view(torch.uint8).fill_(0x7F) if cache.element_size() == 1 else cache.fill_(float("nan"))
     free = list(range(sum(needed) + 2))
     random.Random(0).shuffle(free)
     blocks = [[free.pop() for _ in range(n)] for n in needed]

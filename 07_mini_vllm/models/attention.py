@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from chunked_prefill.ops import unified_attention
+from paged_attention.kv_quant import KVQuant
 from paged_attention.metadata import AttentionMetadata
 from paged_attention.model.llama import KVCache
 from paged_attention.ops import reshape_and_cache
@@ -33,7 +34,8 @@ ATTENTION_BACKENDS: dict[str, tuple[str, str]] = {
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, backend: str = "torch"):
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, backend: str = "torch",
+                 kv_quant: KVQuant | None = None):
         super().__init__()
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention backend {backend!r} is not supported; supported: {', '.join(ATTENTION_BACKENDS)}")
@@ -41,6 +43,11 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.backend = backend
         self.cache_backend, self.attention_backend = ATTENTION_BACKENDS[backend]
+        # An 8-bit cache (kv_cache_dtype; chapter 01's kv_quant.py): the write quantizes, every read
+        # dequantizes. Per-tensor fp8 keeps this layer's k_scale / v_scale (vLLM: Attention._k_scale).
+        self.kv_quant = kv_quant
+        if kv_quant is not None and self.cache_backend == "cuda":
+            self.cache_backend = "triton"      # the CUDA cache write copies float rows; Triton's quantizes
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -52,11 +59,12 @@ class PagedAttention(nn.Module):
         # The engine built slot_mapping itself: skip the range check (a device sync per layer on GPU).
         md = attn_metadata
         reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping, check_values=False,
-                          backend=self.cache_backend)
+                          backend=self.cache_backend, kv_quant=self.kv_quant)
         # md.plan: the backend's per-step precomputation (chunked_prefill.build_attention_plan), or None.
         return unified_attention(query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                                  self.scale, backend=self.attention_backend, max_query_len=md.max_query_len,
-                                 max_seq_len=md.max_seq_len, check_values=False, plan=md.plan)
+                                 max_seq_len=md.max_seq_len, check_values=False, plan=md.plan,
+                                 kv_quant=self.kv_quant)
         ### END SOLUTION
 
     def _tree_verification(self, query, key, value, key_cache, value_cache, md) -> torch.Tensor:
@@ -65,6 +73,6 @@ class PagedAttention(nn.Module):
         and, among the new tokens, what its request's mask allows (None: causal). Chapter 05's
         unified attention has no mask input; this torch path is what trees cost on any backend."""
         reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping, check_values=False,
-                          backend=self.cache_backend)
+                          backend=self.cache_backend, kv_quant=self.kv_quant)
         return paged_tree_attention(query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-                                    md.tree_masks, self.scale)
+                                    md.tree_masks, self.scale, kv_quant=self.kv_quant)

@@ -87,7 +87,7 @@ class LlamaModel(nn.Module):
     @staticmethod
     def _attention(config: ModelConfig, attn_backend: str) -> PagedAttention:
         layer_attn = PagedAttention(config.num_attention_heads, config.head_dim, config.num_key_value_heads,
-                                    scale=config.head_dim ** -0.5, backend=attn_backend)
+                                    scale=config.head_dim ** -0.5, backend=attn_backend, kv_quant=config.kv_quant)
         return layer_attn
 
     @property

@@ -12,6 +12,8 @@
 namespace vfs_cpu {
 
 enum class DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+// What the K/V caches store (paged_attention/kv_quant.py): the query's dtype, or 8 bits.
+enum class KVDType : int { SAME = 0, INT8 = 1, FP8 = 2 };
 
 struct AttentionParams {
   // query [num_tokens, num_heads, head_dim]; out has the same shape (both unit last stride)
@@ -33,6 +35,12 @@ struct AttentionParams {
   int num_seqs, num_heads, num_kv_heads, head_dim, block_size;
   float scale;
   DType dtype;
+  // 8-bit caches: rows are head_dim numbers, times k_scale / v_scale (per-tensor fp8), or
+  // followed by their own fp32 scale (inline_scales: per token and head; head_dim + 4 bytes).
+  // (Defaults: a float cache, so a caller that predates 8-bit caches gets what it got before.)
+  KVDType kv_dtype = KVDType::SAME;
+  bool inline_scales = false;
+  float k_scale = 1.0f, v_scale = 1.0f;
   int num_threads;  // OpenMP threads (the binding passes torch's intra-op thread count)
   int kv_splits;    // 0: automatic; k >= 1: split every work item's KV range into k pieces (tests)
   int q_tile;       // 0: automatic; q >= 1: query tokens per work item (tests)
@@ -41,6 +49,11 @@ struct AttentionParams {
 // Fills p.out. Never reads a block-table entry past a request's ceil(seq_len / block_size)
 // blocks, nor a cache row at or past its seq_len.
 void unified_attention(const AttentionParams& p);
+
+// One K or V row [head_dim] of `dtype` -> an 8-bit cache row (int8 / fp8 e4m3), quantized with
+// `tensor_scale`, or with its own absmax scale stored after it (inline_scales).
+void quantize_row(const void* src, DType dtype, void* dst, KVDType kv_dtype, int head_dim, bool inline_scales,
+                  float tensor_scale);
 
 // One work item of the plan, for inspection (tests, teaching): new tokens
 // [q_begin, q_begin + q_count) of request `seq`, KV heads [kv_head, kv_head + num_kv_heads),

@@ -52,6 +52,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -309,7 +310,16 @@ void touch_tile(const T* const* k_rows, const T* const* v_rows, int n, int kv_he
   asm volatile("" : : "r"(sum));              // the loads must happen; the sum is never used
 }
 
-template <int NC, typename T>
+// The fp32 scale stored after a quantized row's head_dim numbers (inline_scales).
+template <typename KT>
+inline float row_scale(const KT* row, int head_dim) {
+  float scale;
+  std::memcpy(&scale, row + head_dim, sizeof(float));
+  return scale;
+}
+
+// T: the query and output dtype; KT: what the caches store (T, or int8 / fp8 with scales).
+template <int NC, typename T, typename KT>
 void run_item(const AttentionParams& p, const WorkItem& it, float* partial_o, float* partial_m, float* partial_l) {
   const HeadDim<NC> hd{p.head_dim};
   const int D = p.head_dim, group = p.num_heads / p.num_kv_heads;
@@ -327,11 +337,12 @@ void run_item(const AttentionParams& p, const WorkItem& it, float* partial_o, fl
   const int context = p.seq_lens[it.seq] - q_len;
   const int64_t token0 = p.query_start_loc[it.seq] + it.q_begin;
   const T* query = static_cast<const T*>(p.query);
-  const T* key_cache = static_cast<const T*>(p.key_cache);
-  const T* value_cache = static_cast<const T*>(p.value_cache);
+  const KT* key_cache = static_cast<const KT*>(p.key_cache);
+  const KT* value_cache = static_cast<const KT*>(p.value_cache);
 
-  // Query rows in fp32, pre-multiplied by the scale: converted once, read once per KV tile.
-  const V scale = set1(p.scale);
+  // Query rows in fp32, pre-multiplied by the scale: converted once, read once per KV tile. A
+  // per-tensor K scale folds in here too: q . (s k) = (s q) . k.
+  const V scale = set1(p.scale * p.k_scale);
   for (int r = 0; r < rows; ++r) {
     const T* src = query + (token0 + token_of(r)) * p.q_stride_token + int64_t(head_of(r)) * p.q_stride_head;
     for (int c = 0; c < hd.chunks(); ++c) {
@@ -347,7 +358,7 @@ void run_item(const AttentionParams& p, const WorkItem& it, float* partial_o, fl
   // Row pointers (of KV head 0; head h is + h * stride_head) of a tile's positions
   // t0 .. t0+n-1, block by block: the paging is resolved here, once per tile, and the data
   // stays where it is.
-  auto resolve_tile = [&](int t0, const T** k_rows, const T** v_rows) {
+  auto resolve_tile = [&](int t0, const KT** k_rows, const KT** v_rows) {
     const int n = std::min(kTileKV, it.kv_end - t0);
     int block = t0 / p.block_size, offset = t0 % p.block_size;
     for (int j = 0; j < n; ++j) {
@@ -361,7 +372,7 @@ void run_item(const AttentionParams& p, const WorkItem& it, float* partial_o, fl
     for (int j = n; j < ceil_div(n, W) * W; ++j) k_rows[j] = k_rows[n - 1];
     return n;
   };
-  const T* row_ptrs[2][2][kTileKV];   // [this tile, next tile][K, V][position]
+  const KT* row_ptrs[2][2][kTileKV];  // [this tile, next tile][K, V][position]
   int n_next = it.kv_begin < it.kv_end ? resolve_tile(it.kv_begin, row_ptrs[0][0], row_ptrs[0][1]) : 0;
   // Few query rows per K/V byte (decode): load each tile before computing on it; many rows
   // (prefill): prefetch the next tile while computing this one. See the top of the file.
@@ -370,14 +381,14 @@ void run_item(const AttentionParams& p, const WorkItem& it, float* partial_o, fl
   // ### BEGIN SOLUTION
   for (int t0 = it.kv_begin, cur = 0; t0 < it.kv_end; t0 += kTileKV, cur ^= 1) {
     const int n = n_next;
-    const T* const* k_rows = row_ptrs[cur][0];
-    const T* const* v_rows = row_ptrs[cur][1];
+    const KT* const* k_rows = row_ptrs[cur][0];
+    const KT* const* v_rows = row_ptrs[cur][1];
     n_next = t0 + kTileKV < it.kv_end ? resolve_tile(t0 + kTileKV, row_ptrs[cur ^ 1][0], row_ptrs[cur ^ 1][1]) : 0;
     if (touch_first) touch_tile(k_rows, v_rows, n, it.kv_head, it.num_kv_heads, p);
     // Prefetch of the next tile, a few positions per query row below, so the requests
     // overlap this tile's arithmetic (a prefill tile's K/V are usually in L2/L3, just written).
-    const T* const* next_k = row_ptrs[cur ^ 1][0];
-    const T* const* next_v = row_ptrs[cur ^ 1][1];
+    const KT* const* next_k = row_ptrs[cur ^ 1][0];
+    const KT* const* next_v = row_ptrs[cur ^ 1][1];
     const int prefetch_per_row = prefetch_next_tile ? ceil_div(n_next, rows) : 0;
     int prefetched = 0;
     auto prefetch_next = [&] {
@@ -385,7 +396,7 @@ void run_item(const AttentionParams& p, const WorkItem& it, float* partial_o, fl
         for (int h = it.kv_head; h < it.kv_head + it.num_kv_heads; ++h) {
           const char* k = reinterpret_cast<const char*>(next_k[prefetched] + h * p.k_stride_head);
           const char* v = reinterpret_cast<const char*>(next_v[prefetched] + h * p.v_stride_head);
-          for (int b = 0; b < D * int(sizeof(T)); b += 128) {   // the core fetches 128-byte line pairs
+          for (int b = 0; b < D * int(sizeof(KT)); b += 128) {   // the core fetches 128-byte line pairs
             prefetch(k + b);
             prefetch(v + b);
           }
@@ -405,7 +416,13 @@ void run_item(const AttentionParams& p, const WorkItem& it, float* partial_o, fl
       if (nv == 0) continue;
       V vmax = set1(kNegInf);
       for (int j = 0; j < vec_end; j += W) {
-        const V sc = select(first_lanes(nv - j), dot_w(qf + r * D, k_rows + j, k_offset, hd), set1(kNegInf));
+        V dots = dot_w(qf + r * D, k_rows + j, k_offset, hd);
+        if (p.inline_scales) {                 // per-row K scales: q . (s_j k_j) = s_j (q . k_j)
+          alignas(64) float ks[W];
+          for (int w = 0; w < W; ++w) ks[w] = row_scale(k_rows[j + w] + k_offset, D);
+          dots = mul(dots, load(ks, first_lanes(W)));
+        }
+        const V sc = select(first_lanes(nv - j), dots, set1(kNegInf));
         store(srow + j, sc, first_lanes(W));
         vmax = max(vmax, sc);
       }
@@ -419,6 +436,10 @@ void run_item(const AttentionParams& p, const WorkItem& it, float* partial_o, fl
       }
       l[r] = l[r] * alpha + reduce_add(vsum);
       m[r] = m_new;
+      if (p.inline_scales) {                   // per-row V scales: p_j (s_j v_j) = (p_j s_j) v_j
+        const int64_t v_offset = int64_t(it.kv_head + r / head_rows) * p.v_stride_head;
+        for (int j = 0; j < nv; ++j) srow[j] *= row_scale(v_rows[j] + v_offset, D);
+      }
       if (alpha != 1.0f) {
         const V a = set1(alpha);
         for (int c = 0; c < hd.chunks(); ++c) {
@@ -440,6 +461,9 @@ void run_item(const AttentionParams& p, const WorkItem& it, float* partial_o, fl
     }
   }
   // ### END SOLUTION
+  if (p.v_scale != 1.0f) {                // a per-tensor V scale: sum_j p_j (s v_j) = s sum_j p_j v_j
+    for (int64_t i = 0; i < int64_t(rows) * D; ++i) o[i] *= p.v_scale;
+  }
 
   if (it.partial >= 0) {                  // a piece of a split item: keep (O, m, l) for the merge
     std::copy(o, o + size_t(rows) * D, partial_o);
@@ -491,7 +515,7 @@ void merge_pieces(const AttentionParams& p, const Plan& plan, const std::vector<
 
 // ------------------------------------------------------------------------------- the driver
 
-template <int NC, typename T>
+template <int NC, typename T, typename KT>
 void run(const AttentionParams& p) {
   Plan plan = make_plan(p);
   const int64_t num_items = int64_t(plan.items.size());
@@ -507,7 +531,7 @@ void run(const AttentionParams& p) {
   auto do_item = [&](int64_t i) {
     const WorkItem& it = plan.items[order[i]];
     const int64_t slot = it.partial < 0 ? 0 : it.partial;
-    run_item<NC, T>(p, it, partial_o.data() + slot * D, partial_m.data() + slot, partial_l.data() + slot);
+    run_item<NC, T, KT>(p, it, partial_o.data() + slot * D, partial_m.data() + slot, partial_l.data() + slot);
   };
   const int64_t num_merges = int64_t(plan.merges.size());
   auto do_merge = [&](int64_t g, std::vector<float>& acc) {
@@ -532,16 +556,82 @@ void run(const AttentionParams& p) {
   }
 }
 
+template <typename T, typename KT>
+void run_head_dim(const AttentionParams& p) {
+  // Compile-time head_dim for the common sizes (32, 64, 128 on AVX-512); others generic.
+  if (W > 1 && p.head_dim == 2 * W) return run<2, T, KT>(p);
+  if (W > 1 && p.head_dim == 4 * W) return run<4, T, KT>(p);
+  if (W > 1 && p.head_dim == 8 * W) return run<8, T, KT>(p);
+  return run<0, T, KT>(p);
+}
+
 template <typename T>
 void run_dtype(const AttentionParams& p) {
-  // Compile-time head_dim for the common sizes (32, 64, 128 on AVX-512); others generic.
-  if (W > 1 && p.head_dim == 2 * W) return run<2, T>(p);
-  if (W > 1 && p.head_dim == 4 * W) return run<4, T>(p);
-  if (W > 1 && p.head_dim == 8 * W) return run<8, T>(p);
-  return run<0, T>(p);
+  switch (p.kv_dtype) {
+    case KVDType::SAME: return run_head_dim<T, T>(p);
+    case KVDType::INT8: return run_head_dim<T, int8_t>(p);
+    case KVDType::FP8: return run_head_dim<T, fp8e4m3>(p);
+  }
+}
+
+// ------------------------------------------------------------------- quantized cache write
+
+// fp32 -> fp8 e4m3fn, rounding to nearest even as torch's .to(torch.float8_e4m3fn); |x| <= 448
+// (the caller clamps: a cast above it is NaN).
+inline uint8_t fp8e4m3_from_float(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint8_t sign = uint8_t(u >> 24 & 0x80);
+  const float a = std::fabs(x);
+  if (a < 0.015625f)                                   // below 2^-6: subnormal steps of 2^-9 (8 steps = 2^-6)
+    return uint8_t(sign | uint8_t(std::nearbyint(a * 512.0f)));
+  uint32_t b = u & 0x7FFFFFFFu;
+  b += 0x7FFFFu + (b >> 20 & 1);                       // 23 mantissa bits -> 3, ties to even (a carry bumps e)
+  const int e = int(b >> 23) - 127 + 7;
+  return uint8_t(sign | e << 3 | (b >> 20 & 7));
+}
+
+// One K or V row of head_dim numbers -> the cache's row: the scale (per-tensor, or absmax / qmax
+// stored after the row), then x * (1 / scale) rounded. The bytes are paged_attention/kv_quant.py's.
+template <typename T, typename KT>
+void quantize_row_t(const T* src, KT* dst, int d, bool inline_scales, float tensor_scale) {
+  constexpr bool kInt8 = std::is_same_v<KT, int8_t>;
+  constexpr float qmax = kInt8 ? 127.0f : 448.0f;
+  float scale = tensor_scale;
+  if (inline_scales) {
+    float amax = 0.0f;
+    for (int i = 0; i < d; ++i) amax = std::max(amax, std::fabs(to_float(src[i])));
+    scale = std::max(amax / qmax, 1e-6f);
+    std::memcpy(dst + d, &scale, sizeof(float));
+  }
+  const float inv = 1.0f / scale;
+  for (int i = 0; i < d; ++i) {
+    const float y = to_float(src[i]) * inv;
+    if constexpr (kInt8) {
+      dst[i] = int8_t(std::clamp(y >= 0.0f ? y + 0.5f : y - 0.5f, -128.0f, 127.0f));   // half away from 0
+    } else {
+      dst[i] = fp8e4m3{fp8e4m3_from_float(std::clamp(y, -448.0f, 448.0f))};
+    }
+  }
+}
+
+template <typename T>
+void quantize_row_dtype(const void* src, void* dst, KVDType kv, int d, bool inline_scales, float tensor_scale) {
+  if (kv == KVDType::INT8)
+    return quantize_row_t(static_cast<const T*>(src), static_cast<int8_t*>(dst), d, inline_scales, tensor_scale);
+  quantize_row_t(static_cast<const T*>(src), static_cast<fp8e4m3*>(dst), d, inline_scales, tensor_scale);
 }
 
 }  // namespace
+
+void quantize_row(const void* src, DType dtype, void* dst, KVDType kv_dtype, int head_dim, bool inline_scales,
+                  float tensor_scale) {
+  switch (dtype) {
+    case DType::F32: return quantize_row_dtype<float>(src, dst, kv_dtype, head_dim, inline_scales, tensor_scale);
+    case DType::BF16: return quantize_row_dtype<bf16>(src, dst, kv_dtype, head_dim, inline_scales, tensor_scale);
+    case DType::F16: return quantize_row_dtype<fp16>(src, dst, kv_dtype, head_dim, inline_scales, tensor_scale);
+  }
+}
 
 void unified_attention(const AttentionParams& p) {
   switch (p.dtype) {

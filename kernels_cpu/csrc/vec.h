@@ -75,6 +75,17 @@ inline void from_float(float f, fp16* dst) {
 #endif
 }
 
+// 8-bit K/V cache storage (paged_attention/kv_quant.py): int8, and fp8 e4m3fn (1 sign bit, 4
+// exponent bits biased by 7, 3 mantissa bits, no infinities). Rows are dequantized by their scale
+// in the kernel, not here: a load only widens the stored number to fp32.
+struct fp8e4m3 { uint8_t bits; };
+
+inline float to_float(int8_t x) { return float(x); }
+// The 7 exponent + mantissa bits moved to an fp16's place are the same number times 2^-8 (fp16's
+// exponent bias is 15, e4m3's 7), subnormals included; so: widen to fp16, convert, times 256.
+inline uint16_t fp8e4m3_as_fp16_bits(uint8_t b) { return uint16_t((b & 0x80) << 8 | (b & 0x7F) << 7); }
+inline float to_float(fp8e4m3 x) { return to_float(fp16{fp8e4m3_as_fp16_bits(x.bits)}) * 256.0f; }
+
 // Ask for a cache line ahead of use (a hint: never faults, even on a bad address): into L1,
 // or only as far as L2 (for data that is read from there, as the GEMM's weight panels are).
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }
@@ -113,6 +124,20 @@ inline V load(const bf16* p, Mask m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load_16bit_lanes(p, m)), 16));
 }
 inline V load(const fp16* p, Mask m) { return _mm512_cvtph_ps(load_16bit_lanes(p, m)); }
+inline __m128i load_8bit_lanes(const void* p, Mask m) {      // int8 / fp8: 16 lanes of 1 byte
+  if (every_lane(m)) return _mm_loadu_si128(static_cast<const __m128i*>(p));
+  alignas(16) uint8_t lanes[16] = {};                         // a row's tail: touch only its own bytes
+  for (int i = 0; i < 16; ++i)
+    if (m >> i & 1) lanes[i] = static_cast<const uint8_t*>(p)[i];
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(lanes));
+}
+inline V load(const int8_t* p, Mask m) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load_8bit_lanes(p, m))); }
+inline V load(const fp8e4m3* p, Mask m) {
+  const __m256i b = _mm256_cvtepu8_epi16(load_8bit_lanes(p, m));                  // 16 x 16 bits
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));              // see to_float(fp8e4m3)
+}
 inline void store(float* p, V v, Mask m) {
   if (every_lane(m)) _mm512_storeu_ps(p, v);
   else _mm512_mask_storeu_ps(p, m, v);
@@ -183,6 +208,15 @@ inline V load(const bf16* p, Mask) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 inline V load(const fp16* p, Mask) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline V load(const int8_t* p, Mask) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline V load(const fp8e4m3* p, Mask) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));   // 8 x 16 bits
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));              // see to_float(fp8e4m3)
+}
 inline void store(float* p, V v, Mask) { _mm256_storeu_ps(p, v); }
 inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }

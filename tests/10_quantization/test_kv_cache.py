@@ -1,0 +1,238 @@
+"""The 8-bit KV cache (chapter 01's kv_quant.py; vLLM's --kv-cache-dtype): every backend writes the
+same bytes, fp8 rounds as torch's own cast does, every backend's attention reads the cache back
+within the stated error of fp32 attention on the unquantized K/V, and the engine holds more blocks
+in the same memory and gives the same tokens whatever else is switched on."""
+import pytest
+import torch
+from tolerances import assert_close
+
+from chunked_prefill.ops import unified_attention
+from paged_attention import ops as pa
+from paged_attention.kv_quant import FP8_MAX, KVQuant, dequantize_rows, inline_scales, quantize_rows
+from paged_attention.reference import dense_attention
+from paged_attention.triton_common import interpreting
+
+MODES = {
+    "int8_per_token_head": KVQuant("int8_per_token_head"),
+    "fp8_per_token_head": KVQuant("fp8_per_token_head"),
+    "fp8": KVQuant("fp8", k_scale=0.02, v_scale=0.01),
+}
+# Attention over the dequantized cache vs fp32 attention over the unquantized K/V (unit-normal K/V
+# and queries, head_dim 32-64, outputs ~1): the quantization's own error, measured max 0.021 (int8),
+# 0.11 (fp8 per row) and 0.15 (fp8 per tensor) over CASES; the bounds leave ~2x.
+ATTENTION_ERROR = {"int8_per_token_head": 0.04, "fp8_per_token_head": 0.25, "fp8": 0.3}
+WRITE_BACKENDS = ["torch", "cpu"] + (["triton"] if interpreting() or torch.cuda.is_available() else [])
+READ_BACKENDS = ["torch", "cpu"] + (["triton"] if interpreting() or torch.cuda.is_available() else [])
+
+
+def raw(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(torch.uint8)
+
+
+def empty_cache(kv_quant: KVQuant, num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """A cache full of junk bytes (NaN-like fp8, huge scales): a kernel that reads a row it must
+    not read shows it."""
+    shape = (num_blocks, block_size, kv_heads, kv_quant.cache_head_dim(head_dim))
+    return torch.full(shape, 0x7F, dtype=torch.uint8).view(kv_quant.storage_dtype)
+
+
+def test_fp8_bytes_equal_torchs_cast():
+    """Every fp8 value, every midpoint between two neighbours (the ties), subnormals and random
+    values: our C++ and Triton conversions give torch's bytes (round to nearest even)."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite()].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    rand = (torch.rand(4096, generator=torch.Generator().manual_seed(0)) * 2 - 1) * FP8_MAX
+    x = torch.cat([grid, mids, rand, rand * 1e-3, rand * 1e-5])
+    x = x[: x.numel() // 64 * 64].reshape(-1, 1, 64)                  # rows of 64
+    kq = KVQuant("fp8", k_scale=1.0, v_scale=1.0)
+    expected = raw(x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn))
+    slots = torch.arange(x.shape[0])
+    for backend in WRITE_BACKENDS:
+        kc = empty_cache(kq, x.shape[0], 1, 1, 64)
+        vc = empty_cache(kq, x.shape[0], 1, 1, 64)
+        pa.reshape_and_cache(x, x, kc, vc, slots, backend=backend, kv_quant=kq)
+        assert torch.equal(raw(kc)[:, 0], expected), backend
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_backend_writes_the_references_bytes(mode, dtype):
+    """Bit for bit: the data and, for per-token-head modes, each row's fp32 scale; strided key
+    views, padding slots (-1) and rows nobody writes (their junk stays) included."""
+    kq = MODES[mode]
+    gen = torch.Generator().manual_seed(1)
+    T, kvh, d, nb, bs = 29, 3, 64, 9, 8
+    kv = torch.randn(T, 2 * kvh, d, generator=gen).to(dtype) * 4
+    key, value = kv[:, :kvh], kv[:, kvh:]                             # strided views
+    key[0, 0] = 0                                                     # an all-zero row: scale 1e-6
+    slots = torch.randperm(nb * bs, generator=gen)[:T]
+    slots[[2, 7]] = -1
+    caches = {}
+    for backend in ["reference"] + WRITE_BACKENDS:
+        kc, vc = empty_cache(kq, nb, bs, kvh, d), empty_cache(kq, nb, bs, kvh, d)
+        pa.reshape_and_cache(key, value, kc, vc, slots, backend=backend, kv_quant=kq)
+        caches[backend] = (raw(kc), raw(vc))
+    for backend in WRITE_BACKENDS:
+        assert torch.equal(caches[backend][0], caches["reference"][0]), backend
+        assert torch.equal(caches[backend][1], caches["reference"][1]), backend
+    untouched = torch.ones(nb * bs, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert (caches["reference"][0].reshape(nb * bs, -1)[untouched] == 0x7F).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_quantized_row_is_within_half_a_step_of_the_truth(mode):
+    """The shadow of the truth: int8 rows dequantize to within scale / 2 of x, fp8 rows within
+    1/16 relative (3 mantissa bits) plus the smallest subnormal; per-row scales are absmax / qmax."""
+    kq = MODES[mode]
+    x = torch.randn(200, 4, 64, generator=torch.Generator().manual_seed(2)) * torch.logspace(-3, 2, 200)[:, None, None]
+    x = x * (0.005 if mode == "fp8" else 1)                           # per-tensor: inside the scaled range
+    rows = quantize_rows(x, kq, "k")
+    back = dequantize_rows(rows, kq, "k", 64)
+    if kq.per_token_head:
+        scale = inline_scales(rows, 64)
+        assert torch.equal(scale, (x.abs().amax(-1) / kq.qmax).clamp_min(1e-6))
+    else:
+        scale = torch.full(x.shape[:-1], kq.k_scale)
+    if kq.storage_dtype == torch.int8:
+        assert ((back - x).abs() <= scale[..., None] / 2 * (1 + 1e-6)).all()
+    else:
+        assert ((back - x).abs() <= (x.abs() / 16 + 2.0 ** -9 * scale[..., None]) * (1 + 1e-6)).all()
+
+
+CASES = [   # (seq_lens, query_lens, block_size, num_heads, num_kv_heads, head_dim): decode, chunked, GQA 3
+    ((37, 1, 64), (1, 1, 1), 16, 6, 2, 64),
+    ((23, 40), (23, 5), 8, 9, 3, 64),
+    ((17,), (17,), 1, 4, 4, 32),
+]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", CASES, ids=["decode", "chunked-gqa3", "block1-prefill"])
+def test_every_backend_reads_the_quantized_cache(mode, case):
+    """Shuffled physical blocks, junk in every slot nobody wrote, partial last blocks: each backend
+    equals the reference on the same cache, and the reference is within the stated error of fp32
+    attention over the unquantized K/V."""
+    kq = MODES[mode]
+    seq_lens, query_lens, bs, h, kvh, d = case
+    gen = torch.Generator().manual_seed(3)
+    blocks_per = [-(-n // bs) for n in seq_lens]
+    nb = sum(blocks_per) + 3
+    order = torch.randperm(nb, generator=gen)
+    kc, vc = empty_cache(kq, nb, bs, kvh, d), empty_cache(kq, nb, bs, kvh, d)
+    width = max(blocks_per)
+    block_tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    queries, keys, values, start = [], [], [], 0
+    for i, (n, q_len) in enumerate(zip(seq_lens, query_lens)):
+        ids = order[start:start + blocks_per[i]]
+        start += blocks_per[i]
+        block_tables[i, :len(ids)] = ids.int()
+        k, v = torch.randn(n, kvh, d, generator=gen), torch.randn(n, kvh, d, generator=gen)
+        slots = (ids[torch.arange(n) // bs] * bs + torch.arange(n) % bs)
+        pa.reshape_and_cache(k, v, kc, vc, slots, backend="reference", kv_quant=kq)
+        keys.append(k)
+        values.append(v)
+        queries.append(torch.randn(q_len, h, d, generator=gen))
+    query = torch.cat(queries)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    ref = unified_attention(query, kc, vc, block_tables, seq, qsl, d ** -0.5, backend="reference", kv_quant=kq)
+    truth = torch.cat([dense_attention(q, k, v, d ** -0.5) for q, k, v in zip(queries, keys, values)])
+    assert (ref - truth).abs().max() <= ATTENTION_ERROR[mode]
+    for backend in READ_BACKENDS:
+        out = unified_attention(query, kc, vc, block_tables, seq, qsl, d ** -0.5, backend=backend, kv_quant=kq)
+        assert_close(out, ref, torch.float32)
+    if all(q == 1 for q in query_lens):           # chapter 01's decode reads it too
+        for backend in ["torch", "cpu"]:
+            out = pa.paged_decode_attention(query, kc, vc, block_tables, seq, d ** -0.5, backend=backend,
+                                            kv_quant=kq)
+            assert_close(out, ref, torch.float32)
+
+
+def test_bad_kv_cache_input_is_refused_clearly():
+    kq = MODES["int8_per_token_head"]
+    key = torch.randn(2, 2, 64)
+    float_cache = torch.zeros(4, 4, 2, 68)                                        # the right rows, wrong dtype
+    with pytest.raises(TypeError, match="int8_per_token_head cache is torch.int8"):
+        pa.reshape_and_cache(key, key, float_cache, float_cache, torch.tensor([0, 1]), kv_quant=kq)
+    int8_cache = torch.zeros(4, 4, 2, 64, dtype=torch.int8)                       # no room for the scales
+    with pytest.raises(ValueError, match="row holds 68"):
+        pa.reshape_and_cache(key, key, int8_cache, int8_cache, torch.tensor([0, 1]), kv_quant=kq)
+    with pytest.raises(TypeError, match="needs kv_quant="):
+        pa.reshape_and_cache(key, key, int8_cache, int8_cache, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="handles float caches only"):
+        pa.paged_decode_attention(torch.randn(1, 2, 64), int8_cache, int8_cache, torch.zeros(1, 1, dtype=torch.int32),
+                                  torch.ones(1, dtype=torch.int32), 0.1, backend="cuda", kv_quant=kq)
+    with pytest.raises(ValueError, match="computes a scale per row"):
+        KVQuant("int8_per_token_head", k_scale=0.5)
+
+
+# ------------------------------------------------------------------------------------ engine
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far", "1, 2, 3, 4,"]
+
+
+def greedy(llm, prompts=PROMPTS, max_tokens=12):
+    from mini_vllm import SamplingParams
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_same_memory_holds_more_blocks(tiny_float, make_llm, dtype):
+    """One byte a number: vs fp32 4x the blocks, vs bf16 2x; with each row's fp32 scale after its
+    head_dim bytes, x head_dim / (head_dim + 4) — vLLM's page arithmetic for the same formats."""
+    path, _ = tiny_float
+    blocks = {kv: make_llm(path, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=64 << 20)
+              .llm_engine.engine_core.kv_cache_report.num_blocks
+              for kv in ("auto", "fp8", "int8_per_token_head")}
+    elem = 4 if dtype == "float32" else 2
+    head_dim = 32                                     # the tiny model's (TINY_QUANT: 128 / 4 heads)
+    assert blocks["fp8"] / blocks["auto"] == pytest.approx(elem, rel=0.01)
+    assert blocks["int8_per_token_head"] / blocks["auto"] == pytest.approx(elem * head_dim / (head_dim + 4), rel=0.01)
+
+
+@pytest.mark.parametrize("mode", ["int8_per_token_head", "fp8"])
+def test_quantized_cache_tokens_are_the_same_whatever_else_runs(tiny_float, make_llm, mode):
+    """The 8-bit cache composes: the plain engine's tokens on it equal those with the per-token
+    reference attention, prefix caching (a second run hits the cache), chunked prefill in 8-token
+    chunks, preemption (a pool too small for all four), n-gram drafts, and async scheduling."""
+    path, _ = tiny_float
+    base = greedy(make_llm(path, kv_cache_dtype=mode))
+    assert greedy(make_llm(path, kv_cache_dtype=mode, attention_backend="reference")) == base
+    cached = make_llm(path, kv_cache_dtype=mode, enable_prefix_caching=True)
+    assert greedy(cached) == base and greedy(cached) == base
+    assert greedy(make_llm(path, kv_cache_dtype=mode, enable_chunked_prefill=True, max_num_batched_tokens=8,
+                           max_num_seqs=4)) == base
+    assert greedy(make_llm(path, kv_cache_dtype=mode, num_gpu_blocks_override=6, block_size=4)) == base
+    assert greedy(make_llm(path, kv_cache_dtype=mode, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})) == base
+    assert greedy(make_llm(path, kv_cache_dtype=mode, async_scheduling=True)) == base
+
+
+def test_quantized_cache_stays_close_to_the_float_cache(tiny_float):
+    """Logits of a prefill + decode through the int8 cache vs the float one: within the
+    quantization's own error (the tokens may part where two logits are within it)."""
+    from paged_forward import paged_logits
+
+    from mini_vllm.config import ModelConfig
+    from mini_vllm.models.loader import get_model
+    path, _ = tiny_float
+    ids = [list(range(5, 45)), list(range(100, 117))]
+    logits = {}
+    for kv in ("auto", "int8_per_token_head"):
+        config = ModelConfig.from_pretrained(path, kv_cache_dtype=kv)
+        logits[kv] = paged_logits(get_model(config), config, ids)
+    diff = (logits["int8_per_token_head"] - logits["auto"]).abs().max() / logits["auto"].abs().max()
+    assert diff < 0.02
+
+
+def test_bad_kv_cache_dtype_is_refused_with_the_name(tiny_float, make_llm):
+    path, _ = tiny_float
+    with pytest.raises(ValueError, match="fp8_e5m2.*does not implement"):
+        make_llm(path, kv_cache_dtype="fp8_e5m2")
+    with pytest.raises(ValueError, match="unknown kv_cache_dtype 'int9'"):
+        make_llm(path, kv_cache_dtype="int9")
+    with pytest.raises(ValueError, match="differs from the model's dtype"):
+        make_llm(path, kv_cache_dtype="bfloat16", dtype="float32")
