@@ -21,8 +21,9 @@ MODES = {
 # and queries, head_dim 32-64, outputs ~1): the quantization's own error, measured max 0.021 (int8),
 # 0.11 (fp8 per row) and 0.15 (fp8 per tensor) over CASES; the bounds leave ~2x.
 ATTENTION_ERROR = {"int8_per_token_head": 0.04, "fp8_per_token_head": 0.25, "fp8": 0.3}
-WRITE_BACKENDS = ["torch", "cpu"] + (["triton"] if interpreting() or torch.cuda.is_available() else [])
-READ_BACKENDS = ["torch", "cpu"] + (["triton"] if interpreting() or torch.cuda.is_available() else [])
+# Triton on CPU tensors under the interpreter; on a GPU its kernels are test_on_the_gpu's.
+WRITE_BACKENDS = ["torch", "cpu"] + (["triton"] if interpreting() else [])
+READ_BACKENDS = WRITE_BACKENDS
 
 
 def raw(cache: torch.Tensor) -> torch.Tensor:
@@ -148,6 +149,39 @@ def test_every_backend_reads_the_quantized_cache(mode, case):
             out = pa.paged_decode_attention(query, kc, vc, block_tables, seq, d ** -0.5, backend=backend,
                                             kv_quant=kq)
             assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_the_gpu_triton_writes_and_reads_the_cache(mode, dtype):
+    """Native Triton: the write's bytes equal the reference's but where the GPU's fp32 division
+    (1 / scale, not correctly rounded) moves a value across a rounding boundary — one step, in a
+    few elements; the 2-D and split-KV reads equal the reference on the same cache."""
+    kq = MODES[mode]
+    gen = torch.Generator().manual_seed(4)
+    T, kvh, h, d, bs = 300, 2, 8, 64, 16
+    key, value = torch.randn(T, kvh, d, generator=gen).to(dtype), torch.randn(T, kvh, d, generator=gen).to(dtype)
+    nb = -(-T // bs) + 2
+    slots = torch.arange(T) + bs                                     # block 0 stays junk
+    ref_k, ref_v = empty_cache(kq, nb, bs, kvh, d), empty_cache(kq, nb, bs, kvh, d)
+    pa.reshape_and_cache(key, value, ref_k, ref_v, slots, backend="reference", kv_quant=kq)
+    gpu_k, gpu_v = empty_cache(kq, nb, bs, kvh, d).cuda(), empty_cache(kq, nb, bs, kvh, d).cuda()
+    pa.reshape_and_cache(key.cuda(), value.cuda(), gpu_k, gpu_v, slots.cuda(), backend="triton", kv_quant=kq)
+    for ours, ref in ((gpu_k, ref_k), (gpu_v, ref_v)):
+        data, want = ours.cpu()[..., :d], ref[..., :d]
+        steps = (data.float() - want.float()).abs() if kq.storage_dtype == torch.int8 else \
+            (raw(data).int() - raw(want).int()).abs()
+        assert steps.max() <= 1 and (steps > 0).float().mean() < 0.01
+    block_tables = torch.arange(1, nb, dtype=torch.int32)[None]
+    query = torch.randn(1, h, d, generator=gen).to(dtype)
+    seq, qsl = torch.tensor([T], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    ref = unified_attention(query, ref_k, ref_v, block_tables, seq, qsl, d ** -0.5, backend="reference", kv_quant=kq)
+    from chunked_prefill import triton_ops
+    for splits in (1, 4):
+        out = triton_ops.unified_attention(query.cuda(), ref_k.cuda(), ref_v.cuda(), block_tables.cuda(), seq.cuda(),
+                                           qsl.cuda(), d ** -0.5, kv_quant=kq, num_kv_splits=splits)
+        assert_close(out.cpu(), ref, dtype)
 
 
 def test_bad_kv_cache_input_is_refused_clearly():
