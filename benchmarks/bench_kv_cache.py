@@ -66,7 +66,7 @@ def run_vllm(model: str, kv: str, prompts, max_tokens: int) -> dict:
                 output_tok_s=len(prompts) * max_tokens / run["seconds"], tokens=run["tokens"])
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny random model, a few short requests")
     p.add_argument("--no-vllm", action="store_true")
@@ -100,6 +100,7 @@ def main(argv=None) -> None:
                     prompt_tokens=prompt_len, output_tokens=max_tokens, greedy=True, kv_cache_gib=KV_GIB)
     if not args.smoke:
         print(write_result("kv_cache_engine", workload, rows))
+    return rows
 
 
 if __name__ == "__main__":
