@@ -125,6 +125,7 @@ def quantize_rows(x: torch.Tensor, kv_quant: KVQuant, which: str) -> torch.Tenso
     """K (which="k") or V rows [..., head_dim] float -> the cache's rows [..., cache_head_dim]."""
     head_dim = x.shape[-1]
     x = x.float()
+    ### BEGIN SOLUTION
     if kv_quant.per_token_head:
         scale = (x.abs().amax(dim=-1) / kv_quant.qmax).clamp_min(MIN_SCALE)      # [...]
     else:
@@ -135,6 +136,7 @@ def quantize_rows(x: torch.Tensor, kv_quant: KVQuant, which: str) -> torch.Tenso
         q = torch.where(y >= 0, y + 0.5, y - 0.5).clamp(-128.0, 127.0).to(torch.int8)
     else:
         q = y.clamp(-FP8_MAX, FP8_MAX).to(FP8)                                   # round to nearest even
+    ### END SOLUTION
     if not kv_quant.per_token_head:
         return q
     rows = torch.empty(*x.shape[:-1], head_dim + SCALE_PAD, dtype=kv_quant.storage_dtype, device=x.device)
@@ -147,9 +149,14 @@ def dequantize_rows(rows: torch.Tensor, kv_quant: KVQuant, which: str, head_dim:
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The cache's rows [..., cache_head_dim] -> K or V [..., head_dim] in `dtype` (q * scale, in fp32)."""
     data = rows[..., :head_dim].float()
+    ### BEGIN SOLUTION
     if kv_quant.per_token_head:
-        return (data * inline_scales(rows, head_dim)[..., None]).to(dtype)
-    return (data * kv_quant.tensor_scale(which)).to(dtype)
+        scale = inline_scales(rows, head_dim)[..., None]                           # [..., 1]
+    else:
+        scale = kv_quant.tensor_scale(which)
+    out = data * scale
+    ### END SOLUTION
+    return out.to(dtype)
 
 
 def read_rows(rows: torch.Tensor, kv_quant: KVQuant | None, which: str, head_dim: int,

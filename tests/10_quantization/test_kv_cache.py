@@ -8,7 +8,7 @@ from tolerances import assert_close
 
 from chunked_prefill.ops import unified_attention
 from paged_attention import ops as pa
-from paged_attention.kv_quant import FP8_MAX, KVQuant, dequantize_rows, inline_scales, quantize_rows
+from paged_attention.kv_quant import FP8_MAX, KVQuant
 from paged_attention.reference import dense_attention
 from paged_attention.triton_common import interpreting
 
@@ -80,26 +80,6 @@ def test_every_backend_writes_the_references_bytes(mode, dtype):
     untouched = torch.ones(nb * bs, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
     assert (caches["reference"][0].reshape(nb * bs, -1)[untouched] == 0x7F).all()
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_a_quantized_row_is_within_half_a_step_of_the_truth(mode):
-    """The shadow of the truth: int8 rows dequantize to within scale / 2 of x, fp8 rows within
-    1/16 relative (3 mantissa bits) plus the smallest subnormal; per-row scales are absmax / qmax."""
-    kq = MODES[mode]
-    x = torch.randn(200, 4, 64, generator=torch.Generator().manual_seed(2)) * torch.logspace(-3, 2, 200)[:, None, None]
-    x = x * (0.005 if mode == "fp8" else 1)                           # per-tensor: inside the scaled range
-    rows = quantize_rows(x, kq, "k")
-    back = dequantize_rows(rows, kq, "k", 64)
-    if kq.per_token_head:
-        scale = inline_scales(rows, 64)
-        assert torch.equal(scale, (x.abs().amax(-1) / kq.qmax).clamp_min(1e-6))
-    else:
-        scale = torch.full(x.shape[:-1], kq.k_scale)
-    if kq.storage_dtype == torch.int8:
-        assert ((back - x).abs() <= scale[..., None] / 2 * (1 + 1e-6)).all()
-    else:
-        assert ((back - x).abs() <= (x.abs() / 16 + 2.0 ** -9 * scale[..., None]) * (1 + 1e-6)).all()
 
 
 CASES = [   # (seq_lens, query_lens, block_size, num_heads, num_kv_heads, head_dim): decode, chunked, GQA 3
