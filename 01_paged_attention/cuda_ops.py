@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from paged_attention.checks import check_cache_write_args, check_decode_args, check_prefill_args, contiguous_index
+from paged_attention.kv_quant import KVQuant
 
 # Compiled template instances (kernels_cuda/paged_attention.cu). Like vLLM, head size and
 # block size are template parameters: the loops over them unroll and the per-thread
@@ -97,11 +98,17 @@ def _refuse_strided_cache(**caches: torch.Tensor) -> None:
             raise ValueError(f"backend='cuda': {name}'s head_dim must be contiguous (stride 1), got strides {c.stride()}")
 
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values: bool = True) -> None:
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values: bool = True, *,
+                      kv_quant: KVQuant | None = None) -> None:
     slot_mapping = contiguous_index(slot_mapping)
-    check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, check_values)
+    check_cache_write_args(key, value, key_cache, value_cache, slot_mapping, check_values, kv_quant)
     _refuse_strided_cache(key_cache=key_cache, value_cache=value_cache)
     key, value = _unit_last_stride(key), _unit_last_stride(value)
+    if kv_quant is not None:      # an 8-bit cache (kv_quant.py): one warp quantizes each (token, head) row
+        _load("cache_kernels").reshape_and_cache_quant(key, value, key_cache, value_cache, slot_mapping,
+                                                       kv_quant.per_token_head, kv_quant.k_scale, kv_quant.v_scale,
+                                                       _stream())
+        return
     _load("cache_kernels").reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, _stream())
 
 
@@ -168,12 +175,14 @@ def paged_prefill_attention(
     check_values: bool = True,
     *,
     max_query_len: int | None = None,
+    kv_quant: KVQuant | None = None,   # an 8-bit cache: the write quantizes (the attention uses fresh K/V)
 ) -> torch.Tensor:
     """vLLM V0's XFormers pairing: the CUDA cache write, then the Triton prefill kernel for
     the attention (there is no CUDA prefill kernel here, as vLLM had none of its own)."""
     from paged_attention import triton_ops
     slot_mapping, query_start_loc = contiguous_index(slot_mapping), contiguous_index(query_start_loc)
     check_prefill_args(query, key, value, key_cache, value_cache, slot_mapping, query_start_loc, check_values,
-                       max_query_len)
-    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values=False)   # checked just above
+                       max_query_len, kv_quant)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_values=False,   # checked just above
+                      kv_quant=kv_quant)
     return triton_ops.prefill_attention(query, key, value, query_start_loc, scale, max_query_len)

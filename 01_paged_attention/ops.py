@@ -72,11 +72,10 @@ def check_kernel_backend(backend: str, device: torch.device, backends: tuple[str
                                "is imported (the Triton interpreter); on a GPU pass CUDA tensors")
 
 
-# The backends that write an 8-bit cache (kv_quant.py), and those whose chapter-01 decode reads
-# one. The engine reads its cache through chapter 05's unified attention, whose backends all read
-# it; the Triton and CUDA decode kernels of this chapter read float caches only, and the CUDA
-# cache write copies float rows only (the engine pairs an 8-bit cache with Triton's write).
-QUANT_WRITE_BACKENDS = ("reference", "torch", "triton", "cpu")
+# The backends that write an 8-bit cache (kv_quant.py): all; and those whose chapter-01 decode
+# reads one. The engine reads its cache through chapter 05's unified attention, whose backends all
+# read it; the Triton and CUDA decode kernels of this chapter read float caches only.
+QUANT_WRITE_BACKENDS = BACKENDS
 QUANT_READ_BACKENDS = ("reference", "torch", "cpu")
 
 

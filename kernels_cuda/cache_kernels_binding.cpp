@@ -6,6 +6,10 @@
 int vfs_reshape_and_cache(int dtype, bool slot_is_int64, const void* key, const void* value, void* key_cache,
                           void* value_cache, const void* slot_mapping, int64_t num_tokens, int block_size,
                           int num_kv_heads, int head_size, const int64_t* strides, int64_t stream);
+int vfs_reshape_and_cache_quant(int dtype, bool slot_is_int64, int cache_kind, bool per_row, const void* key,
+                                const void* value, void* key_cache, void* value_cache, const void* slot_mapping,
+                                int64_t num_tokens, int block_size, int num_kv_heads, int head_size, float k_scale,
+                                float v_scale, const int64_t* strides, int64_t stream);
 const char* vfs_cache_kernels_error_string(int code);
 
 namespace {
@@ -55,9 +59,36 @@ void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor key
   TORCH_CHECK(rc == 0, "reshape_and_cache (cuda) launch failed: ", vfs_cache_kernels_error_string(rc));
 }
 
+// An 8-bit cache (paged_attention/kv_quant.py; the Python wrapper checked the shapes): int8 or fp8 caches,
+// rows of head_size bytes (+ 4 for the per-row fp32 scale).
+void reshape_and_cache_quant(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache, torch::Tensor value_cache,
+                             torch::Tensor slot_mapping, bool per_row, double k_scale, double v_scale, int64_t stream) {
+  TORCH_CHECK(key.is_cuda() && value.is_cuda() && key_cache.is_cuda() && value_cache.is_cuda() && slot_mapping.is_cuda(),
+              "reshape_and_cache (cuda): all tensors must be on the GPU");
+  const auto kind = key_cache.scalar_type();
+  TORCH_CHECK(value_cache.scalar_type() == kind && (kind == torch::kInt8 || kind == torch::kFloat8_e4m3fn),
+              "reshape_and_cache (cuda): an 8-bit cache is int8 or float8_e4m3fn");
+  TORCH_CHECK(key_cache.size(3) == key.size(2) + (per_row ? 4 : 0), "cache rows must hold head_size (+ 4) bytes");
+  TORCH_CHECK(slot_mapping.is_contiguous(), "slot_mapping must be contiguous");
+  for (const auto* t : {&key, &value, &key_cache, &value_cache}) {
+    TORCH_CHECK(t->stride(-1) == 1, "reshape_and_cache (cuda): the head_size dim must be contiguous");
+  }
+  const int64_t strides[10] = {key.stride(0),       key.stride(1),       value.stride(0),       value.stride(1),
+                               key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+                               value_cache.stride(0), value_cache.stride(1), value_cache.stride(2)};
+  const int rc = vfs_reshape_and_cache_quant(
+      dtype_code(key), slot_mapping.scalar_type() == torch::kInt64, kind == torch::kInt8 ? 1 : 2, per_row,
+      key.data_ptr(), value.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
+      key.size(0), static_cast<int>(key_cache.size(1)), static_cast<int>(key.size(1)), static_cast<int>(key.size(2)),
+      static_cast<float>(k_scale), static_cast<float>(v_scale), strides, stream);
+  TORCH_CHECK(rc == 0, "reshape_and_cache (cuda) launch failed: ", vfs_cache_kernels_error_string(rc));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("reshape_and_cache", &reshape_and_cache,
         "Scatter new K/V rows into the paged cache by slot mapping (-1 = skip)");
+  m.def("reshape_and_cache_quant", &reshape_and_cache_quant,
+        "Quantize new K/V rows into an 8-bit paged cache by slot mapping (-1 = skip)");
 }

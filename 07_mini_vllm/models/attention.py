@@ -46,8 +46,6 @@ class PagedAttention(nn.Module):
         # An 8-bit cache (kv_cache_dtype; chapter 01's kv_quant.py): the write quantizes, every read
         # dequantizes. Per-tensor fp8 keeps this layer's k_scale / v_scale (vLLM: Attention._k_scale).
         self.kv_quant = kv_quant
-        if kv_quant is not None and self.cache_backend == "cuda":
-            self.cache_backend = "triton"      # the CUDA cache write copies float rows; Triton's quantizes
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:

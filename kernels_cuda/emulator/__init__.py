@@ -51,6 +51,8 @@ LAUNCHERS: dict[str, list[str]] = {
     "cache_kernels": [
         "int vfs_reshape_and_cache(int, bool, const void*, const void*, void*, void*, const void*, int64_t, int, "
         "int, int, const int64_t*, int64_t)",
+        "int vfs_reshape_and_cache_quant(int, bool, int, bool, const void*, const void*, void*, void*, const void*, "
+        "int64_t, int, int, int, float, float, const int64_t*, int64_t)",
         "const char* vfs_cache_kernels_error_string(int)",
     ],
     "copy_blocks": [

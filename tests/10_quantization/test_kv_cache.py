@@ -131,13 +131,47 @@ def test_every_backend_reads_the_quantized_cache(mode, case):
             assert_close(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cuda_write_run_by_the_emulator_writes_the_references_bytes(mode, dtype):
+    """kernels_cuda/cache_kernels.cu's quantized write (one warp per (token, head): warp_max, the
+    scale, the rounding), the real .cu run by the CPU emulator: the reference's bytes, int32 and
+    int64 slots, padding slots skipped."""
+    import ctypes
+
+    from kernels_cuda import emulator
+    try:
+        lib = emulator.load("cache_kernels")
+    except emulator.EmulatorUnavailable as e:
+        pytest.skip(str(e))
+    kq = MODES[mode]
+    gen = torch.Generator().manual_seed(7)
+    T, kvh, d, nb, bs = 11, 2, 64, 4, 4
+    key, value = (torch.randn(T, kvh, d, generator=gen) * 3).to(dtype), torch.randn(T, kvh, d, generator=gen).to(dtype)
+    slots = torch.randperm(nb * bs, generator=gen)[:T]
+    slots[4] = -1
+    want_k, want_v = empty_cache(kq, nb, bs, kvh, d), empty_cache(kq, nb, bs, kvh, d)
+    pa.reshape_and_cache(key, value, want_k, want_v, slots, backend="reference", kv_quant=kq)
+    for slot_dtype in (torch.int32, torch.int64):
+        kc, vc = empty_cache(kq, nb, bs, kvh, d), empty_cache(kq, nb, bs, kvh, d)
+        s = slots.to(slot_dtype)
+        strides = (ctypes.c_int64 * 10)(*key.stride()[:2], *value.stride()[:2], *kc.stride()[:3], *vc.stride()[:3])
+        code = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[dtype]
+        rc = lib.vfs_reshape_and_cache_quant(code, slot_dtype == torch.int64, 1 if kq.storage_dtype == torch.int8 else 2,
+                                             kq.per_token_head, key.data_ptr(), value.data_ptr(), kc.data_ptr(),
+                                             vc.data_ptr(), s.data_ptr(), T, bs, kvh, d, kq.k_scale, kq.v_scale,
+                                             strides, 0)
+        assert rc == 0
+        assert torch.equal(raw(kc), raw(want_k)) and torch.equal(raw(vc), raw(want_v))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_on_the_gpu_triton_writes_and_reads_the_cache(mode, dtype):
-    """Native Triton: the write's bytes equal the reference's but where the GPU's fp32 division
-    (1 / scale, not correctly rounded) moves a value across a rounding boundary — one step, in a
-    few elements; the 2-D and split-KV reads equal the reference on the same cache."""
+def test_on_the_gpu_triton_and_cuda_write_and_triton_reads_the_cache(mode, dtype):
+    """Native Triton and CUDA: the writes' bytes equal the reference's but where a GPU division
+    (Triton's 1 / scale need not be correctly rounded) moves a value across a rounding boundary —
+    one step, in a few elements; the 2-D and split-KV reads equal the reference on the same cache."""
     kq = MODES[mode]
     gen = torch.Generator().manual_seed(4)
     T, kvh, h, d, bs = 300, 2, 8, 64, 16
@@ -146,9 +180,12 @@ def test_on_the_gpu_triton_writes_and_reads_the_cache(mode, dtype):
     slots = torch.arange(T) + bs                                     # block 0 stays junk
     ref_k, ref_v = empty_cache(kq, nb, bs, kvh, d), empty_cache(kq, nb, bs, kvh, d)
     pa.reshape_and_cache(key, value, ref_k, ref_v, slots, backend="reference", kv_quant=kq)
-    gpu_k, gpu_v = empty_cache(kq, nb, bs, kvh, d).cuda(), empty_cache(kq, nb, bs, kvh, d).cuda()
-    pa.reshape_and_cache(key.cuda(), value.cuda(), gpu_k, gpu_v, slots.cuda(), backend="triton", kv_quant=kq)
-    for ours, ref in ((gpu_k, ref_k), (gpu_v, ref_v)):
+    written = []
+    for backend in ("triton", "cuda"):
+        gpu_k, gpu_v = empty_cache(kq, nb, bs, kvh, d).cuda(), empty_cache(kq, nb, bs, kvh, d).cuda()
+        pa.reshape_and_cache(key.cuda(), value.cuda(), gpu_k, gpu_v, slots.cuda(), backend=backend, kv_quant=kq)
+        written += [(gpu_k, ref_k), (gpu_v, ref_v)]
+    for ours, ref in written:
         data, want = ours.cpu()[..., :d], ref[..., :d]
         steps = (data.float() - want.float()).abs() if kq.storage_dtype == torch.int8 else \
             (raw(data).int() - raw(want).int()).abs()

@@ -74,7 +74,7 @@ def check_prefill(out, q, k, v, qsl):
 
 def test_torch_prefill_equals_sdpa(monkeypatch):
     """torch_ops.paged_prefill_attention; the cache write (another task) is stood in for."""
-    def stand_in_cache_write(key, value, key_cache, value_cache, slot_mapping, check_values=True):
+    def stand_in_cache_write(key, value, key_cache, value_cache, slot_mapping, check_values=True, *, kv_quant=None):
         for t, s in enumerate(slot_mapping.tolist()):
             if s >= 0:
                 key_cache[s // key_cache.shape[1], s % key_cache.shape[1]] = key[t]
