@@ -69,11 +69,13 @@ def compressed_tensors_of(name: str, weight: QuantizedWeight, w8a8: bool, dtype:
 
 
 def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[str, QuantizedWeight], w8a8: bool = False,
-                    ignore: list[str] | None = None, replaced: dict[str, torch.Tensor] | None = None) -> Path:
+                    ignore: list[str] | None = None, replaced: dict[str, torch.Tensor] | None = None,
+                    kv_scales: dict[str, float] | None = None) -> Path:
     """Copy the HF checkpoint `model_dir` to `out_dir` with the linears named in `weights` (HF module
     names, e.g. "model.layers.0.self_attn.q_proj") stored quantized. `replaced`: float tensors to
-    write instead of the checkpoint's (AWQ folds its scales into the norms). Every quantized
-    linear must share one scheme (one config group); everything else stays as it was."""
+    write instead of the checkpoint's (AWQ folds its scales into the norms). `kv_scales`: per-layer
+    fp8 KV-cache scales (kv_scales.py) stored with a `kv_cache_scheme`. Every quantized linear must
+    share one scheme (one config group); everything else stays as it was."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -96,6 +98,7 @@ def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[st
     missing = sorted(m for m in weights if f"{m}.weight_scale" not in tensors)
     if missing or replaced:
         raise ValueError(f"save_compressed: not in {model_dir}: {missing + sorted(replaced)}")
+    tensors.update({name: torch.tensor([scale], dtype=torch.float32) for name, scale in (kv_scales or {}).items()})
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})
     for path in model_dir.iterdir():                     # tokenizer, chat template, generation config
@@ -104,6 +107,9 @@ def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[st
             shutil.copy2(path, out_dir / path.name)
     config = json.loads((model_dir / "config.json").read_text())
     config["quantization_config"] = quantization_config(scheme, w8a8, ignore if ignore is not None else ["lm_head"])
+    if kv_scales:
+        from quantization.kv_scales import KV_CACHE_SCHEME
+        config["quantization_config"]["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
 

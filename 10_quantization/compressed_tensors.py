@@ -55,6 +55,25 @@ def _fail(where: str, message: str) -> None:
     raise ValueError(f"compressed-tensors quantization_config{where}: {message}")
 
 
+def check_kv_cache_scheme(scheme: dict) -> None:
+    """A checkpoint's KV-cache scales: fp8, one symmetric scale per layer for K and one for V (the
+    `self_attn.k_scale` / `v_scale` tensors), which an engine run with kv_cache_dtype="fp8" uses.
+    vLLM's checks (CompressedTensorsConfig.validate_kv_cache_scheme), with its words; its per-head
+    strategy ("attn_head") is refused here, naming it."""
+    where = ".kv_cache_scheme"
+    if scheme.get("type") != "float" or scheme.get("num_bits") != 8:
+        _fail(where, "Currently supported kv cache quantization is num_bits=8, type=float, however received "
+                     f"num_bits={scheme.get('num_bits')}, type={scheme.get('type')}")
+    if scheme.get("strategy") != "tensor":
+        _fail(where, f"strategy {scheme.get('strategy')!r}: one scale per layer (\"tensor\") is supported here")
+    if not scheme.get("symmetric"):
+        _fail(where, "Only support symmetric scaling factor for compressed-tensors KV cache. However found "
+                     f"symmetric: {scheme.get('symmetric')}")
+    if scheme.get("dynamic"):
+        _fail(where, "dynamic KV-cache scales are not stored in a checkpoint (kv_cache_dtype "
+                     "'fp8_per_token_head' computes its own)")
+
+
 def _parse_weights(args: dict, where: str) -> QuantScheme:
     if args.get("type", "int") != "int":
         _fail(where, f"weights of type {args.get('type')!r} (float8 / fp4) are not supported; int weights only")
@@ -104,8 +123,11 @@ def _matches(name: str, patterns, layer: nn.Module) -> bool:
 
 
 class CompressedTensorsConfig(QuantizationConfig):
-    def __init__(self, groups: list[GroupScheme], ignore: list[str]):
-        self.groups, self.ignore = groups, ignore
+    def __init__(self, groups: list[GroupScheme], ignore: list[str], kv_cache_scheme: dict | None = None):
+        self.groups, self.ignore, self.kv_cache_scheme = groups, ignore, kv_cache_scheme
+
+    def has_kv_cache_scales(self) -> bool:
+        return bool(self.kv_cache_scheme)
 
     @classmethod
     def get_name(cls) -> str:
@@ -113,9 +135,9 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict) -> "CompressedTensorsConfig":
-        if config.get("kv_cache_scheme"):
-            _fail(".kv_cache_scheme", f"{config['kv_cache_scheme']!r}: a quantized KV cache from the checkpoint is "
-                                      "not supported (use the engine's kv_cache_dtype)")
+        kv_cache_scheme = config.get("kv_cache_scheme")
+        if kv_cache_scheme:
+            check_kv_cache_scheme(kv_cache_scheme)
         if config.get("sparsity_config"):
             _fail(".sparsity_config", "sparse checkpoints are not supported")
         groups = []
@@ -134,7 +156,7 @@ class CompressedTensorsConfig(QuantizationConfig):
             groups.append(GroupScheme(tuple(group.get("targets") or ()), weights, w8a8, fmt))
         if not groups:
             _fail(".config_groups", "no config group: nothing is quantized")
-        return cls(groups, list(config.get("ignore") or []))
+        return cls(groups, list(config.get("ignore") or []), kv_cache_scheme or None)
 
     def scheme_of(self, name: str, layer: nn.Module) -> GroupScheme | None:
         if _matches(name, self.ignore, layer):

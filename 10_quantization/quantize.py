@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--method", choices=("rtn", "gptq", "awq"), default="rtn")
     parser.add_argument("--num-samples", type=int, default=64, help="gptq / awq: calibration windows")
     parser.add_argument("--seq-len", type=int, default=256, help="gptq / awq: tokens per window")
+    parser.add_argument("--kv-cache-scheme", choices=("fp8",), default=None,
+                        help="also store per-layer fp8 KV-cache scales, calibrated (for kv_cache_dtype='fp8')")
     args = parser.parse_args(argv)
     if args.model is None:
         from mini_vllm.default_model import default_model_path
@@ -61,7 +63,11 @@ def main(argv: list[str] | None = None) -> None:
         from quantization import calibrated
         weights, replaced = calibrated.quantize_checkpoint(args.model, scheme, args.method, args.num_samples,
                                                            args.seq_len)
-    save_compressed(args.model, args.out, weights, w8a8=w8a8, replaced=replaced)
+    kv_scales = None
+    if args.kv_cache_scheme:
+        from quantization.kv_scales import calibrate_kv_scales
+        kv_scales = calibrate_kv_scales(args.model, args.num_samples, args.seq_len)
+    save_compressed(args.model, args.out, weights, w8a8=w8a8, replaced=replaced, kv_scales=kv_scales)
     print(f"{args.out}: {len(weights)} linears quantized ({args.scheme}, {args.method})")
 
 

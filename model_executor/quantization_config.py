@@ -39,6 +39,11 @@ class QuantizationConfig:
         """Build from config.json's quantization_config; ValueError naming an unsupported field."""
         raise NotImplementedError
 
+    def has_kv_cache_scales(self) -> bool:
+        """True when the checkpoint stores per-layer K and V cache scales (compressed-tensors'
+        kv_cache_scheme; vLLM: BaseKVCacheMethod) for an fp8 KV cache (kv_cache_dtype "fp8")."""
+        return False
+
     def get_quant_method(self, layer: nn.Module, prefix: str, checkpoint_names: list[str],
                          backend: str = "auto") -> LinearMethodBase | None:
         """The linear method for `layer` (our module name `prefix`; `checkpoint_names`: the

@@ -27,7 +27,8 @@ from model_executor.linear import Linear, VocabEmbedding
 from mini_vllm.config import ModelConfig, check_model_dir
 from mini_vllm.models.llama import PPMissingLayer
 from mini_vllm.models.linear_method import UNQUANTIZED, dispatch_cpu_unquantized_gemm, select_cpu_linear_method
-from mini_vllm.models.quantization import (get_quantization_config, process_quantized_layers, quant_kernel_backend,
+from mini_vllm.models.quantization import (add_kv_cache_scales, get_quantization_config, process_kv_cache_scales,
+                                           process_quantized_layers, quant_kernel_backend,
                                            quantize_linear_layers)
 from mini_vllm.models.registry import get_model_class
 
@@ -87,10 +88,24 @@ def is_pp_missing_parameter(name: str, model: nn.Module) -> bool:
     return bool(missing) and name.startswith(missing)
 
 
+def remap_kv_scale_name(name: str, params: dict) -> str:
+    """A checkpoint's KV-cache scale `...self_attn.k_scale` (or the older single `kv_scale`) is the
+    attention op's parameter `...self_attn.attn.k_scale` (vLLM: maybe_remap_kv_scale_name)."""
+    for suffix, ours in ((".k_scale", ".attn.k_scale"), (".v_scale", ".attn.v_scale"), (".kv_scale", ".attn.k_scale")):
+        if name.endswith(suffix) and name not in params:
+            remapped = name[:-len(suffix)] + ours
+            if remapped in params:
+                return remapped
+    return name
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint tensors into `model`'s parameters, mapping pieces into merged parameters."""
     params = dict(model.named_parameters())     # tied weights appear once (under model.embed_tokens)
-    expected = {(name, sid) for name, p in params.items() for sid in getattr(p, "shard_ids", (None,))}
+    expected = {(name, sid) for name, p in params.items() for sid in getattr(p, "shard_ids", (None,))
+                if not getattr(p, "optional_in_checkpoint", False)}
+    optional = {name for name, p in params.items() if getattr(p, "optional_in_checkpoint", False)}
+    weights = ((remap_kv_scale_name(name, params), tensor) for name, tensor in weights)
     loaded: set[tuple[str, object]] = set()
     unexpected: list[str] = []
     ### BEGIN SOLUTION
@@ -104,7 +119,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         else:
             name, shard_id = ckpt_name, None
         param = params.get(name)
-        if param is None or (name, shard_id) not in expected:
+        if param is None or ((name, shard_id) not in expected and name not in optional):
             unexpected.append(ckpt_name)
             continue
         if (name, shard_id) in loaded:
@@ -242,8 +257,10 @@ def get_model(model_config: ModelConfig, device: str | torch.device = "cpu", att
         quant_config = get_quantization_config(model_config.quantization, model_config.quantization_config)
         # chapter 10: the quantized layers' parameters, and the kernels their methods will use
         quantize_linear_layers(model, quant_config, quant_kernel_backend(device, cpu_gemm_backend, attn_backend))
+        add_kv_cache_scales(model, quant_config)        # the checkpoint's fp8 KV-cache scales, if it has them
     load_weights(model, iterate_weights(model_config.model))
     process_quantized_layers(model)
+    process_kv_cache_scales(model)
     if torch.device(device).type == "cpu":
         process_weights_after_loading(model, cpu_gemm_backend)
     use_cpu_layer_ops(model, cpu_layer_ops)

@@ -20,8 +20,11 @@ from torch import nn
 
 from model_executor.linear import UNQUANTIZED, Linear
 from model_executor.quantization_config import QuantizationConfig
+from mini_vllm.models.attention import PagedAttention
+from paged_attention.kv_quant import KVQuant
 
-__all__ = ["QUANTIZATION_METHODS", "get_quantization_config", "process_quantized_layers", "quant_kernel_backend",
+__all__ = ["QUANTIZATION_METHODS", "add_kv_cache_scales", "get_quantization_config", "process_kv_cache_scales",
+           "process_quantized_layers", "quant_kernel_backend",
            "quantize_linear_layers", "verify_quantization"]
 
 # name (config.json's quant_method, LLM(quantization=...)) -> (module, class) of its QuantizationConfig
@@ -90,6 +93,46 @@ def quantize_linear_layers(model: nn.Module, quant_config: QuantizationConfig | 
             continue
         method.create_weights(layer)
         layer.linear_method = method
+        count += 1
+    return count
+
+
+def add_kv_cache_scales(model: nn.Module, quant_config: QuantizationConfig | None) -> int:
+    """A checkpoint with KV-cache scales: every attention layer gets `k_scale` / `v_scale`
+    parameters for them, -1 until loaded (vLLM: BaseKVCacheMethod.create_weights; the checkpoint's
+    `self_attn.k_scale` loads into `self_attn.attn.k_scale`, loader.remap_kv_scale_name)."""
+    if quant_config is None or not quant_config.has_kv_cache_scales():
+        return 0
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    for layer in layers:
+        for name in ("k_scale", "v_scale"):
+            param = nn.Parameter(torch.tensor(-1.0, dtype=torch.float32), requires_grad=False)
+            param.optional_in_checkpoint = True          # a checkpoint may lack them: 1.0 then
+            param.weight_loader = _load_scalar
+            layer.register_parameter(name, param)
+    return len(layers)
+
+
+def _load_scalar(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """One scale, stored as [] or [1] (compressed-tensors' per-tensor shape)."""
+    if loaded.numel() != 1:
+        raise ValueError(f"a per-tensor KV-cache scale holds one number, got shape {tuple(loaded.shape)}")
+    param.data.copy_(loaded.reshape(()))
+
+
+def process_kv_cache_scales(model: nn.Module) -> int:
+    """After loading (vLLM: BaseKVCacheMethod.process_weights_after_loading): an fp8 cache with
+    per-tensor scales takes the checkpoint's (a lone k_scale serves V too); any other cache ignores
+    them — a float cache has no scale, per-token-head modes compute their own. Returns the layers
+    whose scales were set."""
+    count = 0
+    for layer in (m for m in model.modules() if isinstance(m, PagedAttention) and hasattr(m, "k_scale")):
+        k, v = float(layer.k_scale), float(layer.v_scale)
+        del layer._parameters["k_scale"], layer._parameters["v_scale"]
+        quant = layer.kv_quant
+        if quant is None or quant.per_token_head or k <= 0:
+            continue
+        layer.kv_quant = KVQuant(quant.kv_cache_dtype, k_scale=k, v_scale=v if v > 0 else k)
         count += 1
     return count
 

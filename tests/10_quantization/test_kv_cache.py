@@ -287,3 +287,105 @@ def test_bad_kv_cache_dtype_is_refused_with_the_name(tiny_float, make_llm):
         make_llm(path, kv_cache_dtype="int9")
     with pytest.raises(ValueError, match="differs from the model's dtype"):
         make_llm(path, kv_cache_dtype="bfloat16", dtype="float32")
+
+
+def with_kv_scales(src, dst, scheme: dict, scales: dict[str, float]):
+    """A copy of checkpoint `src` whose config.json has `kv_cache_scheme` and whose safetensors holds
+    `model.layers.{i}.self_attn.{k,v}_scale` (compressed-tensors' names and [1] shape)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config.setdefault("quantization_config", {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                              "config_groups": {}, "ignore": []})
+    config["quantization_config"]["kv_cache_scheme"] = scheme
+    (dst / "config.json").write_text(json.dumps(config))
+    [file] = list(dst.glob("*.safetensors"))
+    tensors = load_file(file)
+    tensors.update({name: torch.tensor([value]) for name, value in scales.items()})
+    save_file(tensors, file, metadata={"format": "pt"})
+    return dst
+
+
+FP8_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False}
+
+
+def test_a_checkpoints_fp8_kv_scales_are_loaded_for_an_fp8_cache_only(tiny_quantized, tmp_path):
+    """llmcompressor's kv_cache_scheme: `self_attn.k_scale` / `v_scale` per layer. With
+    kv_cache_dtype="fp8" every layer's cache uses them (vLLM: BaseKVCacheMethod); a float cache and
+    the per-token-head modes ignore them, as vLLM does; a missing layer keeps 1.0."""
+    from mini_vllm.config import ModelConfig
+    from mini_vllm.models.attention import PagedAttention
+    from mini_vllm.models.loader import get_model
+    scales = {"model.layers.0.self_attn.k_scale": 0.03, "model.layers.0.self_attn.v_scale": 0.007,
+              "model.layers.1.self_attn.k_scale": 0.05}                          # layer 1: v from k
+    path = with_kv_scales(tiny_quantized["w8a16"], tmp_path / "kv", FP8_SCHEME, scales)
+
+    def quants(kv):
+        model = get_model(ModelConfig.from_pretrained(path, kv_cache_dtype=kv))
+        assert not any("k_scale" in n for n, _ in model.named_parameters())
+        return [m.kv_quant for m in model.modules() if isinstance(m, PagedAttention)]
+    fp8 = quants("fp8")
+    assert (fp8[0].k_scale, fp8[0].v_scale) == (pytest.approx(0.03), pytest.approx(0.007))
+    assert (fp8[1].k_scale, fp8[1].v_scale) == (pytest.approx(0.05), pytest.approx(0.05))
+    assert all((q.k_scale, q.v_scale) == (1.0, 1.0) for q in fp8[2:])
+    assert all(q is None for q in quants("auto"))
+    assert all(q == KVQuant("int8_per_token_head") for q in quants("int8_per_token_head"))
+
+
+def test_an_fp8_cache_with_checkpoint_scales_runs_in_the_engine(tiny_quantized, make_llm, tmp_path):
+    """The scales reach the engine's attention layers, and its C++ attention gives the reference
+    attention's tokens on the cache they scale."""
+    from mini_vllm.models.attention import PagedAttention
+    scales = {f"model.layers.{i}.self_attn.{w}_scale": s for i in range(2) for w, s in (("k", 0.02), ("v", 0.01))}
+    path = with_kv_scales(tiny_quantized["w8a16"], tmp_path / "kv", FP8_SCHEME, scales)
+    llm = make_llm(path, kv_cache_dtype="fp8")
+    layers = [m for m in llm.llm_engine.engine_core.model_runner.model.modules() if isinstance(m, PagedAttention)]
+    assert [(q.k_scale, q.v_scale) for q in (m.kv_quant for m in layers[:2])] == [(pytest.approx(0.02),
+                                                                                    pytest.approx(0.01))] * 2
+    assert greedy(llm) == greedy(make_llm(path, kv_cache_dtype="fp8", attention_backend="reference"))
+
+
+@pytest.mark.parametrize("scheme, field", [
+    ({**FP8_SCHEME, "type": "int"}, "num_bits=8, type=int"),
+    ({**FP8_SCHEME, "strategy": "attn_head"}, "strategy 'attn_head'"),
+    ({**FP8_SCHEME, "symmetric": False}, "Only support symmetric"),
+])
+def test_unsupported_kv_cache_schemes_are_refused_naming_them(tiny_quantized, tmp_path, scheme, field):
+    from mini_vllm.config import ModelConfig
+    from mini_vllm.models.loader import get_model
+    path = with_kv_scales(tiny_quantized["w8a16"], tmp_path / "kv", scheme, {})
+    with pytest.raises(ValueError, match=f"kv_cache_scheme: .*{field}"):
+        get_model(ModelConfig.from_pretrained(path, kv_cache_dtype="fp8"))
+
+
+def test_calibrated_kv_scales_bound_what_the_cache_stores(tiny_float, tmp_path):
+    """quantize --kv-cache-scheme fp8: each layer's scale is its largest |K| (after RoPE) or |V| on
+    the calibration text over 448, so those numbers land exactly at fp8's largest, none beyond; the
+    checkpoint loads with them (kv_cache_dtype="fp8")."""
+    import json
+
+    from mini_vllm.config import ModelConfig
+    from mini_vllm.models.attention import PagedAttention
+    from mini_vllm.models.loader import get_model
+    from quantization.quantize import main as quantize_main
+    path, _ = tiny_float
+    out = tmp_path / "w8-kv"
+    quantize_main(["--model", str(path), "--out", str(out), "--scheme", "W8A16", "--kv-cache-scheme", "fp8",
+                   "--num-samples", "4", "--seq-len", "64"])
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["kv_cache_scheme"]["type"] == "float"
+    model = get_model(ModelConfig.from_pretrained(out, kv_cache_dtype="fp8"))
+    quants = [m.kv_quant for m in model.modules() if isinstance(m, PagedAttention)]
+    assert all(q.k_scale != 1.0 and q.v_scale != 1.0 for q in quants)
+    seen = []                                      # what each layer writes on one calibration window
+    for layer, q in zip((m for m in model.modules() if isinstance(m, PagedAttention)), quants):
+        layer.register_forward_pre_hook(lambda mod, args, q=q: seen.append(
+            (float(args[1].abs().max()) / q.k_scale, float(args[2].abs().max()) / q.v_scale)))
+    from paged_forward import paged_logits
+    from quantization.calibration import calibration_samples
+    from transformers import AutoTokenizer
+    window = calibration_samples(AutoTokenizer.from_pretrained(out), 4, 64)[0].tolist()
+    paged_logits(model, ModelConfig.from_pretrained(out, kv_cache_dtype="fp8"), [window])
+    assert len(seen) == len(quants) and all(k <= FP8_MAX * (1 + 1e-5) and v <= FP8_MAX * (1 + 1e-5) for k, v in seen)
