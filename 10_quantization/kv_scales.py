@@ -3,10 +3,11 @@ stores and an engine run with kv_cache_dtype="fp8" reads (llmcompressor: a Quant
 with `kv_cache_scheme`, its static min-max observer; vLLM: BaseKVCacheMethod).
 
 One scale for K and one for V per attention layer: the largest magnitude the layer writes into its
-cache over the calibration windows (K after RoPE, as the cache holds it), over fp8 e4m3's largest
-number (448). Stored as `model.layers.{i}.self_attn.k_scale` / `v_scale`, shape [1].
+cache over the calibration windows (K after RoPE, as the cache holds it; "static_minmax"), or
+llmcompressor's moving average of each window's ("minmax"), over fp8 e4m3's largest number (448).
+Stored as `model.layers.{i}.self_attn.k_scale` / `v_scale`, shape [1].
 
-    scales = calibrate_kv_scales(model_dir, num_samples=32, seq_len=256)
+    scales = calibrate_kv_scales(model_dir, num_samples=32, seq_len=256, observer="static_minmax")
 """
 from __future__ import annotations
 
@@ -21,10 +22,32 @@ KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmet
                    "actorder": None}
 
 
+OBSERVERS = ("static_minmax", "minmax")
+
+
+def observed_range(mins: torch.Tensor, maxs: torch.Tensor, observer: str, averaging_constant: float = 0.01
+                   ) -> torch.Tensor:
+    """Per-window minima / maxima [windows, ...] -> the observer's largest magnitude [...].
+
+    "static_minmax": the smallest minimum and largest maximum over every window (nothing the
+    calibration wrote is clipped). "minmax": llmcompressor's default observer, a moving average
+    of each window's min and max (v += c (x - v), c = 0.01), one window at a time."""
+    if observer == "static_minmax":
+        lo, hi = mins.amin(0), maxs.amax(0)
+    elif observer == "minmax":
+        lo, hi = mins[0].clone(), maxs[0].clone()
+        for m, x in zip(mins[1:], maxs[1:]):
+            lo, hi = torch.lerp(lo, m, averaging_constant), torch.lerp(hi, x, averaging_constant)
+    else:
+        raise ValueError(f"observer must be one of {OBSERVERS}, got {observer!r}")
+    return torch.maximum(lo.abs(), hi.abs())
+
+
 @torch.inference_mode()
 def calibrate_kv_scales(model_dir: Path | str, num_samples: int = 32, seq_len: int = 256,
-                        batch: int = 8) -> dict[str, float]:
-    """{checkpoint name: scale} for every layer's K and V (see the module doc)."""
+                        observer: str = "static_minmax") -> dict[str, float]:
+    """{checkpoint name: scale} for every layer's K and V (see the module doc; `observer`:
+    observed_range)."""
     from transformers import AutoTokenizer
 
     from mini_vllm.config import ModelConfig
@@ -36,27 +59,27 @@ def calibrate_kv_scales(model_dir: Path | str, num_samples: int = 32, seq_len: i
     config = ModelConfig.from_pretrained(model_dir)
     model = get_model(config)
     layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
-    amax = torch.zeros(len(layers), 2)                                  # [layer, (K, V)]
+    samples = calibration_samples(AutoTokenizer.from_pretrained(model_dir), num_samples, seq_len)
+    mins = torch.zeros(len(samples), len(layers), 2)                    # [window, layer, (K, V)]
+    maxs = torch.zeros(len(samples), len(layers), 2)
+    window = 0
 
     def observe(i):
         def hook(module, args):                                          # (query, key, value, kv_cache, metadata)
-            amax[i, 0] = torch.maximum(amax[i, 0], args[1].abs().max().float())
-            amax[i, 1] = torch.maximum(amax[i, 1], args[2].abs().max().float())
+            for j, x in enumerate(args[1:3]):
+                mins[window, i, j], maxs[window, i, j] = x.min().float(), x.max().float()
         return hook
     handles = [layer.register_forward_pre_hook(observe(i)) for i, layer in enumerate(layers)]
+    block_size = 16
+    blocks = -(-seq_len // block_size)
+    caches = config.kv_cache_spec(block_size).allocate_per_layer(blocks, "cpu")
     try:
-        samples = calibration_samples(AutoTokenizer.from_pretrained(model_dir), num_samples, seq_len)
-        block_size = 16
-        for start in range(0, len(samples), batch):
-            prompts = [s.tolist() for s in samples[start:start + batch]]
-            per = -(-seq_len // block_size)
-            caches = config.kv_cache_spec(block_size).allocate_per_layer(per * len(prompts), "cpu")
-            blocks = [list(range(i * per, (i + 1) * per)) for i in range(len(prompts))]
-            inputs = prepare_inputs(prompts, [0] * len(prompts), blocks, block_size)
+        for window, sample in enumerate(samples):                        # one window a forward, as llmcompressor
+            inputs = prepare_inputs([sample.tolist()], [0], [list(range(blocks))], block_size)
             model(inputs.input_ids, inputs.positions, caches, inputs.attn_metadata)
     finally:
         for h in handles:
             h.remove()
-    scales = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    scales = (observed_range(mins, maxs, observer) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     return {f"model.layers.{i}.self_attn.{w}_scale": float(scales[i, j])
             for i in range(len(layers)) for j, w in enumerate("kv")}

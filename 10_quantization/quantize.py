@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=256, help="gptq / awq: tokens per window")
     parser.add_argument("--kv-cache-scheme", choices=("fp8",), default=None,
                         help="also store per-layer fp8 KV-cache scales, calibrated (for kv_cache_dtype='fp8')")
+    parser.add_argument("--kv-observer", choices=("static_minmax", "minmax"), default="static_minmax",
+                        help="KV scales: the largest |K| / |V| seen, or llmcompressor's moving average (minmax)")
     args = parser.parse_args(argv)
     if args.model is None:
         from mini_vllm.default_model import default_model_path
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     kv_scales = None
     if args.kv_cache_scheme:
         from quantization.kv_scales import calibrate_kv_scales
-        kv_scales = calibrate_kv_scales(args.model, args.num_samples, args.seq_len)
+        kv_scales = calibrate_kv_scales(args.model, args.num_samples, args.seq_len, observer=args.kv_observer)
     save_compressed(args.model, args.out, weights, w8a8=w8a8, replaced=replaced, kv_scales=kv_scales)
     print(f"{args.out}: {len(weights)} linears quantized ({args.scheme}, {args.method})")
 
