@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from quantization.packing import pack_int32
+from quantization.packing import pack_awq, pack_gptq, pack_int32
 from quantization.reference import QuantizedWeight, QuantScheme
 
 __all__ = ["SCHEMES", "quantization_config", "save_compressed", "save_decompressed"]
@@ -68,14 +68,52 @@ def compressed_tensors_of(name: str, weight: QuantizedWeight, w8a8: bool, dtype:
     return tensors
 
 
+def gptq_tensors_of(name: str, weight: QuantizedWeight, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """GPTQ's tensors of one linear (format "gptq": qzeros store zero - 1, so symmetric only here,
+    where that is the grid's middle - 1 for every group)."""
+    s = weight.scheme
+    if not s.symmetric:
+        raise ValueError("the GPTQ writer stores symmetric schemes (format 'gptq' cannot hold every zero point)")
+    groups, in_features = weight.scale.shape[1], weight.q.shape[1]
+    size = s.group_size or in_features
+    return {f"{name}.qweight": pack_gptq(weight.q, s.num_bits),
+            f"{name}.scales": weight.scale.t().to(dtype).contiguous(),
+            f"{name}.qzeros": pack_int32(torch.full((groups, weight.q.shape[0]), -1, dtype=torch.int8), s.num_bits),
+            f"{name}.g_idx": (torch.arange(in_features) // size).to(torch.int32)}
+
+
+def awq_tensors_of(name: str, weight: QuantizedWeight, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """AWQ's ("gemm") tensors of one int4 linear; asymmetric (its zero points always stored)."""
+    if weight.scheme.num_bits != 4:
+        raise ValueError("AWQ checkpoints are int4")
+    return {f"{name}.qweight": pack_awq(weight.q),
+            f"{name}.scales": weight.scale.t().to(dtype).contiguous(),
+            f"{name}.qzeros": pack_awq(weight.zero_point)}
+
+
+def packed_format_config(fmt: str, scheme: QuantScheme) -> dict:
+    """config.json's quantization_config of a GPTQ (AutoGPTQ / GPTQModel) or AWQ (AutoAWQ) checkpoint."""
+    group = scheme.group_size or -1
+    if fmt == "gptq":
+        return dict(quant_method="gptq", bits=scheme.num_bits, group_size=group, desc_act=False, sym=scheme.symmetric,
+                    checkpoint_format="gptq", lm_head=False)
+    return dict(quant_method="awq", bits=4, group_size=group, zero_point=True, version="gemm",
+                modules_to_not_convert=None)
+
+
 def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[str, QuantizedWeight], w8a8: bool = False,
                     ignore: list[str] | None = None, replaced: dict[str, torch.Tensor] | None = None,
-                    kv_scales: dict[str, float] | None = None) -> Path:
+                    kv_scales: dict[str, float] | None = None, checkpoint_format: str = "compressed-tensors") -> Path:
     """Copy the HF checkpoint `model_dir` to `out_dir` with the linears named in `weights` (HF module
     names, e.g. "model.layers.0.self_attn.q_proj") stored quantized. `replaced`: float tensors to
     write instead of the checkpoint's (AWQ folds its scales into the norms). `kv_scales`: per-layer
-    fp8 KV-cache scales (kv_scales.py) stored with a `kv_cache_scheme`. Every quantized linear must
-    share one scheme (one config group); everything else stays as it was."""
+    fp8 KV-cache scales (kv_scales.py) stored with a `kv_cache_scheme`. `checkpoint_format`:
+    "compressed-tensors", or the same integers in GPTQ's or AWQ's own layout ("gptq", "awq"). Every
+    quantized linear must share one scheme (one config group); everything else stays as it was."""
+    if checkpoint_format not in ("compressed-tensors", "gptq", "awq"):
+        raise ValueError(f"checkpoint_format must be compressed-tensors, gptq or awq, got {checkpoint_format!r}")
+    if checkpoint_format != "compressed-tensors" and (w8a8 or kv_scales):
+        raise ValueError(f"a {checkpoint_format} checkpoint holds weight-only integers (no W8A8, no KV-cache scales)")
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -92,10 +130,16 @@ def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[st
             for key in f.keys():
                 module = key.removesuffix(".weight")
                 if key.endswith(".weight") and module in weights:
-                    tensors.update(compressed_tensors_of(module, weights[module], w8a8, f.get_tensor(key).dtype))
+                    dtype = f.get_tensor(key).dtype
+                    if checkpoint_format == "gptq":
+                        tensors.update(gptq_tensors_of(module, weights[module], dtype))
+                    elif checkpoint_format == "awq":
+                        tensors.update(awq_tensors_of(module, weights[module], dtype))
+                    else:
+                        tensors.update(compressed_tensors_of(module, weights[module], w8a8, dtype))
                 else:
                     tensors[key] = replaced.pop(key) if key in replaced else f.get_tensor(key)
-    missing = sorted(m for m in weights if f"{m}.weight_scale" not in tensors)
+    missing = sorted(m for m in weights if f"{m}.weight_scale" not in tensors and f"{m}.scales" not in tensors)
     if missing or replaced:
         raise ValueError(f"save_compressed: not in {model_dir}: {missing + sorted(replaced)}")
     tensors.update({name: torch.tensor([scale], dtype=torch.float32) for name, scale in (kv_scales or {}).items()})
@@ -106,7 +150,10 @@ def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[st
                                                                                    "model.safetensors.index.json"):
             shutil.copy2(path, out_dir / path.name)
     config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = quantization_config(scheme, w8a8, ignore if ignore is not None else ["lm_head"])
+    if checkpoint_format == "compressed-tensors":
+        config["quantization_config"] = quantization_config(scheme, w8a8, ignore if ignore is not None else ["lm_head"])
+    else:
+        config["quantization_config"] = packed_format_config(checkpoint_format, scheme)
     if kv_scales:
         from quantization.kv_scales import KV_CACHE_SCHEME
         config["quantization_config"]["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)

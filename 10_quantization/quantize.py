@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--method", choices=("rtn", "gptq", "awq"), default="rtn")
     parser.add_argument("--num-samples", type=int, default=64, help="gptq / awq: calibration windows")
     parser.add_argument("--seq-len", type=int, default=256, help="gptq / awq: tokens per window")
+    parser.add_argument("--format", choices=("compressed-tensors", "gptq", "awq"), default="compressed-tensors",
+                        help="the checkpoint's layout: compressed-tensors (what llmcompressor writes), or the same "
+                             "integers as a GPTQ (symmetric) or AWQ (asymmetric int4) checkpoint")
     parser.add_argument("--kv-cache-scheme", choices=("fp8",), default=None,
                         help="also store per-layer fp8 KV-cache scales, calibrated (for kv_cache_dtype='fp8')")
     parser.add_argument("--kv-observer", choices=("static_minmax", "minmax"), default="static_minmax",
@@ -69,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.kv_cache_scheme:
         from quantization.kv_scales import calibrate_kv_scales
         kv_scales = calibrate_kv_scales(args.model, args.num_samples, args.seq_len, observer=args.kv_observer)
-    save_compressed(args.model, args.out, weights, w8a8=w8a8, replaced=replaced, kv_scales=kv_scales)
+    save_compressed(args.model, args.out, weights, w8a8=w8a8, replaced=replaced, kv_scales=kv_scales,
+                    checkpoint_format=args.format)
     print(f"{args.out}: {len(weights)} linears quantized ({args.scheme}, {args.method})")
 
 

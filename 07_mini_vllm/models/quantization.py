@@ -30,6 +30,8 @@ __all__ = ["QUANTIZATION_METHODS", "add_kv_cache_scales", "get_quantization_conf
 # name (config.json's quant_method, LLM(quantization=...)) -> (module, class) of its QuantizationConfig
 QUANTIZATION_METHODS = {
     "compressed-tensors": ("quantization.compressed_tensors", "CompressedTensorsConfig"),
+    "gptq": ("quantization.gptq_awq", "GPTQConfig"),
+    "awq": ("quantization.gptq_awq", "AWQConfig"),
 }
 
 
