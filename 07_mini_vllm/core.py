@@ -155,10 +155,10 @@ class EngineCore:
         head, and how the ranks split them (each rank moves only its share)."""
         from global_prefix_cache.kv_layout import NodeSpec
         mc, pc, kv = self.model_config, self.config.parallel_config, self.model_executor.kv_cache_spec
-        # the K/V's dtype: an 8-bit cache by its mode's name (two engines must quantize alike to share blocks)
-        dtype = str(kv.dtype).removeprefix("torch.") if mc.kv_quant is None else mc.kv_cache_dtype
-        return NodeSpec(model, self.config.block_size, mc.num_hidden_layers, mc.num_key_value_heads, kv.head_dim,
-                        dtype, pc.tensor_parallel_size, pc.pipeline_parallel_size)
+        # What a block row stores: an 8-bit cache's dtype and its rows' length (head_dim + an inline scale for
+        # the per-token-head modes), so two engines share K/V only if they store it alike.
+        return NodeSpec(model, self.config.block_size, mc.num_hidden_layers, mc.num_key_value_heads, kv.row_dim,
+                        str(kv.dtype).removeprefix("torch."), pc.tensor_parallel_size, pc.pipeline_parallel_size)
 
     def kv_connector_stats(self) -> dict:
         """The connector's counters, the scheduler half's and every rank's together, and every

@@ -19,7 +19,10 @@ the prefix cache reset between: the second time their prompts come from the pool
 the server's `model`), and the truth is the plain engine on the checkpoint PEFT's `merge_and_unload`
 wrote: the base weights with the adapter folded in. With int4 weights (chapter 10) the engine loads the
 checkpoint quantized to W4A16 (RTN, groups of 32, compressed-tensors), and the truth is the plain
-engine on the float weights it decompresses to (with LoRA too: the adapter merged into those).
+engine on the float weights it decompresses to (with LoRA too: the adapter merged into those). With the
+int8 KV cache (chapter 10, kv_cache_dtype="int8_per_token_head") every K/V row is rounded as it is
+written, so the truth is the plain engine with that same cache: every other feature must keep its
+bytes exactly.
 
 Paths: "llm" is `LLM(...)` (data parallelism has none: vLLM's offline LLM runs one engine); "serve"
 is `AsyncLLM` behind the OpenAI server in this process (its core always in a process of its own),
@@ -80,6 +83,7 @@ FEATURES = [
     Feature("DP=2", llm=False, data_parallel_size=2),
     Feature("LoRA", dict(enable_lora=True, max_lora_rank=8), lora=True),
     Feature("int4 weights", quantized=True),
+    Feature("int8 KV cache", dict(kv_cache_dtype="int8_per_token_head")),
 ]
 BY_NAME = {f.name: f for f in FEATURES}
 
@@ -170,13 +174,15 @@ class Context:
     def truth(self, features, plain: tuple[dict, dict]) -> tuple[dict, dict]:
         """What a pair of `features` must answer (LLM's, the server's): the plain engine's `plain`,
         or for an adapter / int4 weights the plain engine on the checkpoint they stand for."""
-        key = (any(f.lora for f in features), any(f.quantized for f in features))
-        if key == (False, False):
+        kv_cache_dtype = next((f.config["kv_cache_dtype"] for f in features if "kv_cache_dtype" in f.config), None)
+        key = (any(f.lora for f in features), any(f.quantized for f in features), kv_cache_dtype)
+        if key == (False, False, None):
             return plain
         if key not in self._truths:
             base = self.dequantized_dir() if key[1] else None
             model = self.merged_dir(base) if key[0] else base
-            self._truths[key] = plain_results(self, model_dir=model)
+            self._truths[key] = plain_results(self, model_dir=model,
+                                              kv_cache_dtype=kv_cache_dtype or "auto")
         return self._truths[key]
 
     def _make_lora(self) -> Path:
@@ -456,12 +462,14 @@ class ServerThread:
         self.sock.close()
 
 
-def plain_results(ctx: Context, model_dir: Path | None = None) -> tuple[dict, dict]:
+def plain_results(ctx: Context, model_dir: Path | None = None, kv_cache_dtype: str = "auto") -> tuple[dict, dict]:
     """The oracle: the plain engine's results, and the same as the server reports them (model_dir: another
-    checkpoint than the context's -- the merged one, for the LoRA pairs)."""
+    checkpoint than the context's -- the merged one, for the LoRA pairs; kv_cache_dtype: the cache the
+    8-bit-KV pairs keep, since its rounding is the feature)."""
     from mini_vllm import LLM
 
     kwargs = ctx.engine_kwargs(())
+    kwargs["kv_cache_dtype"] = kv_cache_dtype
     if model_dir is not None:
         kwargs["model"] = str(model_dir)
     llm = LLM(**kwargs)
