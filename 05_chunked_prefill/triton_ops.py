@@ -128,11 +128,11 @@ def _attend_kv_range(
         s = tl.dot(q, k, input_precision=PRECISION) * qk_scale             # [BLOCK_M, TILE_N] (log2 units)
         if KV_QUANT == 1:
             s = s * k_scale
-            v = v * v_scale
+            v = (v * v_scale).to(q.dtype)       # V dequantized in the query's dtype, as the reference reads it
         if KV_QUANT == 2:
             scale_off = block * stride_ks_blk + slot * stride_ks_slot + kv_head * stride_ks_head   # [TILE_N]
             s = s * tl.load(k_scale_ptr + scale_off, mask=k_in, other=0.0)[None, :]
-            v = v * tl.load(v_scale_ptr + scale_off, mask=k_in, other=0.0)[:, None]
+            v = (v * tl.load(v_scale_ptr + scale_off, mask=k_in, other=0.0)[:, None]).to(q.dtype)
         # Causal mask offset by the context: row token at q_abs_pos sees keys <= q_abs_pos.
         visible = row_valid[:, None] & k_in[None, :] & (k_pos[None, :] <= q_abs_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -392,6 +392,8 @@ def plan_launches(
     group = num_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
     auto_block_m, _, auto_tile_n = choose_tiles(group, max_query_len, head_dim, query.dtype)
+    if kv_quant is not None:              # an 8-bit cache converts each tile: 32 keys (16 at head_dim > 64) stay
+        auto_tile_n = min(auto_tile_n, 32 if head_dim <= 64 else 16)   # spill-free on sm_90 (test_triton_compile.py)
     block_m = block_m or auto_block_m
     tile_n = tile_n or auto_tile_n
     if block_m < group or block_m & (block_m - 1):
@@ -413,8 +415,10 @@ def plan_launches(
         KV_QUANT=0 if kv_quant is None else 2 if kv_quant.per_token_head else 1,
     )
     qk_scale = scale * LOG2E                              # the kernels use exp2
+    # The tuned 16-bit decode launch (4 stages of 64-key tiles); an 8-bit cache's conversions need
+    # registers those stages hold, so it keeps Triton's default launch (spill-free: test_triton_compile.py).
     options = (dict(num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES)
-               if max_query_len == 1 and query.dtype != torch.float32 else {})
+               if max_query_len == 1 and query.dtype != torch.float32 and kv_quant is None else {})
     metadata = (block_tables, seq_lens, query_start_loc, num_seqs, qk_scale)
     strides = (*key_cache.stride(), *value_cache.stride(), *block_tables.stride(),
                *_kv_quant_args(key_cache, value_cache, head_dim, kv_quant))

@@ -33,7 +33,7 @@ def signature(fn, const, ptr_types, default_ptr):
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             sig[name] = ptr_types.get(name, default_ptr)
-        elif name in ("scale", "qk_scale"):
+        elif name in ("scale", "qk_scale", "k_scale", "v_scale"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -77,6 +77,12 @@ for dt in ("fp16", "bf16", "fp32"):
                                {"query_start_loc_ptr": "*i32"}, p))
     results.append(compile_one(f"reshape_and_cache_{dt}", T._reshape_and_cache_kernel,
                                dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_HD=1024), {"slot_mapping_ptr": "*i64"}, p))
+    # an 8-bit cache (kv_quant.py): int8 with per-row scales, fp8 (written as bytes) with the layer's
+    for mode, cache, per_row, is_int8, qmax in (("int8", "*i8", True, True, 127.0), ("fp8", "*u8", False, False, 448.0)):
+        results.append(compile_one(f"reshape_and_cache_quant_{mode}_{dt}", T._reshape_and_cache_quant_kernel,
+                                   dict(HEAD_DIM=128, BLOCK_D=128, PER_ROW=per_row, IS_INT8=is_int8, QMAX=qmax),
+                                   {"slot_mapping_ptr": "*i64", "key_cache_ptr": cache, "value_cache_ptr": cache,
+                                    "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}, p))
 # Every launch choose_decode_config can return for 16-bit head_dim 64/128 (and fp32 128), at
 # block sizes whose tile layouts differ (1: one row a block; 12: padded to 16 rows; 16; 256: a
 # slice of one block), split and unsplit; without alignment hints (worst case) and, at block
@@ -122,7 +128,7 @@ def compiled():
 def test_every_kernel_compiles_for_sm90(compiled):
     labels = {r["label"].split("_")[0] for r in compiled}
     assert labels == {"decode", "reduce", "prefill", "reshape", "chooser"}
-    assert len([r for r in compiled if not r["label"].startswith("chooser")]) == 3 * 5
+    assert len([r for r in compiled if not r["label"].startswith("chooser")]) == 3 * 7
     assert all(r["cubin"] > 0 for r in compiled)
 
 

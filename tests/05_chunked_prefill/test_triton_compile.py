@@ -54,7 +54,9 @@ def compile_launch(launch):
                 TILE_N=launch.constexprs.get("TILE_N"), num_stages=kernel.metadata.num_stages)
 
 
-CASES = {   # name: (num_heads, num_kv_heads, head_dim, dtype, max_query_len, num_kv_splits)
+from paged_attention.kv_quant import KVQuant
+
+CASES = {   # name: (num_heads, num_kv_heads, head_dim, dtype, max_query_len, num_kv_splits[, kv_cache_dtype])
     "smollm2-decode-fp16": (9, 3, 64, torch.float16, 1, 1),
     "smollm2-decode-split-kv-fp16": (9, 3, 64, torch.float16, 1, 16),
     "smollm2-prefill-bf16": (9, 3, 64, torch.bfloat16, None, 1),
@@ -64,16 +66,22 @@ CASES = {   # name: (num_heads, num_kv_heads, head_dim, dtype, max_query_len, nu
     "qwen3-0.6b-decode-bf16": (16, 8, 128, torch.bfloat16, 1, 1),
     "d256-prefill-bf16": (8, 1, 256, torch.bfloat16, None, 1),
     "d256-decode-split-kv-fp32": (8, 1, 256, torch.float32, 1, 4),
+    # an 8-bit cache (paged_attention/kv_quant.py): per-row int8 / fp8 scales, per-tensor fp8
+    "smollm2-decode-int8kv-bf16": (9, 3, 64, torch.bfloat16, 1, 1, "int8_per_token_head"),
+    "qwen3-0.6b-decode-fp8kv-rows-bf16": (16, 8, 128, torch.bfloat16, 1, 1, "fp8_per_token_head"),
+    "llama8b-decode-split-kv-fp8kv-bf16": (32, 8, 128, torch.bfloat16, 1, 8, "fp8"),
 }
-for name, (h, kvh, d, dtype, max_q, splits) in CASES.items():
+for name, (h, kvh, d, dtype, max_q, splits, *kv) in CASES.items():
     num_tokens, num_seqs, num_blocks, block_size = 64, 8, 64, 16
     query = torch.empty(num_tokens, h, d, dtype=dtype)
-    cache = torch.empty(num_blocks, block_size, kvh, d, dtype=dtype)
+    kv_quant = KVQuant(kv[0]) if kv else None
+    cache = (torch.empty(num_blocks, block_size, kvh, kv_quant.cache_head_dim(d), dtype=kv_quant.storage_dtype)
+             if kv_quant else torch.empty(num_blocks, block_size, kvh, d, dtype=dtype))
     qsl = torch.zeros(num_seqs + 1, dtype=torch.int32)
     seq_lens = torch.zeros(num_seqs, dtype=torch.int32)
     tables = torch.zeros(num_seqs, 32, dtype=torch.int32)
     for launch in plan_launches(query, cache, cache, tables, seq_lens, qsl, d ** -0.5, torch.empty_like(query),
-                                max_query_len=max_q, num_kv_splits=splits):
+                                max_query_len=max_q, num_kv_splits=splits, kv_quant=kv_quant):
         print(json.dumps(dict(case=name, **compile_launch(launch))), flush=True)
 '''
 
@@ -88,7 +96,7 @@ def compiled():
 
 def test_every_launch_compiles_for_hopper_without_spills(compiled):
     kernels = {(r["case"], r["kernel"]) for r in compiled}
-    assert len(compiled) == 12 and len(kernels) == 12        # 6 two-D cases + 3 x (3-D + reduce)
+    assert len(compiled) == 16 and len(kernels) == 16        # 8 two-D cases + 4 x (3-D + reduce)
     for r in compiled:
         assert r["spills"] == 0, r
         assert 0 < r["regs"] <= 255, r
@@ -98,7 +106,8 @@ def test_every_launch_compiles_for_hopper_without_spills(compiled):
 def test_tile_shapes_are_the_ones_the_wrapper_picks(compiled):
     blocks = {r["case"]: r["BLOCK_M"] for r in compiled if r["kernel"] == "kernel_unified_attention_2d"}
     assert blocks == {"smollm2-decode-fp16": 16, "smollm2-prefill-bf16": 64, "qwen3-0.6b-decode-bf16": 16,
-                      "smollm2-mixed-fp32-ieee": 16, "llama8b-prefill-bf16": 64, "d256-prefill-bf16": 32}
+                      "smollm2-mixed-fp32-ieee": 16, "llama8b-prefill-bf16": 64, "d256-prefill-bf16": 32,
+                      "smollm2-decode-int8kv-bf16": 16, "qwen3-0.6b-decode-fp8kv-rows-bf16": 16}
     # 16-bit pure decode streams K/V in 64-key tiles through a 4-stage pipeline; the rest keep 32 keys.
     decode = {(r["case"], r["kernel"]): (r["TILE_N"], r["num_stages"]) for r in compiled
               if r["kernel"] != "reduce_segments"}
