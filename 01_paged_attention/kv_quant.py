@@ -109,16 +109,27 @@ class KVQuant:
         return self.k_scale if which == "k" else self.v_scale
 
 
-def kv_quant_for(kv_cache_dtype: str, k_scale: float = 1.0, v_scale: float = 1.0) -> KVQuant | None:
-    """The KVQuant an engine's kv_cache_dtype asks for (None: a float cache)."""
+def kv_quant_for(kv_cache_dtype: str) -> KVQuant | None:
+    """The KVQuant an engine's kv_cache_dtype asks for (None: a float cache); per-tensor scales 1.0
+    until a checkpoint's replace them (mini_vllm/models/quantization.py: process_kv_cache_scales)."""
     check_kv_cache_dtype(kv_cache_dtype)
-    return KVQuant(kv_cache_dtype, k_scale, v_scale) if kv_cache_dtype in KV_CACHE_DTYPES else None
+    return KVQuant(kv_cache_dtype) if kv_cache_dtype in KV_CACHE_DTYPES else None
 
 
 def inline_scales(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
     """[..., head_dim + 4] int8/fp8 rows -> [...] float32: a view of each row's scale bytes
     (the row length must keep them 4-byte aligned: head_dim a multiple of 4)."""
     return cache[..., head_dim:head_dim + SCALE_PAD].view(torch.float32)[..., 0]
+
+
+def scale_views(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: int
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """(K scales, V scales, their shared strides): the inline fp32 scales of a per-token-head cache
+    as [num_blocks, block_size, num_kv_heads] views, what a kernel indexes with one offset for both."""
+    k_scales, v_scales = inline_scales(key_cache, head_dim), inline_scales(value_cache, head_dim)
+    if k_scales.stride() != v_scales.stride():
+        raise ValueError("key_cache and value_cache must have the same strides (one scale offset for both)")
+    return k_scales, v_scales, k_scales.stride()
 
 
 def quantize_rows(x: torch.Tensor, kv_quant: KVQuant, which: str) -> torch.Tensor:

@@ -72,14 +72,13 @@ def check_kernel_backend(backend: str, device: torch.device, backends: tuple[str
                                "is imported (the Triton interpreter); on a GPU pass CUDA tensors")
 
 
-# The backends that write an 8-bit cache (kv_quant.py): all; and those whose chapter-01 decode
+# Every backend writes an 8-bit cache (kv_quant.py); these are the ones whose chapter-01 decode
 # reads one. The engine reads its cache through chapter 05's unified attention, whose backends all
 # read it; the Triton and CUDA decode kernels of this chapter read float caches only.
-QUANT_WRITE_BACKENDS = BACKENDS
 QUANT_READ_BACKENDS = ("reference", "torch", "cpu")
 
 
-def _quant_kwargs(kv_quant: KVQuant | None, backend: str, backends: tuple[str, ...] = QUANT_WRITE_BACKENDS) -> dict:
+def _quant_kwargs(kv_quant: KVQuant | None, backend: str, backends: tuple[str, ...] = BACKENDS) -> dict:
     """{"kv_quant": ...} for a backend that takes it; {} for a float cache."""
     if kv_quant is None:
         return {}

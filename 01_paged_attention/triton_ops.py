@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from paged_attention.checks import check_cache_write_args, check_decode_args, check_prefill_args, contiguous_index
-from paged_attention.kv_quant import KVQuant, inline_scales
+from paged_attention.kv_quant import KVQuant, scale_views
 from paged_attention.triton_common import LOG2E, dot_precision, interpreting, online_softmax_update, round_to, upcast
 
 __all__ = ["DecodeConfig", "choose_decode_config", "choose_num_kv_splits", "interpreting", "paged_decode_attention", "paged_prefill_attention",
@@ -162,10 +162,7 @@ def _reshape_and_cache_quant_kernel(
 def _reshape_and_cache_quant(key, value, key_cache, value_cache, slot_mapping, kv_quant: KVQuant) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
     if kv_quant.per_token_head:
-        k_scales, v_scales = inline_scales(key_cache, head_dim), inline_scales(value_cache, head_dim)
-        if k_scales.stride() != v_scales.stride():
-            raise ValueError("key_cache and value_cache must have the same strides (one scale offset for both)")
-        scale_strides = k_scales.stride()
+        k_scales, v_scales, scale_strides = scale_views(key_cache, value_cache, head_dim)
     else:
         k_scales, v_scales, scale_strides = key_cache, value_cache, (0, 0, 0)   # never read
     as_stored = (lambda c: c.view(torch.uint8)) if kv_quant.storage_dtype == torch.float8_e4m3fn else (lambda c: c)

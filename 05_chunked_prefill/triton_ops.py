@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from paged_attention.checks import SUPPORTED_DTYPES, check_paged_attention_args, contiguous_index
-from paged_attention.kv_quant import KVQuant, inline_scales
+from paged_attention.kv_quant import KVQuant, scale_views
 from paged_attention.triton_common import LOG2E, dot_precision, interpreting, online_softmax_update, round_to, upcast
 
 MAX_HEAD_DIM = 256
@@ -370,10 +370,8 @@ def _kv_quant_args(key_cache, value_cache, head_dim: int, kv_quant: KVQuant | No
     if kv_quant is None or not kv_quant.per_token_head:
         k, v = (1.0, 1.0) if kv_quant is None else (kv_quant.k_scale, kv_quant.v_scale)
         return (key_cache, value_cache, 0, 0, 0, k, v)
-    k_scales, v_scales = inline_scales(key_cache, head_dim), inline_scales(value_cache, head_dim)
-    if k_scales.stride() != v_scales.stride():
-        raise ValueError("key_cache and value_cache must have the same strides (one scale offset for both)")
-    return (k_scales, v_scales, *k_scales.stride(), 1.0, 1.0)
+    k_scales, v_scales, strides = scale_views(key_cache, value_cache, head_dim)
+    return (k_scales, v_scales, *strides, 1.0, 1.0)
 
 
 def plan_launches(

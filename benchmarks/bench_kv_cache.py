@@ -23,19 +23,10 @@ from pathlib import Path
 
 from benchmarks import vllm_peer
 from benchmarks.bench_engine import make_workload, tiny_model_dir
-from benchmarks.common import write_result
+from benchmarks.common import prefix_agreement, write_result
 
 KV_DTYPES = ["auto", "int8_per_token_head", "fp8"]
 KV_GIB = 2
-
-
-def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
-    """Share of requests whose greedy tokens equal the reference's up to their first difference, averaged."""
-    share = []
-    for a, b in zip(tokens, reference):
-        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-        share.append(n / len(a))
-    return sum(share) / len(share)
 
 
 def run_ours(model: str, dtype: str, kv: str, prompts, max_tokens: int, rounds: int) -> dict:
@@ -88,7 +79,7 @@ def main(argv=None) -> list[dict]:
         float_row = next(r for r in rows if r["side"] == row["side"] and r["dtype"] == row["dtype"]
                          and r["kv_cache_dtype"] == "auto")
         row["tok_s_vs_float_cache"] = row["output_tok_s"] / float_row["output_tok_s"]
-        row["greedy_agreement_vs_float_cache"] = agreement(row["tokens"], float_row["tokens"])
+        row["greedy_agreement_vs_float_cache"] = prefix_agreement(row["tokens"], float_row["tokens"])
         if "blocks_per_2gib" in row:
             row["blocks_vs_float_cache"] = row["blocks_per_2gib"] / float_row["blocks_per_2gib"]
         print(f"{row['side']:5} {row['dtype']:9} {row['kv_cache_dtype']:20} {row['output_tok_s']:8.1f} tok/s "

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from benchmarks import vllm_peer
 from benchmarks.bench_engine import make_workload, tiny_model_dir
-from benchmarks.common import RESULTS_DIR, try_plot, write_result
+from benchmarks.common import RESULTS_DIR, prefix_agreement, try_plot, write_result
 
 SCHEMES = {"W8A16": ("W8A16", None), "W4A16": ("W4A16", 64), "W8A8": ("W8A8", None)}
 FP32_SIDES = ["float", "W8A16", "W4A16", "W8A8"]
@@ -97,14 +97,7 @@ def run_vllm(model_dir: Path, dtype: str, work: dict, rounds: int) -> dict:
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Share of positions where two greedy runs give the same token, up to each pair's first difference
-    (after a difference the contexts differ): the mean over requests of the agreeing prefix length."""
-    total = same = 0
-    for x, y in zip(a, b):
-        total += len(x)
-        n = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
-        same += n
-    return round(same / max(total, 1), 4)
+    return round(prefix_agreement(a, b), 4)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -90,3 +90,13 @@ def try_plot(plot: Callable[..., None], *args) -> bool:
         return False
     plot(*args)
     return True
+
+
+def prefix_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of positions where two greedy runs give the same token, up to each pair's first difference
+    (after a difference the contexts differ): the agreeing prefixes' tokens over all of `a`'s."""
+    total = same = 0
+    for x, y in zip(a, b):
+        total += len(x)
+        same += next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+    return same / max(total, 1)

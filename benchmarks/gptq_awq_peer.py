@@ -19,11 +19,7 @@ from pathlib import Path
 
 from benchmarks import vllm_peer
 from benchmarks.bench_engine import make_workload
-from benchmarks.common import write_result
-
-
-def prefix_share(a: list[int], b: list[int]) -> float:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) / len(a)
+from benchmarks.common import prefix_agreement, write_result
 
 
 def main(argv=None) -> None:
@@ -62,7 +58,7 @@ def main(argv=None) -> None:
             ours_format_equals_ours_compressed_tensors=ours[fmt] == ours["compressed-tensors"],
             vllm_format_equals_vllm_compressed_tensors=theirs[fmt] == theirs["compressed-tensors"],
             vllm_equals_ours_requests=sum(a == b for a, b in zip(theirs[fmt], ours[fmt])) / len(prompts),
-            vllm_vs_ours_prefix_share=sum(map(prefix_share, theirs[fmt], ours[fmt])) / len(prompts)))
+            vllm_vs_ours_prefix_share=prefix_agreement(theirs[fmt], ours[fmt])))
         print(rows[-1], flush=True)
     print(write_result("gptq_awq_peer", dict(model="SmolLM2-135M-Instruct", prompts=len(prompts), prompt_tokens=32,
                                              max_tokens=args.max_tokens, dtype="bfloat16", method="rtn"), rows))
