@@ -102,8 +102,8 @@ notebooks: setup model
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
 
-# Self-distillation (chapter 04): the engine answers 7,000 instructions built from the stdlib's docstrings and
-# keeps every position's hidden state (~45 min on 2 cores); the head then trains on them (~1 h). Fixed seeds.
+# Self-distillation (chapter 04): the engine answers 7,000 instructions (stdlib docstrings, everyday subjects) and
+# keeps every position's hidden state (~1 h on 2 cores); the head then trains on them (~40 min). Fixed seeds.
 EAGLE_DATA ?= build/eagle/distill.json
 eagle-head: setup model
 	$(PY) -m mini_vllm.self_distill --out $(EAGLE_DATA) --num-prompts 7000 --max-tokens 256 --seed 0

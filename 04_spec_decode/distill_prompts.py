@@ -6,7 +6,10 @@ instructions; downloading a chat dataset is not possible here, so they are built
 ships with every Python: the standard library's docstrings (read with `ast`, nothing imported)
 and the names of its modules and functions, put into a few dozen instruction templates —
 summarise / explain / rewrite a paragraph, questions about a function, and open-ended requests
-(poems, stories, facts, advice) about topic words drawn from the same text.
+(poems, stories, facts, advice) about topic words drawn from the same text or from a list of
+everyday subjects written here — most of what a chat model is asked is everyday, and a head
+trained on docstrings alone drafts chat poorly (held-out top-1 0.25 where its own training
+text gave 0.39).
 
     instructions(n, seed)          -> n distinct instructions, a fixed function of (n, seed)
     HELD_OUT                       -> instructions no training set contains (acceptance is measured on these)
@@ -58,12 +61,35 @@ TOPIC_TASKS = [
     "List five words that remind you of {topic}.", "Write a product review of something related to {topic}.",
     "How would you teach someone about {topic}?", "Write a dialogue between two people discussing {topic}.",
     "What is the history of {topic}, briefly?", "Give some advice about {topic}.",
+    "What is {topic}?", "How does {topic} work?", "Why do people like {topic}?",
+    "Give me three tips about {topic}.", "Write a short story about {topic}.", "Write a limerick about {topic}.",
+    "Write a short speech about {topic}.", "What are some fun facts about {topic}?",
+    "Explain {topic} in simple terms.", "Write a motivational message about {topic}.",
 ]
 EVERYDAY_TOPICS = [
     "rain", "the ocean", "a city at night", "coffee", "mountains", "a lost key", "friendship", "trains",
     "the moon", "a library", "bicycles", "gardening", "winter mornings", "an old lighthouse", "music",
     "honey bees", "the desert", "a bakery", "snow", "robots", "rivers", "a market", "clocks", "cooking",
     "sleep", "birthdays", "museums", "football", "chess", "the internet", "photography", "forests",
+    # Everyday chat: what people ask a chat model about (none of HELD_OUT's subjects)
+    "saving money", "public speaking", "time management", "healthy breakfasts",
+    "houseplants", "dogs", "owls", "dolphins", "elephants", "penguins", "butterflies", "earthquakes",
+    "thunderstorms", "tides", "the solar system", "black holes", "the human heart", "vitamins", "dinosaurs",
+    "ancient Egypt", "the Roman Empire", "the printing press", "electricity", "magnets", "recycling",
+    "electric cars", "airplanes", "submarines", "bridges", "skyscrapers", "soap", "bread", "origami",
+    "kites", "a science fair",
+    "chocolate", "pizza", "soup", "a picnic", "a road trip", "packing for a flight", "a job interview",
+    "writing a resume", "a first day at school", "moving to a new city", "a rainy weekend", "board games",
+    "video games", "painting", "knitting", "the guitar", "the piano", "dancing", "running a marathon",
+    "swimming", "yoga", "meditation", "a good night's sleep", "stress", "kindness", "patience", "curiosity",
+    "a birthday party", "a wedding", "grandparents", "a new puppy", "a best friend", "neighbours",
+    "a small business", "a lemonade stand", "volunteering", "the post office", "a hospital", "firefighters",
+    "farmers", "a train station", "an airport", "a pirate ship", "a treasure map",
+    "a haunted house", "a time machine", "a talking tree", "a robot chef", "a space station", "Mars",
+    "the Arctic", "a rainforest", "a coral reef", "a waterfall", "a quiet village", "a busy kitchen",
+    "spring flowers", "summer holidays", "the first snowfall", "a sunrise", "stars at night", "fireworks",
+    "a thunderstorm at sea", "a bus ride", "a lost umbrella", "a broken phone", "online shopping",
+    "social media", "email etiquette", "passwords", "smartphones", "3D printing", "solar panels", "wind energy",
 ]
 _STOP = set("""about above after again against their there these those which while where would could should
 other being before below between both during each further having into more most once only over same some
@@ -125,13 +151,14 @@ def topic_words(paragraphs: list[str]) -> list[str]:
 
 
 def instructions(n: int, seed: int = 0) -> list[str]:
-    """n distinct instructions: 3/8 about a docstring paragraph, 1/8 about a function, 1/2 open
-    requests about a topic word — in an order fixed by `seed`. None is in HELD_OUT."""
+    """n distinct instructions: 1/4 about a docstring paragraph, 1/8 about a function, 5/8 open
+    requests about a topic — half of those an everyday one (EVERYDAY_TOPICS: chat is what the head
+    drafts for), half a word of the docstrings — in an order fixed by `seed`. None is in HELD_OUT."""
     paragraphs, functions = stdlib_texts()
     words = topic_words(paragraphs)
     rng = random.Random(seed)
     held, seen, out = set(HELD_OUT), set(), []
-    kinds = ["paragraph"] * 3 + ["function"] + ["topic"] * 4
+    kinds = ["paragraph"] * 2 + ["function"] + ["topic"] * 5
     attempts = 0
     while len(out) < n:
         attempts += 1
@@ -145,7 +172,8 @@ def instructions(n: int, seed: int = 0) -> list[str]:
             module, name, doc = rng.choice(functions)
             text = rng.choice(FUNCTION_TASKS).format(module=module, name=name, doc=doc)
         else:
-            text = rng.choice(TOPIC_TASKS).format(topic=rng.choice(words))
+            topic = rng.choice(EVERYDAY_TOPICS if rng.random() < 0.5 else words)
+            text = rng.choice(TOPIC_TASKS).format(topic=topic)
         if text not in seen and text not in held:
             seen.add(text)
             out.append(text)

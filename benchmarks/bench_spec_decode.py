@@ -16,7 +16,9 @@ target's first 8 of 30 layers + its LM head, k = 3); eagle (the head shipped for
 k = 4: it was trained for 4); eagle_tree (the same head drafting EAGLE-2 trees: 8 nodes, 4 deep,
 3 expanded per depth); ngram_k8 (lookup with up to 8 drafts: copy tasks accept long runs). `adaptive` stays at its default (on). Each configuration is a fresh engine, warmed
 up, then timed `--repeats` times, configurations interleaved round by round (the VM's speed
-drifts), the median kept.
+drifts), the median kept. A throwaway engine is built first (the first engine of a process has run
+slower than later ones) and measures what verification costs: one request's forward with 1 .. 16
+new rows (`workload.verify_forward`).
 Reported per configuration and prompt set: output tok/s, its ratio to no speculation in the
 same round, acceptance rate (accepted / proposed drafts) and mean acceptance length (tokens
 per verification step), and the share of requests whose tokens equal no speculation's
@@ -80,6 +82,34 @@ def run(llm, prompts, max_tokens: int, batch: int = 1) -> tuple[float, list[list
     t0 = time.perf_counter()
     outputs = [o for s in range(0, len(prompts), batch) for o in llm.generate(prompts[s:s + batch], params, use_tqdm=False)]
     return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def verify_cost(llm, context: int = 300, rows=(1, 2, 3, 5, 9, 16), iters: int = 20) -> dict[int, float]:
+    """What verifying k drafts costs at batch 1: one request's forward (+ its logits) with `rows` new
+    tokens after `context` cached ones, median ms per forward. Speculation pays only if the tokens a
+    step accepts outgrow this ratio to one row. Writes into blocks 1.. of `llm`'s cache: call it on
+    an engine with nothing running and nothing cached that matters (the throwaway one)."""
+    import torch
+
+    from mini_vllm.model_inputs import prepare_inputs
+
+    runner = llm.llm_engine.engine_core.model_runner
+    blocks = [list(range(1, 2 + (context + max(rows)) // runner.block_size))]
+    out = {}
+    with torch.inference_mode():
+        def forward(new_ids, computed):
+            inputs = runner._with_attention_plan(prepare_inputs([new_ids], [computed], blocks, runner.block_size))
+            return runner.model.compute_logits(runner.model(inputs.input_ids, inputs.positions, runner.kv_caches,
+                                                            inputs.attn_metadata))
+        forward(list(range(100, 100 + context)), 0)                              # the context's K/V
+        for n in rows:
+            times = []
+            for _ in range(iters + 3):
+                t0 = time.perf_counter()
+                forward(list(range(500, 500 + n)), context)
+                times.append(time.perf_counter() - t0)
+            out[n] = round(statistics.median(times[3:]) * 1e3, 2)
+    return out
 
 
 def run_vllm_peer(model_dir, prompt_sets: dict, max_tokens: int, repeats: int) -> dict:
@@ -151,6 +181,14 @@ def main(argv: list[str] | None = None) -> dict:
             model_dir, methods, pool = default_model_path(), METHODS, {}
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         prompt_sets = {"grounded": chat_prompts(tokenizer, GROUNDED), "open": chat_prompts(tokenizer, OPEN)}
+        # In one process the first engine built has run slower than later identical ones (benchmarks/
+        # HISTORY.md, 2026-12-05): a throwaway engine goes first, so that "none" does not pay for it.
+        throwaway = LLM(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=16, **pool)
+        run(throwaway, prompt_sets["open"][:1], 8, args.batch)
+        forward_ms = verify_cost(throwaway)
+        print({"verify forward ms by rows": forward_ms})
+        throwaway.shutdown()
+        del throwaway
         engines = {}
         for name in args.methods:
             kwargs = {} if methods[name] is None else {"speculative_config": methods[name]}
@@ -200,7 +238,10 @@ def main(argv: list[str] | None = None) -> dict:
                     device="cpu (2 cores; other jobs may share it: compare ratios within the run)",
                     requests_per_set=len(GROUNDED), batch=args.batch, max_tokens=args.max_tokens, greedy=True,
                     ignore_eos=True, vllm=None if peer is None else peer.get("skipped") or peer.get("vllm"),
-                    repeats=args.repeats, draft_model="left out: no smaller checkpoint with SmolLM2's tokenizer ships here",
+                    repeats=args.repeats,
+                    verify_forward=dict(context=300, ms_by_rows=forward_ms,
+                                        ratio_to_one_row={n: round(ms / forward_ms[1], 3) for n, ms in forward_ms.items()}),
+                    draft_model="left out: no smaller checkpoint with SmolLM2's tokenizer ships here",
                     command=" ".join(["python -m benchmarks.bench_spec_decode", *(argv if argv is not None else sys.argv[1:])]))
     name = "spec_decode_engine_quick" if args.quick else "spec_decode_engine"
     write_result(name, workload, rows, args.out_dir)

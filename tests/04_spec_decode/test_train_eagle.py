@@ -121,6 +121,14 @@ def test_instructions_are_distinct_deterministic_and_never_held_out():
     assert len(set(a)) == 300 and not set(a) & set(HELD_OUT)
 
 
+def test_the_heads_training_instructions_are_not_the_benchmarks_prompts():
+    """`make eagle-head`'s 7,000 instructions (seed 0) never contain a prompt the engine benchmark
+    times EAGLE on: its "open" set would otherwise measure text the head trained on (a template
+    and an everyday topic can spell one out: "Write a short story about a lighthouse keeper.")."""
+    from benchmarks.bench_spec_decode import GROUNDED, OPEN
+    assert not set(instructions(7000, seed=0)) & set(OPEN + GROUNDED + HELD_OUT)
+
+
 def test_ngram_replay_counts_every_answer_token(tiny_target):
     model, seqs = tiny_target
     c = EagleConfig.for_target(model.config)
