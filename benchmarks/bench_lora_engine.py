@@ -34,7 +34,7 @@ import torch
 
 from benchmarks import vllm_peer
 from benchmarks.bench_engine import make_workload, tiny_model_dir
-from benchmarks.common import RESULTS_DIR, try_plot, write_result
+from benchmarks.common import RESULTS_DIR, try_plot, with_throwaway_engine, write_result
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -149,12 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
         f"ours, {args.adapters} adapters mixed": (dict(common, **lora, max_loras=args.adapters), adapter_of),
         "ours, one adapter at a time": (dict(common, **lora, max_loras=1), adapter_of),
     }
-    # In one process the first engine built runs slower than later identical ones (benchmarks/HISTORY.md,
-    # 2026-12-05): a throwaway engine goes first, so that no side pays for it.
-    throwaway = LLM(str(model_dir), **common)
-    run_ours(throwaway, workload[:8], [None] * 8, requests)
-    throwaway.shutdown()
-    del throwaway
+    with_throwaway_engine(lambda: LLM(str(model_dir), **common),          # no side is the first engine
+                          lambda llm: run_ours(llm, workload[:8], [None] * 8, requests))
     engines = {name: LLM(str(model_dir), **kwargs) for name, (kwargs, _) in sides.items()}
     for name, (_, adapters) in sides.items():                           # warm-up: adapters loaded, first steps
         run_ours(engines[name], workload[:4], adapters[:4], requests)

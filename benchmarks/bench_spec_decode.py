@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR, write_result
+from benchmarks.common import RESULTS_DIR, with_throwaway_engine, write_result
 
 GROUNDED = [
     "Repeat this paragraph exactly, word for word:\n\nThe scheduler keeps two counters per request: the "
@@ -181,14 +181,12 @@ def main(argv: list[str] | None = None) -> dict:
             model_dir, methods, pool = default_model_path(), METHODS, {}
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         prompt_sets = {"grounded": chat_prompts(tokenizer, GROUNDED), "open": chat_prompts(tokenizer, OPEN)}
-        # In one process the first engine built has run slower than later identical ones (benchmarks/
-        # HISTORY.md, 2026-12-05): a throwaway engine goes first, so that "none" does not pay for it.
-        throwaway = LLM(str(model_dir), dtype="float32", max_model_len=1024, max_num_seqs=16, **pool)
-        run(throwaway, prompt_sets["open"][:1], 8, args.batch)
-        forward_ms = verify_cost(throwaway)
+        def warm_and_verify_cost(llm):                       # on a throwaway engine: "none" is not the first
+            run(llm, prompt_sets["open"][:1], 8, args.batch)
+            return verify_cost(llm)
+        forward_ms = with_throwaway_engine(lambda: LLM(str(model_dir), dtype="float32", max_model_len=1024,
+                                                       max_num_seqs=16, **pool), warm_and_verify_cost)
         print({"verify forward ms by rows": forward_ms})
-        throwaway.shutdown()
-        del throwaway
         engines = {}
         for name in args.methods:
             kwargs = {} if methods[name] is None else {"speculative_config": methods[name]}

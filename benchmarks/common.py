@@ -100,3 +100,15 @@ def prefix_agreement(a: list[list[int]], b: list[list[int]]) -> float:
         total += len(x)
         same += next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
     return same / max(total, 1)
+
+
+def with_throwaway_engine(build: Callable[[], object], use: Callable[[object], object]):
+    """Build an engine only to `use` it, shut it down, and return what `use` returned. In one process
+    the first engine built has run slower than later identical ones (benchmarks/HISTORY.md, 2026-12-05;
+    the cause is not found), so a benchmark that compares engines builds a throwaway one first: no
+    side it times is the process's first."""
+    llm = build()
+    try:
+        return use(llm)
+    finally:
+        llm.shutdown()
