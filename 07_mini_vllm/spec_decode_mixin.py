@@ -24,6 +24,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from kernels_cpu import attention as cpu_attention
 from spec_decode.eagle_tree import DraftTree
 from spec_decode.tree import TreeAttentionMetadata, accepted_kv_slot_moves, tree_attention_mask, tree_depths
 
@@ -31,6 +32,7 @@ from mini_vllm.async_output import PLACEHOLDER_TOKEN_ID
 from mini_vllm.structured_output_backend import apply_grammar_bitmask
 from mini_vllm.logits_processors import apply_logits_processors
 from mini_vllm.model_inputs import ModelInputs
+from mini_vllm.models.attention import ATTENTION_BACKENDS
 from mini_vllm.sampler import NONFINITE_LOGITS, SamplingMetadata, compute_logprobs, nonfinite_rows
 from mini_vllm.spec_decode_worker import SpecDecodeWorker
 
@@ -103,8 +105,8 @@ class SpecDecodeMixin:
         """A step that verifies EAGLE-2 trees (None if none of `rows` has one). Node i of a tree
         is laid out in the slot a chain's i-th draft would take (the slot mapping is unchanged),
         but at position root + depth(i), and it sees the context and its own ancestors only —
-        chapter 04's tree mask over the request's new tokens; the attention op then runs chapter
-        04's paged tree attention (models/attention.py)."""
+        chapter 04's tree mask over the request's new tokens; the attention op reads the masks
+        (models/attention.py: the CPU kernel, packed once here, or chapter 04's tree attention)."""
         batch = self.input_batch
         starts = inputs.attn_metadata.query_start_loc.tolist()
         positions, masks = inputs.positions, []
@@ -127,6 +129,8 @@ class SpecDecodeMixin:
         md = inputs.attn_metadata
         md = TreeAttentionMetadata(**{f.name: getattr(md, f.name) for f in dataclasses.fields(md)},
                                    tree_masks=tuple(masks))
+        if ATTENTION_BACKENDS[self.attn_backend][1] == "cpu":       # the kernel's masks, packed once per step
+            md = dataclasses.replace(md, plan=cpu_attention.pack_tree_masks(masks, md.query_start_loc))
         return dataclasses.replace(inputs, positions=positions, attn_metadata=md)
 
     # ---- verification ----------------------------------------------------------------------------

@@ -1,26 +1,28 @@
 """Speculative decoding end to end: the engine with each drafter vs the same engine without one.
 
-    python -m benchmarks.bench_spec_decode            # SmolLM2, ~5 min on 2 cores -> results/spec_decode_engine.json + .png
+    python -m benchmarks.bench_spec_decode            # SmolLM2, ~12 min on 2 cores -> results/spec_decode_engine.json + .png
     python -m benchmarks.bench_spec_decode --vllm     # ... and real vLLM 0.32 (CPU) with and without n-gram drafts
     python -m benchmarks.bench_spec_decode --quick    # a tiny random model, seconds (CI)
 
-Workload: SmolLM2-135M-Instruct, fp32, CPU, greedy, `ignore_eos`, batch 1 — each request alone
+Workload: SmolLM2-135M-Instruct, fp32, CPU, greedy, batch 1 — each request alone
 (speculation pays where a step is bound by reading the weights: on 2 cores a few dozen rows
-already make the linears compute-bound; `--batch 4` runs a set's requests together). Two
-prompt sets, chat template applied, the same token prompts for every configuration:
-  * grounded — the answer copies its input (repeat this paragraph, fix this code): n-gram
-    lookup's home ground;
+already make the linears compute-bound; `--batch 4` runs a set's requests together), each
+answer up to its end of sequence or 256 tokens. Two prompt sets, chat template applied, the
+same token prompts for every configuration:
+  * grounded — copy tasks over the standard library's own text (repeat a docstring paragraph,
+    comment or edit a function and print it whole): n-gram lookup's home ground;
   * open — open-ended questions, where the output shares little with the prompt.
 Configurations (`speculative_config`): none; ngram (k = 4, lookup 2..4); layer_skip (the
 target's first 8 of 30 layers + its LM head, k = 3); eagle (the head shipped for SmolLM2,
 k = 4: it was trained for 4); eagle_tree (the same head drafting EAGLE-2 trees: 8 nodes, 4 deep,
-3 expanded per depth); ngram_k8 (lookup with up to 8 drafts: copy tasks accept long runs). `adaptive` stays at its default (on). Each configuration is a fresh engine, warmed
-up, then timed `--repeats` times, configurations interleaved round by round (the VM's speed
-drifts), the median kept. A throwaway engine is built first (the first engine of a process has run
+3 expanded per depth); ngram_k8 (lookup with up to 8 drafts: copy tasks accept long runs).
+`adaptive` stays at its default (on). Each configuration is a fresh engine, warmed up, then
+timed `--repeats` times, configurations interleaved round by round (the VM's speed drifts), the
+median kept. A throwaway engine is built first (the first engine of a process has run
 slower than later ones) and measures what verification costs: one request's forward with 1 .. 16
 new rows (`workload.verify_forward`).
-Reported per configuration and prompt set: output tok/s, its ratio to no speculation in the
-same round, acceptance rate (accepted / proposed drafts) and mean acceptance length (tokens
+Reported per configuration and prompt set: output tokens and tok/s, its ratio to no
+speculation in the same round, acceptance rate (accepted / proposed drafts) and mean acceptance length (tokens
 per verification step), and the share of requests whose tokens equal no speculation's
 (greedy: must be 1.0). A draft checkpoint (method "draft_model") needs a smaller model with
 SmolLM2's tokenizer; none ships with this project, so it is left out here (the engine tests
@@ -37,17 +39,30 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS_DIR, with_throwaway_engine, write_result
 
-GROUNDED = [
-    "Repeat this paragraph exactly, word for word:\n\nThe scheduler keeps two counters per request: the "
-    "tokens whose keys and values are already in the cache, and the tokens the request has in total. Every "
-    "step it tries to close the gap, within a token budget shared by all running requests.",
-    "Fix the bug and print the whole corrected function:\n\ndef mean(values):\n    total = 0\n    for v in "
-    "values:\n        total += v\n    return total / len(value)\n",
-    "Rewrite this list in alphabetical order, one item per line:\nbanana\napple\ncherry\ndate\nelderberry\n"
-    "fig\ngrape\n",
-    "Copy this JSON and change the age to 31:\n{\"name\": \"Ada\", \"age\": 30, \"languages\": [\"English\", "
-    "\"French\"], \"city\": \"London\"}",
-]
+def _paragraph(doc: str, start: str) -> str:
+    """The paragraph of a docstring that begins with `start`, its whitespace folded."""
+    return next(" ".join(p.split()) for p in doc.split("\n\n") if p.strip().startswith(start))
+
+
+def grounded_texts() -> list[str]:
+    """Copy tasks over text nobody here wrote — two docstring paragraphs and two functions of this
+    Python's standard library, read from it — whose answers copy their input to the end (a test
+    keeps these passages out of the EAGLE head's training prompts, which quote the same library)."""
+    import colorsys
+    import inspect
+    import shlex
+    import socket
+    import urllib.request
+
+    repeat = "Repeat this paragraph exactly, word for word:\n\n"
+    return [repeat + _paragraph(inspect.getdoc(socket.socket.sendfile), "Send a file until EOF"),
+            repeat + _paragraph(urllib.request.__doc__, "The OpenerDirector manages"),
+            "Add a one-line comment above each statement of this function and print the whole function:\n\n"
+            + inspect.getsource(colorsys.rgb_to_hsv),
+            "Rename the variable `s` to `text` in this function and print the whole function:\n\n"
+            + inspect.getsource(shlex.quote)]
+
+
 OPEN = [
     "Write a short story about a lighthouse keeper.",
     "Explain why the sky is blue to a ten-year-old.",
@@ -77,7 +92,9 @@ def run(llm, prompts, max_tokens: int, batch: int = 1) -> tuple[float, list[list
     """Wall time of generating every prompt, `batch` requests at a time, and their tokens."""
     from mini_vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    # Each answer ends where the model ends it: past its end of sequence a copy task is no longer
+    # one (the model starts an imagined next conversation), and that is not what a drafter serves.
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, detokenize=False)
     assert llm.reset_prefix_cache()
     t0 = time.perf_counter()
     outputs = [o for s in range(0, len(prompts), batch) for o in llm.generate(prompts[s:s + batch], params, use_tqdm=False)]
@@ -122,7 +139,7 @@ def run_vllm_peer(model_dir, prompt_sets: dict, max_tokens: int, repeats: int) -
     if reason:
         return {"skipped": reason}
     workload = dict(prompt_sets={k: [p["prompt_token_ids"] for p in v] for k, v in prompt_sets.items()},
-                    max_tokens=max_tokens, repeats=repeats,
+                    max_tokens=max_tokens, ignore_eos=False, repeats=repeats,
                     speculative_configs={"none": None, "ngram": METHODS["ngram"]})
     try:
         return vllm_peer.call(model_dir, workload, "both cores", kvcache_gib=2)
@@ -162,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     from mini_vllm import LLM, default_model_path
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=256, help="at most this many tokens per answer")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--quick", action="store_true", help="tiny random model, 16 tokens, ngram + layer_skip")
@@ -180,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             model_dir, methods, pool = default_model_path(), METHODS, {}
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        prompt_sets = {"grounded": chat_prompts(tokenizer, GROUNDED), "open": chat_prompts(tokenizer, OPEN)}
+        prompt_sets = {"grounded": chat_prompts(tokenizer, grounded_texts()), "open": chat_prompts(tokenizer, OPEN)}
         def warm_and_verify_cost(llm):                       # on a throwaway engine: "none" is not the first
             run(llm, prompt_sets["open"][:1], 8, args.batch)
             return verify_cost(llm)
@@ -202,13 +219,13 @@ def main(argv: list[str] | None = None) -> dict:
                 for name, llm in engines.items():
                     seconds, tokens[name] = run(llm, prompts, args.max_tokens, args.batch)
                     times[name].append(seconds)
-            num_tokens = len(prompts) * args.max_tokens
             tokens_none[set_name] = tokens["none"]
             base = statistics.median(times["none"])
             for name, llm in engines.items():
                 median = statistics.median(times[name])
+                num_tokens = sum(map(len, tokens[name]))
                 rows.append(dict(prompts=set_name, method=name, config=methods[name], seconds=round(median, 3),
-                                 output_tokens_per_s=round(num_tokens / median, 1),
+                                 output_tokens=num_tokens, output_tokens_per_s=round(num_tokens / median, 1),
                                  speedup_vs_none=round(base / median, 3),
                                  agreement_with_none=sum(a == b for a, b in zip(tokens[name], tokens["none"])) / len(prompts),
                                  **spec_stats(llm)))
@@ -224,8 +241,8 @@ def main(argv: list[str] | None = None) -> dict:
                     rows.append(dict(row, error=result["error"]))
                     continue
                 got, base = result["sets"][set_name], peer["configs"]["none"]["sets"][set_name]
-                num_tokens = len(prompts) * args.max_tokens
-                rows.append(dict(row, seconds=round(got["seconds"], 3),
+                num_tokens = sum(map(len, got["tokens"]))
+                rows.append(dict(row, seconds=round(got["seconds"], 3), output_tokens=num_tokens,
                                  output_tokens_per_s=round(num_tokens / got["seconds"], 1),
                                  speedup_vs_none=round(base["seconds"] / got["seconds"], 3),
                                  vs_ours_none=round(ours_none[set_name]["seconds"] / got["seconds"], 3),
@@ -234,8 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
                 print(rows[-1])
     workload = dict(model="tiny random llama (quick)" if args.quick else "SmolLM2-135M-Instruct", dtype="float32",
                     device="cpu (2 cores; other jobs may share it: compare ratios within the run)",
-                    requests_per_set=len(GROUNDED), batch=args.batch, max_tokens=args.max_tokens, greedy=True,
-                    ignore_eos=True, vllm=None if peer is None else peer.get("skipped") or peer.get("vllm"),
+                    requests_per_set=len(OPEN), batch=args.batch, max_tokens=args.max_tokens, greedy=True,
+                    ignore_eos=False, vllm=None if peer is None else peer.get("skipped") or peer.get("vllm"),
                     repeats=args.repeats,
                     verify_forward=dict(context=300, ms_by_rows=forward_ms,
                                         ratio_to_one_row={n: round(ms / forward_ms[1], 3) for n, ms in forward_ms.items()}),

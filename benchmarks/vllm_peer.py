@@ -240,7 +240,8 @@ def run_speculative(model: str, workload: dict, kvcache_gib: int, seed: int) -> 
     """Speculative decoding at batch 1 (bench_spec_decode): per configuration of
     workload["speculative_configs"] ({name: vLLM speculative_config or None}) one engine, warmed up,
     then per prompt set of workload["prompt_sets"] ({name: [[ids...]]}) each prompt generated alone
-    (greedy, workload["max_tokens"] tokens, ignore_eos), `repeats` times; the median wall time per set.
+    (greedy, at most workload["max_tokens"] tokens, past the end of sequence if workload["ignore_eos"],
+    default true), `repeats` times; the median wall time per set.
     A configuration vLLM refuses is reported with its error instead of times."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kvcache_gib))
     import gc
@@ -252,7 +253,8 @@ def run_speculative(model: str, workload: dict, kvcache_gib: int, seed: int) -> 
     n = workload["max_tokens"]
     sets = workload["prompt_sets"]
     max_model_len = max(len(p) for ps in sets.values() for p in ps) + n + 16
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=workload.get("ignore_eos", True),
+                            detokenize=False)
     out = {}
     for name, spec in workload["speculative_configs"].items():
         try:

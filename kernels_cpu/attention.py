@@ -34,6 +34,8 @@ already loaded), sized by torch.get_num_threads() at each call.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kernels_cpu import build
@@ -121,11 +123,48 @@ def unified_attention(
     kv_splits: int | None = None,   # tests: split every item's KV into this many pieces (None: automatic)
     q_tile: int | None = None,      # tests: new tokens per work item (None: automatic)
     kv_quant=None,                  # an 8-bit cache (paged_attention.kv_quant.KVQuant)
+    tree_masks=None,                # per request [q_len, q_len] bool or None (causal), or pack_tree_masks(...)
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim], query's dtype
-    """Unified (varlen, causal-with-context) paged attention on the CPU kernel."""
+    """Unified (varlen, causal-with-context) paged attention on the CPU kernel. With `tree_masks`
+    (EAGLE-2's draft trees, chapter 04's `paged_tree_attention` semantics), a request's new tokens
+    see the whole context and, among themselves, what its mask allows."""
     check_cpu_layout(query, key_cache, value_cache)
-    return _run(query, key_cache, value_cache, block_tables, _contiguous_index(seq_lens),
-                _contiguous_index(query_start_loc), scale, kv_splits, q_tile, kv_quant=kv_quant)
+    query_start_loc = _contiguous_index(query_start_loc)
+    tree = tree_masks if isinstance(tree_masks, PackedTreeMasks) else pack_tree_masks(tree_masks, query_start_loc)
+    return _run(query, key_cache, value_cache, block_tables, _contiguous_index(seq_lens), query_start_loc, scale,
+                kv_splits, q_tile, kv_quant=kv_quant, tree=tree)
+
+
+class PackedTreeMasks(NamedTuple):
+    """A step's tree masks as the kernel reads them (one packing per step serves every layer)."""
+    mask: torch.Tensor              # [sum of the masked requests' q_len^2] uint8, row-major per request
+    start: torch.Tensor             # [num_seqs] int64: where request i's mask begins, -1: causal
+
+
+def pack_tree_masks(tree_masks, query_start_loc: torch.Tensor) -> PackedTreeMasks | None:
+    """Per-request masks ([q_len, q_len] bool, or None: causal) -> the kernel's packed form (None: no
+    tree). A mask must let a token see itself and nothing after it (a node's ancestors come first):
+    the kernel bounds what it reads by the causal rule."""
+    if tree_masks is None or all(m is None for m in tree_masks):
+        return None
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    if len(tree_masks) != len(q_lens):
+        raise ValueError(f"{len(tree_masks)} tree masks for {len(q_lens)} requests")
+    flat, starts, offset = [], [], 0
+    for i, (mask, q_len) in enumerate(zip(tree_masks, q_lens)):
+        if mask is None:
+            starts.append(-1)
+            continue
+        mask = torch.as_tensor(mask, device="cpu").bool()
+        if mask.shape != (q_len, q_len):
+            raise ValueError(f"request {i}: tree mask must be [{q_len}, {q_len}] (one row and column per new token), "
+                             f"got {tuple(mask.shape)}")
+        if not mask.diagonal().all() or mask.triu(1).any():
+            raise ValueError(f"request {i}: a tree mask must let each token see itself and nothing after it")
+        flat.append(mask.reshape(-1))
+        starts.append(offset)
+        offset += q_len * q_len
+    return PackedTreeMasks(torch.cat(flat).to(torch.uint8), torch.tensor(starts, dtype=torch.int64))
 
 
 def paged_decode_attention(
@@ -200,8 +239,9 @@ def _scales(kv_quant) -> tuple[float, float]:
 
 
 def _run(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, kv_splits, q_tile,
-         module=None, kv_quant=None):
-    """out = the kernel's attention (module: a build of it, default `load()`; kernels_cpu.dev times others)."""
+         module=None, kv_quant=None, tree=None):
+    """out = the kernel's attention (module: a build of it, default `load()`; kernels_cpu.dev times others;
+    tree: PackedTreeMasks or None)."""
     for name, knob in (("kv_splits", kv_splits), ("q_tile", q_tile)):
         if knob is not None and knob < 1:
             raise ValueError(f"{name} must be >= 1 (or None for automatic), got {knob}")
@@ -210,5 +250,5 @@ def _run(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
     out = torch.empty(query.shape, dtype=query.dtype)
     ext.unified_attention_out(out, query, key_cache, value_cache, _index_int32(block_tables),
                               _index_int32(seq_lens), _index_int32(query_start_loc), float(scale),
-                              kv_splits or 0, q_tile or 0, *_scales(kv_quant))
+                              kv_splits or 0, q_tile or 0, *_scales(kv_quant), *(tree or (None, None)))
     return out

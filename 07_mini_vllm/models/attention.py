@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from chunked_prefill.ops import unified_attention
+from kernels_cpu import attention as cpu_attention
 from paged_attention.kv_quant import KVQuant
 from paged_attention.metadata import AttentionMetadata
 from paged_attention.model.llama import KVCache
@@ -67,10 +68,15 @@ class PagedAttention(nn.Module):
 
     def _tree_verification(self, query, key, value, key_cache, value_cache, md) -> torch.Tensor:
         """A step that verifies EAGLE-2 trees (spec_decode_mixin.py lays them out): K/V written by
-        slot as always, then chapter 04's paged tree attention — each new token sees the context
-        and, among the new tokens, what its request's mask allows (None: causal). Chapter 05's
-        unified attention has no mask input; this torch path is what trees cost on any backend."""
+        slot as always, then tree attention — each new token sees the context and, among the new
+        tokens, what its request's mask allows (None: causal). The CPU kernel takes the masks
+        (vLLM's tree attention bias); the other backends run chapter 04's paged tree attention."""
         reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping, check_values=False,
                           backend=self.cache_backend, kv_quant=self.kv_quant)
+        if self.attention_backend == "cpu":
+            # md.plan: the masks packed once for every layer (spec_decode_mixin._with_tree_layout)
+            return cpu_attention.unified_attention(query, key_cache, value_cache, md.block_tables, md.seq_lens,
+                                                   md.query_start_loc, self.scale, kv_quant=self.kv_quant,
+                                                   tree_masks=md.plan if md.plan is not None else md.tree_masks)
         return paged_tree_attention(query, key_cache, value_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                                     md.tree_masks, self.scale, kv_quant=self.kv_quant)

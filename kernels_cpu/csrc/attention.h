@@ -41,6 +41,12 @@ struct AttentionParams {
   KVDType kv_dtype = KVDType::SAME;
   bool inline_scales = false;
   float k_scale = 1.0f, v_scale = 1.0f;
+  // Tree verification (EAGLE-2 drafts, chapter 04): request s's new tokens see each other only
+  // where its [q_len, q_len] mask (row-major bytes, 1 = visible) at tree_mask + tree_mask_start[s]
+  // says so; start -1 (or no tree_mask at all): causal. A mask keeps a subset of causal (a node
+  // comes after its ancestors), so the plan's causal KV bounds hold. vLLM: the tree attention bias.
+  const uint8_t* tree_mask = nullptr;
+  const int64_t* tree_mask_start = nullptr;
   int num_threads;  // OpenMP threads (the binding passes torch's intra-op thread count)
   int kv_splits;    // 0: automatic; k >= 1: split every work item's KV range into k pieces (tests)
   int q_tile;       // 0: automatic; q >= 1: query tokens per work item (tests)

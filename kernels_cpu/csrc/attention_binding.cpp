@@ -55,7 +55,8 @@ void check_index(const at::Tensor& t, const char* name, int64_t dim) {
 void unified_attention_out(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, double scale, int64_t kv_splits, int64_t q_tile,
-                           double k_scale, double v_scale) {
+                           double k_scale, double v_scale, const c10::optional<at::Tensor>& tree_mask,
+                           const c10::optional<at::Tensor>& tree_mask_start) {
   for (const at::Tensor* t : {&out, &query, &key_cache, &value_cache})
     TORCH_CHECK(t->device().is_cpu(), "cpu attention: tensors must be on the CPU, got ", t->device());
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "cpu attention: query/out must be [T, H, D], got ",
@@ -113,6 +114,21 @@ void unified_attention_out(const at::Tensor& out, const at::Tensor& query, const
   p.inline_scales = inline_scales;
   p.k_scale = float(k_scale);
   p.v_scale = float(v_scale);
+  // Tree masks: bytes [sum of the masked requests' q_len^2] and int64 starts [num_seqs] (-1: causal).
+  // Their values (square, lower-triangular with the diagonal set) are checked in Python.
+  TORCH_CHECK(tree_mask.has_value() == tree_mask_start.has_value(), "cpu attention: tree_mask and tree_mask_start "
+              "come together");
+  if (tree_mask.has_value()) {
+    TORCH_CHECK(tree_mask->device().is_cpu() && tree_mask->is_contiguous() && tree_mask->dim() == 1 &&
+                    (tree_mask->scalar_type() == at::kByte || tree_mask->scalar_type() == at::kBool),
+                "cpu attention: tree_mask must be a contiguous 1-D uint8/bool CPU tensor");
+    TORCH_CHECK(tree_mask_start->device().is_cpu() && tree_mask_start->is_contiguous() &&
+                    tree_mask_start->scalar_type() == at::kLong && tree_mask_start->dim() == 1 &&
+                    tree_mask_start->size(0) == num_seqs,
+                "cpu attention: tree_mask_start must be a contiguous int64 [num_seqs] CPU tensor");
+    p.tree_mask = static_cast<const uint8_t*>(tree_mask->data_ptr());
+    p.tree_mask_start = tree_mask_start->data_ptr<int64_t>();
+  }
   p.num_threads = at::get_num_threads();   // torch.set_num_threads is respected
   p.kv_splits = int(kv_splits);
   p.q_tile = int(q_tile);
@@ -239,7 +255,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out"), pybind11::arg("query"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
         pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("query_start_loc"),
         pybind11::arg("scale"), pybind11::arg("kv_splits") = 0, pybind11::arg("q_tile") = 0,
-        pybind11::arg("k_scale") = 1.0, pybind11::arg("v_scale") = 1.0);
+        pybind11::arg("k_scale") = 1.0, pybind11::arg("v_scale") = 1.0, pybind11::arg("tree_mask") = pybind11::none(),
+        pybind11::arg("tree_mask_start") = pybind11::none());
   m.def("plan", &plan_items, "the work items unified_attention_out would run", pybind11::arg("seq_lens"),
         pybind11::arg("query_start_loc"), pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"),
         pybind11::arg("num_threads") = 0, pybind11::arg("kv_splits") = 0, pybind11::arg("q_tile") = 0);

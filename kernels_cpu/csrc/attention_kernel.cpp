@@ -4,7 +4,10 @@
 // request s brings query_len >= 1 new tokens, the LAST ones of its seq_len; new token i
 // sits at position context_len + i (context_len = seq_len - query_len) and attends to KV
 // positions 0 .. context_len + i. Decode is query_len 1, prefill context_len 0, a chunk
-// of a long prompt or a spec-decode verification both > 0. Like vLLM's CPU attention
+// of a long prompt or a spec-decode verification both > 0. A step verifying EAGLE-2 draft
+// trees (chapter 04) gives a request a mask over its new tokens: token i then sees the context
+// and only the new tokens its mask row allows (its ancestors and itself, a subset of the causal
+// ones; vLLM's tree attention bias), hidden ones scored -inf. Like vLLM's CPU attention
 // (csrc/cpu/cpu_attn_impl.hpp), the work is cut into items planned on the host:
 //
 //   work item = (request, KV heads, a tile of its new tokens, a range of its KV positions)
@@ -336,6 +339,9 @@ void run_item(const AttentionParams& p, const WorkItem& it, float* partial_o, fl
   const int q_len = p.query_start_loc[it.seq + 1] - p.query_start_loc[it.seq];
   const int context = p.seq_lens[it.seq] - q_len;
   const int64_t token0 = p.query_start_loc[it.seq] + it.q_begin;
+  // A tree step: this request's mask over its new tokens (nullptr: causal).
+  const uint8_t* tree = p.tree_mask && p.tree_mask_start[it.seq] >= 0 ? p.tree_mask + p.tree_mask_start[it.seq]
+                                                                       : nullptr;
   const T* query = static_cast<const T*>(p.query);
   const KT* key_cache = static_cast<const KT*>(p.key_cache);
   const KT* value_cache = static_cast<const KT*>(p.value_cache);
@@ -426,7 +432,20 @@ void run_item(const AttentionParams& p, const WorkItem& it, float* partial_o, fl
         store(srow + j, sc, first_lanes(W));
         vmax = max(vmax, sc);
       }
-      const float m_new = std::max(m[r], reduce_max(vmax));
+      float tile_max = reduce_max(vmax);
+      if (tree && t0 + nv > context) {
+        // Among the new tokens, only those this token's mask row allows (its ancestors and itself).
+        const uint8_t* allow = tree + int64_t(it.q_begin + token_of(r)) * q_len;   // [q_len]
+        bool hidden = false;
+        for (int j = std::max(0, context - t0); j < nv; ++j)
+          if (!allow[t0 + j - context]) srow[j] = kNegInf, hidden = true;
+        if (hidden) tile_max = *std::max_element(srow, srow + nv);
+        if (tile_max == kNegInf) {                            // nothing visible in this tile
+          std::fill(srow, srow + vec_end, 0.0f);
+          continue;
+        }
+      }
+      const float m_new = std::max(m[r], tile_max);
       const float alpha = std::exp(m[r] - m_new);            // 0 on the first tile (m = -inf)
       V vsum = zero();
       for (int j = 0; j < vec_end; j += W) {

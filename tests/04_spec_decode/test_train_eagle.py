@@ -124,9 +124,15 @@ def test_instructions_are_distinct_deterministic_and_never_held_out():
 def test_the_heads_training_instructions_are_not_the_benchmarks_prompts():
     """`make eagle-head`'s 7,000 instructions (seed 0) never contain a prompt the engine benchmark
     times EAGLE on: its "open" set would otherwise measure text the head trained on (a template
-    and an everyday topic can spell one out: "Write a short story about a lighthouse keeper.")."""
-    from benchmarks.bench_spec_decode import GROUNDED, OPEN
-    assert not set(instructions(7000, seed=0)) & set(OPEN + GROUNDED + HELD_OUT)
+    and an everyday topic can spell one out: "Write a short story about a lighthouse keeper."),
+    and none quotes a passage its "grounded" copy tasks copy (both read the standard library)."""
+    from benchmarks.bench_spec_decode import OPEN, grounded_texts
+    training = instructions(7000, seed=0)
+    assert not set(training) & set(OPEN + HELD_OUT)
+    passages = [text.split("\n\n", 1)[1].strip() for text in grounded_texts()]
+    assert all(len(p) > 200 for p in passages)
+    assert not [p for p in passages if any(p in t or t.split("\n\n")[-1].strip() in p for t in training
+                                            if "\n\n" in t)]
 
 
 def test_ngram_replay_counts_every_answer_token(tiny_target):
