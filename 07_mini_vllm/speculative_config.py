@@ -17,8 +17,11 @@ given; one bound given -> both) — plus the knobs of this engine's own pieces:
     adaptive               per-request draft length from the observed acceptance
                            (spec_decode.adaptive; False: always k)
     min_draft_acceptance   θ of the adaptive rule: draft j is proposed while the estimated
-                           P(drafts 1..j accepted) >= θ (default: 0.1 for n-gram, whose drafts
-                           cost only the verification; 0.25 for the model drafters)
+                           P(drafts 1..j accepted) >= θ, θ ~ what one draft costs as a share of
+                           a target step (default: 0.1 for n-gram, whose drafts cost only a
+                           verification row, and for EAGLE, a row plus one pass of a one-layer
+                           head; 0.25 for a draft model and layer_skip, whose drafts run a
+                           model or a quarter of the target's layers)
     rejection_sampler      rejection-sampling backend: "auto" (torch on a CPU, triton on a GPU)
                            | "reference" | "torch" | "triton" | "cuda"
     tree_depth, tree_top_k eagle only: draft EAGLE-2's dynamic tree instead of a chain
@@ -39,7 +42,9 @@ from typing import Any, Mapping
 
 METHODS = ("ngram", "draft_model", "eagle", "layer_skip")
 REJECTION_SAMPLERS = ("auto", "reference", "torch", "triton", "cuda")
-DEFAULT_MIN_DRAFT_ACCEPTANCE = {"ngram": 0.1, "draft_model": 0.25, "eagle": 0.25, "layer_skip": 0.25}
+# EAGLE at 0.1: on this CPU a draft costs about a tenth of a step (benchmarks/HISTORY.md, 2026-12-06),
+# and at 0.25 the rule switched SmolLM2's head off in most steps of open chat, where one draft a step pays.
+DEFAULT_MIN_DRAFT_ACCEPTANCE = {"ngram": 0.1, "draft_model": 0.25, "eagle": 0.1, "layer_skip": 0.25}
 
 
 def _is_int(x) -> bool:
