@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
     requests = [LoRARequest(f"adapter-{i}", i + 1, str(d)) for i, d in enumerate(dirs)]
     common = dict(dtype="float32", max_model_len=args.input_len + args.output_len + 16, max_num_seqs=args.requests,
                   max_num_batched_tokens=4096)
+    if args.smoke:          # the default 2 GiB cache, zeroed for each of four engines, was most of a smoke run
+        common["kv_cache_memory"] = 64 << 20
     lora = dict(enable_lora=True, max_lora_rank=max(8, args.rank), max_cpu_loras=args.adapters)
     sides = {
         "ours, base model": (dict(common), [None] * args.requests),
