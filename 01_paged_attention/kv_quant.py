@@ -132,6 +132,24 @@ def scale_views(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: in
     return k_scales, v_scales, k_scales.stride()
 
 
+def kernel_scale_args(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: int,
+                      kv_quant: KVQuant | None) -> tuple:
+    """(K scale views, V scale views, their 3 strides, k_scale, v_scale): what the Triton attention
+    kernels of chapters 01 and 05 take for a cache. Per-token-head: the rows' fp32 scale views (the
+    per-tensor scales unused, 1.0); per-tensor fp8: the layer's scales (the views are placeholders,
+    never read); a float cache: placeholders throughout."""
+    if kv_quant is None or not kv_quant.per_token_head:
+        k, v = (1.0, 1.0) if kv_quant is None else (kv_quant.k_scale, kv_quant.v_scale)
+        return (key_cache, value_cache, 0, 0, 0, k, v)
+    k_scales, v_scales, strides = scale_views(key_cache, value_cache, head_dim)
+    return (k_scales, v_scales, *strides, 1.0, 1.0)
+
+
+def kv_quant_mode(kv_quant: KVQuant | None) -> int:
+    """The Triton kernels' KV_QUANT constexpr: 0 a float cache, 1 per-tensor scales, 2 per-row scales."""
+    return 0 if kv_quant is None else 2 if kv_quant.per_token_head else 1
+
+
 def quantize_rows(x: torch.Tensor, kv_quant: KVQuant, which: str) -> torch.Tensor:
     """K (which="k") or V rows [..., head_dim] float -> the cache's rows [..., cache_head_dim]."""
     head_dim = x.shape[-1]

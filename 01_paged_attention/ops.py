@@ -74,8 +74,8 @@ def check_kernel_backend(backend: str, device: torch.device, backends: tuple[str
 
 # Every backend writes an 8-bit cache (kv_quant.py); these are the ones whose chapter-01 decode
 # reads one. The engine reads its cache through chapter 05's unified attention, whose backends all
-# read it; the Triton and CUDA decode kernels of this chapter read float caches only.
-QUANT_READ_BACKENDS = ("reference", "torch", "cpu")
+# read it; the CUDA decode kernels (v1/v2/v3) of this chapter read float caches only.
+QUANT_READ_BACKENDS = ("reference", "torch", "cpu", "triton")
 
 
 def _quant_kwargs(kv_quant: KVQuant | None, backend: str, backends: tuple[str, ...] = BACKENDS) -> dict:

@@ -35,6 +35,7 @@ so the checks validate exactly what the kernel reads.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -43,7 +44,7 @@ import triton
 import triton.language as tl
 
 from paged_attention.checks import check_cache_write_args, check_decode_args, check_prefill_args, contiguous_index
-from paged_attention.kv_quant import KVQuant, scale_views
+from paged_attention.kv_quant import KVQuant, kernel_scale_args, kv_quant_mode, scale_views
 from paged_attention.triton_common import LOG2E, dot_precision, interpreting, online_softmax_update, round_to, upcast
 
 __all__ = ["DecodeConfig", "choose_decode_config", "choose_num_kv_splits", "interpreting", "paged_decode_attention", "paged_prefill_attention",
@@ -204,6 +205,22 @@ def reshape_and_cache(
 # ----------------------------------------------------------------------------- decode
 
 @triton.jit
+def _scale_8bit_tile(s, v, q, scale_off, t_mask, k_scale_ptr, v_scale_ptr, k_scale, v_scale, KV_QUANT: tl.constexpr):
+    """An 8-bit cache's scales on one tile (kv_quant.py): K's multiply the scores after the dot
+    (q . (s k) = s (q . k), and an 8-bit number is exact in any float), V's its rows, dequantized
+    in the query's dtype as the reference reads them. KV_QUANT 1: the layer's two scales;
+    2: one fp32 scale per (token, KV head), at scale_off [TILE] in the rows' scale views."""
+    v = v.to(tl.float32)
+    if KV_QUANT == 1:
+        s = s * k_scale
+        v = v * v_scale
+    else:
+        s = s * tl.load(k_scale_ptr + scale_off, mask=t_mask, other=0.0)[None, :]
+        v = v * tl.load(v_scale_ptr + scale_off, mask=t_mask, other=0.0)[:, None]
+    return s, v.to(q.dtype)
+
+
+@triton.jit
 def _paged_decode_kernel(
     out_ptr,              # NUM_KV_SPLITS == 1: [num_seqs, num_heads, head_dim]; else fp32 partial acc [num_seqs, num_heads, NUM_KV_SPLITS, head_dim]
     m_ptr, l_ptr,         # NUM_KV_SPLITS > 1: fp32 [num_seqs, num_heads, NUM_KV_SPLITS] running max (log2 units) / sum
@@ -215,10 +232,14 @@ def _paged_decode_kernel(
     stride_bt_seq, stride_bt_blk,
     stride_o_seq, stride_o_head, stride_o_split,
     num_heads, max_num_blocks, tokens_per_split,
+    k_scale_ptr, v_scale_ptr,   # KV_QUANT 2: [num_blocks, block_size, num_kv_heads] fp32 views of the rows' scales
+    stride_ks_blk, stride_ks_tok, stride_ks_head,
+    k_scale, v_scale,           # KV_QUANT 1: the layer's per-tensor scales
     QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr = 0,  # 0: a float cache; 1: 8 bits x per-tensor scales; 2: 8 bits x per-row scales
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -260,9 +281,14 @@ def _paged_decode_kernel(
                     + kv_head * stride_k_head + offs_d[None, :] * stride_k_d, mask=kv_mask, other=0.0)  # [TILE, BLOCK_D]
         v = tl.load(v_cache_ptr + blk[:, None] * stride_v_blk + row[:, None] * stride_v_tok
                     + kv_head * stride_v_head + offs_d[None, :] * stride_v_d, mask=kv_mask, other=0.0)  # [TILE, BLOCK_D]
-        if UPCAST:
+        if KV_QUANT != 0:
+            k = k.to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale                   # [BLOCK_G, TILE]
+        if KV_QUANT != 0:
+            s, v = _scale_8bit_tile(s, v, q, blk * stride_ks_blk + row * stride_ks_tok + kv_head * stride_ks_head,
+                                    t_mask, k_scale_ptr, v_scale_ptr, k_scale, v_scale, KV_QUANT)
         s = tl.where(t_mask[None, :], s, float("-inf"))
         acc, m_i, l_i = online_softmax_update(acc, m_i, l_i, s, v, UPCAST, PRECISION)
     ### END SOLUTION
@@ -325,6 +351,7 @@ def _paged_decode_kernel_v2(
     stride_bt_seq, stride_bt_blk,
     stride_o_seq, stride_o_head, stride_o_split,
     num_heads, max_num_blocks, tokens_per_split,   # tokens_per_split: a multiple of TILE_TOKENS
+    k_scale_ptr, v_scale_ptr, stride_ks_blk, stride_ks_tok, stride_ks_head, k_scale, v_scale,   # as in v1
     num_kv_splits,                  # a runtime value (v1: a constexpr), so changing it never recompiles
     QUERIES_PER_KV: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -334,6 +361,7 @@ def _paged_decode_kernel_v2(
     TILE_TOKENS: tl.constexpr,      # KV tokens per iteration: BLOCKS_PER_TILE * min(BLOCK_SIZE, BLOCK_ROWS)
     SPLIT_KV: tl.constexpr,         # num_kv_splits > 1: write fp32 partials for _split_kv_reduce_kernel
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr = 0,     # as in v1
 ):
     """v2: one block-table load per KV BLOCK, not per token. A tile is BLOCKS_PER_TILE whole
     blocks (or one slice of a block bigger than the tile) laid out as BLOCK_ROWS rows each;
@@ -361,6 +389,7 @@ def _paged_decode_kernel_v2(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     k_base = k_cache_ptr + kv_head.to(tl.int64) * stride_k_head     # scalar 64-bit bases: the
     v_base = v_cache_ptr + kv_head.to(tl.int64) * stride_v_head     # head offset is added once
+    ks_head = kv_head.to(tl.int64) * stride_ks_head                 # (an 8-bit cache's scales: likewise)
 
     # Row i of a tile: block j = i // BLOCK_ROWS of the tile, row r = i % BLOCK_ROWS inside it.
     TILE_ROWS: tl.constexpr = BLOCKS_PER_TILE * BLOCK_ROWS
@@ -389,9 +418,14 @@ def _paged_decode_kernel_v2(
                     mask=kv_mask, other=0.0)                                   # [TILE_ROWS, BLOCK_D]
         v = tl.load(v_base + blk[:, None] * stride_v_blk + row[:, None] * stride_v_tok + offs_d[None, :] * stride_v_d,
                     mask=kv_mask, other=0.0)
-        if UPCAST:
+        if KV_QUANT != 0:
+            k = k.to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale       # [BLOCK_G, TILE_ROWS]
+        if KV_QUANT != 0:
+            s, v = _scale_8bit_tile(s, v, q, ks_head + blk * stride_ks_blk + row * stride_ks_tok, t_mask,
+                                    k_scale_ptr, v_scale_ptr, k_scale, v_scale, KV_QUANT)
         s = tl.where(t_mask[None, :], s, float("-inf"))
         acc, m_i, l_i = online_softmax_update(acc, m_i, l_i, s, v, UPCAST, PRECISION)
 
@@ -523,6 +557,16 @@ def choose_decode_config(num_seqs: int, num_kv_heads: int, max_seq_len: int, hea
     return DecodeConfig("v1", max(16, target // 2), DECODE_NUM_WARPS, stages, splits)
 
 
+def quantized_cache_config(config: DecodeConfig, head_dim: int, block_size: int) -> DecodeConfig:
+    """The launch for an 8-bit cache: each tile is converted and scaled in registers, which the
+    16-bit launch's pipeline stages hold. As chapter 05's kernels do: tiles of at most 32 keys (16
+    at head_dim > 64) and one stage (spill-free on sm_90: test_triton_compile.py)."""
+    tile = min(config.tile, 32 if head_dim <= 64 else 16)
+    if config.version == "v2":
+        tile = v2_tile_for(block_size, tile)
+    return dataclasses.replace(config, tile=tile, num_stages=1)
+
+
 def paged_decode_attention(
     query: torch.Tensor,         # [num_seqs, num_heads, head_dim] (any strides)
     key_cache: torch.Tensor,     # [num_blocks, block_size, num_kv_heads, head_dim] (any strides)
@@ -539,9 +583,10 @@ def paged_decode_attention(
     num_stages: int | None = None,
     version: str | None = None,        # "v1" | "v2"
     config: DecodeConfig | None = None,  # a whole config (the keywords above override its fields)
+    kv_quant: KVQuant | None = None,   # an 8-bit cache (kv_quant.py): rows dequantized in the loop
 ) -> torch.Tensor:               # [num_seqs, num_heads, head_dim]
     seq_lens = contiguous_index(seq_lens)
-    check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values, max_seq_len)
+    check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values, max_seq_len, kv_quant)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -551,6 +596,8 @@ def paged_decode_attention(
         max_seq_len = int(seq_lens.max())
     if config is None:
         config = choose_decode_config(num_seqs, num_kv_heads, max_seq_len, head_dim, query.dtype, block_size)
+        if kv_quant is not None:
+            config = quantized_cache_config(config, head_dim, block_size)
     version = config.version if version is None else version
     tile = config.tile if tile is None else tile
     num_warps = config.num_warps if num_warps is None else num_warps
@@ -576,13 +623,14 @@ def paged_decode_attention(
     constexprs = dict(QUERIES_PER_KV=group, BLOCK_G=max(16, _next_pow2(group)),
                       HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)),
                       BLOCK_SIZE=block_size,
-                      UPCAST=up, PRECISION=dot_precision(query.dtype),
+                      UPCAST=up, PRECISION=dot_precision(query.dtype), KV_QUANT=kv_quant_mode(kv_quant),
                       num_warps=num_warps, num_stages=num_stages)
+    scales = kernel_scale_args(key_cache, value_cache, head_dim, kv_quant)
     if version == "v1":
-        kernel, tail = _paged_decode_kernel, ()
+        kernel, tail = _paged_decode_kernel, scales
         constexprs.update(TILE=tile, NUM_KV_SPLITS=num_kv_splits)
     else:
-        kernel, tail = _paged_decode_kernel_v2, (num_kv_splits,)
+        kernel, tail = _paged_decode_kernel_v2, (*scales, num_kv_splits)
         constexprs.update(BLOCK_ROWS=block_rows, BLOCKS_PER_TILE=blocks_per_tile, TILE_TOKENS=tile,
                           SPLIT_KV=num_kv_splits > 1)
     common = (query, key_cache, value_cache, block_tables, seq_lens, scale * LOG2E,

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from paged_attention.checks import SUPPORTED_DTYPES, check_paged_attention_args, contiguous_index
-from paged_attention.kv_quant import KVQuant, scale_views
+from paged_attention.kv_quant import KVQuant, kernel_scale_args, kv_quant_mode
 from paged_attention.triton_common import LOG2E, dot_precision, interpreting, online_softmax_update, round_to, upcast
 
 MAX_HEAD_DIM = 256
@@ -364,16 +364,6 @@ class Launch(NamedTuple):
     options: dict = {}              # launch options: num_warps, num_stages (Triton's defaults when empty)
 
 
-def _kv_quant_args(key_cache, value_cache, head_dim: int, kv_quant: KVQuant | None) -> tuple:
-    """(k_scale_ptr, v_scale_ptr, 3 scale strides, k_scale, v_scale) for the kernels: the rows' fp32
-    scale views of a per-token-head cache (same strides for K and V), or placeholders never read."""
-    if kv_quant is None or not kv_quant.per_token_head:
-        k, v = (1.0, 1.0) if kv_quant is None else (kv_quant.k_scale, kv_quant.v_scale)
-        return (key_cache, value_cache, 0, 0, 0, k, v)
-    k_scales, v_scales, strides = scale_views(key_cache, value_cache, head_dim)
-    return (k_scales, v_scales, *strides, 1.0, 1.0)
-
-
 def plan_launches(
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale: float, out: torch.Tensor,
     *, max_query_len: int | None = None, max_seq_len: int | None = None,
@@ -410,7 +400,7 @@ def plan_launches(
         GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
         HEAD_DIM=head_dim, HEAD_DIM_PADDED=d_pad,
         UPCAST=upcast(query.dtype), PRECISION=dot_precision(query.dtype),
-        KV_QUANT=0 if kv_quant is None else 2 if kv_quant.per_token_head else 1,
+        KV_QUANT=kv_quant_mode(kv_quant),
     )
     qk_scale = scale * LOG2E                              # the kernels use exp2
     # The tuned 16-bit decode launch (4 stages of 64-key tiles); an 8-bit cache's conversions need
@@ -419,7 +409,7 @@ def plan_launches(
                if max_query_len == 1 and query.dtype != torch.float32 and kv_quant is None else {})
     metadata = (block_tables, seq_lens, query_start_loc, num_seqs, qk_scale)
     strides = (*key_cache.stride(), *value_cache.stride(), *block_tables.stride(),
-               *_kv_quant_args(key_cache, value_cache, head_dim, kv_quant))
+               *kernel_scale_args(key_cache, value_cache, head_dim, kv_quant))
     ### BEGIN SOLUTION
     if num_kv_splits == 1:
         return [Launch(kernel_unified_attention_2d, (num_q_tiles, num_kv_heads),

@@ -26,6 +26,8 @@ PRECISION = {"fp32": "ieee", "fp16": "tf32", "bf16": "tf32"}   # triton_common.d
 
 def signature(fn, const, ptr_types, default_ptr):
     sig = {}
+    if "KV_QUANT" in fn.arg_names:
+        const.setdefault("KV_QUANT", 0)       # a constexpr with a default: a float cache unless given
     for name in fn.arg_names:
         if (name.endswith("_d") or name == "stride_bt_blk") and name.startswith("stride_") and name not in const:
             const[name] = 1      # the JIT specialises ints equal to 1 (contiguous head_dim, block_tables rows)
@@ -53,6 +55,17 @@ def compile_one(label, fn, const, ptr_types, default_ptr, options=None, hints=Fa
     report = ptxas_report(kernel, label)
     report["shared"] = kernel.metadata.shared
     return report
+
+def decode_launch(cfg, block_size, const):
+    # (kernel, constexprs, pointer types) of a DecodeConfig: v1's tile and split count, or v2's tile layout
+    split = cfg.num_kv_splits > 1
+    ptrs = dict(block_tables_ptr="*i32", seq_lens_ptr="*i32", m_ptr="*fp32", l_ptr="*fp32",
+                **({"out_ptr": "*fp32"} if split else {}))
+    if cfg.version == "v1":
+        return T._paged_decode_kernel, dict(const, TILE=cfg.tile, NUM_KV_SPLITS=cfg.num_kv_splits), ptrs
+    rows, blocks, tile = T.v2_tile_layout(cfg.tile, block_size)
+    return (T._paged_decode_kernel_v2,
+            dict(const, BLOCK_ROWS=rows, BLOCKS_PER_TILE=blocks, TILE_TOKENS=tile, SPLIT_KV=split), ptrs)
 
 results = []
 for dt in ("fp16", "bf16", "fp32"):
@@ -94,17 +107,9 @@ for dt, torch_dt in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32",
             for num_seqs, max_seq_len in ((256, 4096), (1, 32768)):
                 cfg = T.choose_decode_config(num_seqs, 8, max_seq_len, head_dim, torch_dt, block_size)
                 split = cfg.num_kv_splits > 1
-                const = dict(QUERIES_PER_KV=4, BLOCK_G=16, HEAD_DIM=head_dim, BLOCK_D=head_dim,
-                             BLOCK_SIZE=block_size, UPCAST=False, PRECISION=PRECISION[dt])
-                if cfg.version == "v1":
-                    fn = T._paged_decode_kernel
-                    const.update(TILE=cfg.tile, NUM_KV_SPLITS=cfg.num_kv_splits)
-                else:
-                    fn = T._paged_decode_kernel_v2
-                    rows, blocks, tile = T.v2_tile_layout(cfg.tile, block_size)
-                    const.update(BLOCK_ROWS=rows, BLOCKS_PER_TILE=blocks, TILE_TOKENS=tile, SPLIT_KV=split)
-                ptrs = dict(block_tables_ptr="*i32", seq_lens_ptr="*i32", m_ptr="*fp32", l_ptr="*fp32",
-                            **({"out_ptr": "*fp32"} if split else {}))
+                fn, const, ptrs = decode_launch(cfg, block_size, dict(
+                    QUERIES_PER_KV=4, BLOCK_G=16, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_SIZE=block_size,
+                    UPCAST=False, PRECISION=PRECISION[dt]))
                 for hints in ((False, True) if block_size == 16 else (False,)):
                     label = (f"chooser_{dt}_d{head_dim}_b{block_size}_{cfg.version}_t{cfg.tile}_w{cfg.num_warps}"
                              f"_s{cfg.num_stages}_{'split' if split else 'nosplit'}{'_aligned' if hints else ''}")
@@ -113,6 +118,23 @@ for dt, torch_dt in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32",
                     seen.add(label)
                     results.append(compile_one(label, fn, dict(const), ptrs, DT[dt],
                                                dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), hints))
+# An 8-bit cache (kv_quant.py) read by both decode rungs with quantized_cache_config's launch:
+# int8 rows with their inline fp32 scales (KV_QUANT 2) and fp8 with the layer's scales (1).
+for dt, torch_dt in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("fp32", torch.float32)):
+    for head_dim in (64, 128):
+        for block_size, num_seqs, max_seq_len in ((16, 256, 4096), (16, 1, 32768), (1, 256, 4096)):
+            cfg = T.choose_decode_config(num_seqs, 8, max_seq_len, head_dim, torch_dt, block_size)
+            cfg = T.quantized_cache_config(cfg, head_dim, block_size)
+            split = cfg.num_kv_splits > 1
+            for mode, cache, kv_quant in (("int8", "*i8", 2), ("fp8", "*fp8e4nv", 1)):
+                fn, const, ptrs = decode_launch(cfg, block_size, dict(
+                    QUERIES_PER_KV=4, BLOCK_G=16, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_SIZE=block_size,
+                    UPCAST=False, PRECISION=PRECISION[dt], KV_QUANT=kv_quant))
+                ptrs.update(k_cache_ptr=cache, v_cache_ptr=cache, k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+                label = (f"kvquant_{mode}_{dt}_d{head_dim}_b{block_size}_{cfg.version}_t{cfg.tile}"
+                         f"_s{cfg.num_stages}_{'split' if split else 'nosplit'}")
+                results.append(compile_one(label, fn, const, ptrs, DT[dt],
+                                           dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages), True))
 print(json.dumps(results))
 """
 
@@ -127,8 +149,8 @@ def compiled():
 
 def test_every_kernel_compiles_for_sm90(compiled):
     labels = {r["label"].split("_")[0] for r in compiled}
-    assert labels == {"decode", "reduce", "prefill", "reshape", "chooser"}
-    assert len([r for r in compiled if not r["label"].startswith("chooser")]) == 3 * 7
+    assert labels == {"decode", "reduce", "prefill", "reshape", "chooser", "kvquant"}
+    assert len([r for r in compiled if r["label"].split("_")[0] not in ("chooser", "kvquant")]) == 3 * 7
     assert all(r["cubin"] > 0 for r in compiled)
 
 
@@ -147,6 +169,17 @@ def test_every_chooser_launch_compiles(compiled):
     assert aligned and all(r["shared"] > 32 * 1024 for r in aligned), aligned    # > one K + V tile: pipelined
     print("\n".join(f"{label}: {r['regs']} registers, {r['shared']} B shared, {r['spills']} B spilled"
                     for label, r in sorted(chooser.items())))
+
+
+def test_the_8bit_cache_launches_compile(compiled):
+    """Both rungs reading an int8 (per-row scales) and an fp8 (per-tensor scales) cache, with the
+    launch quantized_cache_config gives them, split and unsplit, for every query dtype."""
+    quant = [r["label"] for r in compiled if r["label"].startswith("kvquant")]
+    for mode in ("int8", "fp8"):
+        for dt in ("fp16", "bf16", "fp32"):
+            mine = [label for label in quant if label.startswith(f"kvquant_{mode}_{dt}_")]
+            assert any("_v1_" in label for label in mine) and any("_v2_" in label for label in mine), mine
+            assert any("_split" in label for label in mine) and any("_nosplit" in label for label in mine), mine
 
 
 def test_no_register_spills(compiled):

@@ -125,10 +125,42 @@ def test_every_backend_reads_the_quantized_cache(mode, case):
         out = unified_attention(query, kc, vc, block_tables, seq, qsl, d ** -0.5, backend=backend, kv_quant=kq)
         assert_close(out, ref, torch.float32)
     if all(q == 1 for q in query_lens):           # chapter 01's decode reads it too
-        for backend in ["torch", "cpu"]:
+        for backend in ["torch", "cpu"] + (["triton"] if interpreting() else []):
             out = pa.paged_decode_attention(query, kc, vc, block_tables, seq, d ** -0.5, backend=backend,
                                             kv_quant=kq)
             assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.skipif(not interpreting(), reason="Triton on CPU tensors needs the interpreter; on a GPU: test_on_the_gpu")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("version,splits,block_size", [("v1", 1, 16), ("v1", 3, 5), ("v2", 1, 16), ("v2", 2, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chapter_01s_triton_decode_reads_the_quantized_cache(mode, version, splits, block_size, dtype):
+    """Both rungs of chapter 01's Triton decode, with and without split-KV, on a junk-filled cache
+    with shuffled blocks, GQA 3 and partial last blocks: equal to the torch backend on the same cache."""
+    from paged_attention import triton_ops
+    kq = MODES[mode]
+    gen = torch.Generator().manual_seed(5)
+    seq_lens, h, kvh, d = [45, 1, 70], 6, 2, 64
+    blocks_per = [-(-n // block_size) for n in seq_lens]
+    nb = sum(blocks_per) + 2
+    kc, vc = empty_cache(kq, nb, block_size, kvh, d), empty_cache(kq, nb, block_size, kvh, d)
+    order = torch.randperm(nb, generator=gen)
+    block_tables = torch.zeros(len(seq_lens), max(blocks_per), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(seq_lens):
+        ids = order[start:start + blocks_per[i]]
+        start += blocks_per[i]
+        block_tables[i, :len(ids)] = ids.int()
+        slots = ids[torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
+        pa.reshape_and_cache(torch.randn(n, kvh, d, generator=gen), torch.randn(n, kvh, d, generator=gen),
+                             kc, vc, slots, backend="reference", kv_quant=kq)
+    query = torch.randn(len(seq_lens), h, d, generator=gen).to(dtype)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    ref = pa.paged_decode_attention(query, kc, vc, block_tables, seq, d ** -0.5, backend="torch", kv_quant=kq)
+    out = triton_ops.paged_decode_attention(query, kc, vc, block_tables, seq, d ** -0.5, kv_quant=kq,
+                                            version=version, num_kv_splits=splits)
+    assert_close(out, ref, dtype)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -171,7 +203,8 @@ def test_the_cuda_write_run_by_the_emulator_writes_the_references_bytes(mode, dt
 def test_on_the_gpu_triton_and_cuda_write_and_triton_reads_the_cache(mode, dtype):
     """Native Triton and CUDA: the writes' bytes equal the reference's but where a GPU division
     (Triton's 1 / scale need not be correctly rounded) moves a value across a rounding boundary —
-    one step, in a few elements; the 2-D and split-KV reads equal the reference on the same cache."""
+    one step, in a few elements; chapter 05's 2-D and split-KV reads and chapter 01's two decode
+    rungs equal the reference on the same cache."""
     kq = MODES[mode]
     gen = torch.Generator().manual_seed(4)
     T, kvh, h, d, bs = 300, 2, 8, 64, 16
@@ -195,10 +228,16 @@ def test_on_the_gpu_triton_and_cuda_write_and_triton_reads_the_cache(mode, dtype
     seq, qsl = torch.tensor([T], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
     ref = unified_attention(query, ref_k, ref_v, block_tables, seq, qsl, d ** -0.5, backend="reference", kv_quant=kq)
     from chunked_prefill import triton_ops
+    from paged_attention import triton_ops as decode_ops
     for splits in (1, 4):
         out = triton_ops.unified_attention(query.cuda(), ref_k.cuda(), ref_v.cuda(), block_tables.cuda(), seq.cuda(),
                                            qsl.cuda(), d ** -0.5, kv_quant=kq, num_kv_splits=splits)
         assert_close(out.cpu(), ref, dtype)
+        for version in ("v1", "v2"):                 # chapter 01's decode rungs on the same cache
+            out = decode_ops.paged_decode_attention(query.cuda(), ref_k.cuda(), ref_v.cuda(), block_tables.cuda(),
+                                                    seq.cuda(), d ** -0.5, kv_quant=kq, version=version,
+                                                    num_kv_splits=splits)
+            assert_close(out.cpu(), ref, dtype)
 
 
 def test_bad_kv_cache_input_is_refused_clearly():
@@ -212,7 +251,7 @@ def test_bad_kv_cache_input_is_refused_clearly():
         pa.reshape_and_cache(key, key, int8_cache, int8_cache, torch.tensor([0, 1]), kv_quant=kq)
     with pytest.raises(TypeError, match="needs kv_quant="):
         pa.reshape_and_cache(key, key, int8_cache, int8_cache, torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match="handles float caches only"):
+    with pytest.raises(ValueError, match="handles float caches only.*torch, cpu, triton"):
         pa.paged_decode_attention(torch.randn(1, 2, 64), int8_cache, int8_cache, torch.zeros(1, 1, dtype=torch.int32),
                                   torch.ones(1, dtype=torch.int32), 0.1, backend="cuda", kv_quant=kq)
     with pytest.raises(ValueError, match="computes a scale per row"):
