@@ -134,10 +134,10 @@ def scale_views(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: in
 
 def kernel_scale_args(key_cache: torch.Tensor, value_cache: torch.Tensor, head_dim: int,
                       kv_quant: KVQuant | None) -> tuple:
-    """(K scale views, V scale views, their 3 strides, k_scale, v_scale): what the Triton attention
-    kernels of chapters 01 and 05 take for a cache. Per-token-head: the rows' fp32 scale views (the
-    per-tensor scales unused, 1.0); per-tensor fp8: the layer's scales (the views are placeholders,
-    never read); a float cache: placeholders throughout."""
+    """(K scale views, V scale views, their 3 strides, k_scale, v_scale): what the Triton kernels of
+    chapters 01 and 05 take for a cache, to write or to read it. Per-token-head: the rows' fp32 scale
+    views (the per-tensor scales unused, 1.0); per-tensor fp8: the layer's scales (the views are
+    placeholders, never read); a float cache: placeholders throughout."""
     if kv_quant is None or not kv_quant.per_token_head:
         k, v = (1.0, 1.0) if kv_quant is None else (kv_quant.k_scale, kv_quant.v_scale)
         return (key_cache, value_cache, 0, 0, 0, k, v)

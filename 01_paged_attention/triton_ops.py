@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from paged_attention.checks import check_cache_write_args, check_decode_args, check_prefill_args, contiguous_index
-from paged_attention.kv_quant import KVQuant, kernel_scale_args, kv_quant_mode, scale_views
+from paged_attention.kv_quant import KVQuant, kernel_scale_args, kv_quant_mode
 from paged_attention.triton_common import LOG2E, dot_precision, interpreting, online_softmax_update, round_to, upcast
 
 __all__ = ["DecodeConfig", "choose_decode_config", "choose_num_kv_splits", "interpreting", "paged_decode_attention", "paged_prefill_attention",
@@ -162,14 +162,10 @@ def _reshape_and_cache_quant_kernel(
 
 def _reshape_and_cache_quant(key, value, key_cache, value_cache, slot_mapping, kv_quant: KVQuant) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
-    if kv_quant.per_token_head:
-        k_scales, v_scales, scale_strides = scale_views(key_cache, value_cache, head_dim)
-    else:
-        k_scales, v_scales, scale_strides = key_cache, value_cache, (0, 0, 0)   # never read
+    k_scales, v_scales, *scale_strides, k_scale, v_scale = kernel_scale_args(key_cache, value_cache, head_dim, kv_quant)
     as_stored = (lambda c: c.view(torch.uint8)) if kv_quant.storage_dtype == torch.float8_e4m3fn else (lambda c: c)
     _reshape_and_cache_quant_kernel[(num_tokens, num_kv_heads)](
-        key, value, as_stored(key_cache), as_stored(value_cache), slot_mapping, k_scales, v_scales,
-        kv_quant.k_scale, kv_quant.v_scale,
+        key, value, as_stored(key_cache), as_stored(value_cache), slot_mapping, k_scales, v_scales, k_scale, v_scale,
         *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(), *scale_strides,
         key_cache.shape[1],
         HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim), PER_ROW=kv_quant.per_token_head,

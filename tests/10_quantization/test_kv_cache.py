@@ -82,6 +82,30 @@ def test_every_backend_writes_the_references_bytes(mode, dtype):
     assert (caches["reference"][0].reshape(nb * bs, -1)[untouched] == 0x7F).all()
 
 
+def written_cache(kq: KVQuant, seq_lens, query_lens, block_size: int, h: int, kvh: int, d: int,
+                  gen: torch.Generator, spare_blocks: int):
+    """A junk-filled cache (empty_cache) holding each request's K/V in shuffled physical blocks, its
+    last block partial, written by the reference -> (key_cache, value_cache, block_tables, queries,
+    keys, values): per request `query_len` random queries and its unquantized K/V."""
+    blocks_per = [-(-n // block_size) for n in seq_lens]
+    nb = sum(blocks_per) + spare_blocks
+    order = torch.randperm(nb, generator=gen)
+    kc, vc = empty_cache(kq, nb, block_size, kvh, d), empty_cache(kq, nb, block_size, kvh, d)
+    block_tables = torch.zeros(len(seq_lens), max(blocks_per), dtype=torch.int32)
+    queries, keys, values, start = [], [], [], 0
+    for i, (n, q_len) in enumerate(zip(seq_lens, query_lens)):
+        ids = order[start:start + blocks_per[i]]
+        start += blocks_per[i]
+        block_tables[i, :len(ids)] = ids.int()
+        k, v = torch.randn(n, kvh, d, generator=gen), torch.randn(n, kvh, d, generator=gen)
+        slots = (ids[torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size)
+        pa.reshape_and_cache(k, v, kc, vc, slots, backend="reference", kv_quant=kq)
+        keys.append(k)
+        values.append(v)
+        queries.append(torch.randn(q_len, h, d, generator=gen))
+    return kc, vc, block_tables, queries, keys, values
+
+
 CASES = [   # (seq_lens, query_lens, block_size, num_heads, num_kv_heads, head_dim): decode, chunked, GQA 3
     ((37, 1, 64), (1, 1, 1), 16, 6, 2, 64),
     ((23, 40), (23, 5), 8, 9, 3, 64),
@@ -97,24 +121,8 @@ def test_every_backend_reads_the_quantized_cache(mode, case):
     attention over the unquantized K/V."""
     kq = MODES[mode]
     seq_lens, query_lens, bs, h, kvh, d = case
-    gen = torch.Generator().manual_seed(3)
-    blocks_per = [-(-n // bs) for n in seq_lens]
-    nb = sum(blocks_per) + 3
-    order = torch.randperm(nb, generator=gen)
-    kc, vc = empty_cache(kq, nb, bs, kvh, d), empty_cache(kq, nb, bs, kvh, d)
-    width = max(blocks_per)
-    block_tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    queries, keys, values, start = [], [], [], 0
-    for i, (n, q_len) in enumerate(zip(seq_lens, query_lens)):
-        ids = order[start:start + blocks_per[i]]
-        start += blocks_per[i]
-        block_tables[i, :len(ids)] = ids.int()
-        k, v = torch.randn(n, kvh, d, generator=gen), torch.randn(n, kvh, d, generator=gen)
-        slots = (ids[torch.arange(n) // bs] * bs + torch.arange(n) % bs)
-        pa.reshape_and_cache(k, v, kc, vc, slots, backend="reference", kv_quant=kq)
-        keys.append(k)
-        values.append(v)
-        queries.append(torch.randn(q_len, h, d, generator=gen))
+    kc, vc, block_tables, queries, keys, values = written_cache(kq, seq_lens, query_lens, bs, h, kvh, d,
+                                                                torch.Generator().manual_seed(3), spare_blocks=3)
     query = torch.cat(queries)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -140,22 +148,10 @@ def test_chapter_01s_triton_decode_reads_the_quantized_cache(mode, version, spli
     with shuffled blocks, GQA 3 and partial last blocks: equal to the torch backend on the same cache."""
     from paged_attention import triton_ops
     kq = MODES[mode]
-    gen = torch.Generator().manual_seed(5)
     seq_lens, h, kvh, d = [45, 1, 70], 6, 2, 64
-    blocks_per = [-(-n // block_size) for n in seq_lens]
-    nb = sum(blocks_per) + 2
-    kc, vc = empty_cache(kq, nb, block_size, kvh, d), empty_cache(kq, nb, block_size, kvh, d)
-    order = torch.randperm(nb, generator=gen)
-    block_tables = torch.zeros(len(seq_lens), max(blocks_per), dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(seq_lens):
-        ids = order[start:start + blocks_per[i]]
-        start += blocks_per[i]
-        block_tables[i, :len(ids)] = ids.int()
-        slots = ids[torch.arange(n) // block_size] * block_size + torch.arange(n) % block_size
-        pa.reshape_and_cache(torch.randn(n, kvh, d, generator=gen), torch.randn(n, kvh, d, generator=gen),
-                             kc, vc, slots, backend="reference", kv_quant=kq)
-    query = torch.randn(len(seq_lens), h, d, generator=gen).to(dtype)
+    kc, vc, block_tables, queries, _, _ = written_cache(kq, seq_lens, [1] * len(seq_lens), block_size, h, kvh, d,
+                                                        torch.Generator().manual_seed(5), spare_blocks=2)
+    query = torch.cat(queries).to(dtype)
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     ref = pa.paged_decode_attention(query, kc, vc, block_tables, seq, d ** -0.5, backend="torch", kv_quant=kq)
     out = triton_ops.paged_decode_attention(query, kc, vc, block_tables, seq, d ** -0.5, kv_quant=kq,
