@@ -9,6 +9,7 @@ configuration its parent has when it starts, and never outlives the run that sta
     passes them on broken. Not `spawn`: every child would import torch again (seconds).
   * the environment: the forkserver keeps the environment of its own start; a child gets its
     parent's environment as it is when the CHILD starts (a test's monkeypatch, a variable set since).
+  * job control: a child leads a process group of its own, so a paused one stays paused (`_become_child`).
   * lifetime: a child is not a daemon (it may start processes of its own: an engine core's workers);
     it dies with the forkserver (Linux prctl PDEATHSIG), which dies with the process that started it,
     and `ChildProcess.close()` is bounded (stop -> terminate -> kill) and runs at interpreter exit.
@@ -71,9 +72,7 @@ def _run_with_environ(target, environ: dict[str, str], conn, kwargs: dict) -> No
     variable set after start-up) would otherwise see the stale one. The child is not a daemon (it
     may start processes of its own: an engine core's tensor-parallel workers), so it dies with the
     forkserver instead, which dies with the process that started it."""
-    die_with_parent()
-    os.environ.clear()
-    os.environ.update(environ)
+    _become_child(environ)
     target(conn, kwargs)
 
 
@@ -122,10 +121,22 @@ def start_process(target, *args, name: str | None = None):
 
 
 def _run_with_environ_args(target, environ: dict[str, str], args: tuple) -> None:
+    _become_child(environ)
+    target(*args)
+
+
+def _become_child(environ: dict[str, str]) -> None:
+    """What every child does first: die with the forkserver, take its parent's environment, and
+    lead a process group of its own. The last keeps a paused child (SIGSTOP: a test's silent
+    node) paused until its parent resumes it: when the group it would share with the test run
+    is orphaned (a test worker called ray.init, which moves that worker to a group of its own,
+    and a child it had started exits), the kernel sends SIGHUP + SIGCONT to every process of
+    that group, stopped ones included (POSIX job control). A group of its own stays connected
+    through its parent, the forkserver, for as long as the child lives."""
     die_with_parent()
+    os.setpgrp()
     os.environ.clear()
     os.environ.update(environ)
-    target(*args)
 
 
 class ChildProcess:

@@ -26,3 +26,22 @@ def test_a_child_does_not_see_a_variable_removed_after_the_forkserver_started(mo
     assert _child_sees() == "there at the start"
     monkeypatch.delenv(NAME)
     assert _child_sees() is None
+
+
+def test_a_paused_child_stays_paused_when_its_parents_group_is_orphaned():
+    """CI failed once on a SIGSTOPped prefill node that served a load: another test worker had
+    called ray.init (which moves that worker to a process group of its own), a child it started
+    before exited, the run's group became orphaned, and the kernel continued every stopped
+    process in it. A child in a process group of its own stays paused until its parent resumes it."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    tests = pathlib.Path(__file__).parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+    script = "import process_targets; print(process_targets.stopped_child_outlives_an_orphaned_group())"
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+                         start_new_session=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[-1] == "T", run.stdout      # T: stopped; S: continued by the kernel
