@@ -35,10 +35,12 @@ SCHEMES = {
     "W8A8": (QuantScheme(8, True, None), True),
 }
 COMPRESSED_TENSORS_VERSION = "0.20.1"          # the format version these files follow
+_SCALE = {"compressed-tensors": "weight_scale", "gptq": "scales", "awq": "scales"}   # a quantized layer's scale tensor
 
 
-def quantization_config(scheme: QuantScheme, w8a8: bool, ignore: list[str]) -> dict:
-    """config.json's quantization_config for one group of every Linear but `ignore`."""
+def quantization_config(scheme: QuantScheme, w8a8: bool, ignore: list[str], lm_head: bool = False) -> dict:
+    """config.json's quantization_config for one group of every Linear but `ignore` (and the lm_head,
+    named, when `lm_head`: vLLM's class target "Linear" does not reach its ParallelLMHead)."""
     weights = dict(num_bits=scheme.num_bits, type="int", symmetric=scheme.symmetric, strategy=scheme.strategy,
                    group_size=scheme.group_size, dynamic=False, actorder=None, observer="minmax",
                    block_structure=None)
@@ -47,7 +49,7 @@ def quantization_config(scheme: QuantScheme, w8a8: bool, ignore: list[str]) -> d
         activations = dict(num_bits=8, type="int", symmetric=True, strategy="token", group_size=None,
                            dynamic=True, actorder=None, observer=None, block_structure=None)
     fmt = "int-quantized" if w8a8 else "pack-quantized"
-    group = dict(targets=["Linear"], weights=weights, input_activations=activations, output_activations=None,
+    group = dict(targets=["Linear", "lm_head"] if lm_head else ["Linear"], weights=weights, input_activations=activations, output_activations=None,
                  format=fmt)
     return dict(quant_method="compressed-tensors", format=fmt, quantization_status="compressed",
                 config_groups=dict(group_0=group), ignore=list(ignore), kv_cache_scheme=None,
@@ -91,14 +93,15 @@ def awq_tensors_of(name: str, weight: QuantizedWeight, dtype: torch.dtype) -> di
             f"{name}.qzeros": pack_awq(weight.zero_point)}
 
 
-def packed_format_config(fmt: str, scheme: QuantScheme) -> dict:
-    """config.json's quantization_config of a GPTQ (AutoGPTQ / GPTQModel) or AWQ (AutoAWQ) checkpoint."""
+def packed_format_config(fmt: str, scheme: QuantScheme, lm_head: bool = False) -> dict:
+    """config.json's quantization_config of a GPTQ (AutoGPTQ / GPTQModel) or AWQ (AutoAWQ) checkpoint;
+    `lm_head`: the lm_head is quantized too (the key vLLM's GPTQ and AWQ configs read)."""
     group = scheme.group_size or -1
     if fmt == "gptq":
         return dict(quant_method="gptq", bits=scheme.num_bits, group_size=group, desc_act=False, sym=scheme.symmetric,
-                    checkpoint_format="gptq", lm_head=False)
+                    checkpoint_format="gptq", lm_head=lm_head)
     return dict(quant_method="awq", bits=4, group_size=group, zero_point=True, version="gemm",
-                modules_to_not_convert=None)
+                modules_to_not_convert=None, **({"lm_head": True} if lm_head else {}))
 
 
 def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[str, QuantizedWeight], w8a8: bool = False,
@@ -109,7 +112,8 @@ def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[st
     write instead of the checkpoint's (AWQ folds its scales into the norms). `kv_scales`: per-layer
     fp8 KV-cache scales (kv_scales.py) stored with a `kv_cache_scheme`. `checkpoint_format`:
     "compressed-tensors", or the same integers in GPTQ's or AWQ's own layout ("gptq", "awq"). Every
-    quantized linear must share one scheme (one config group); everything else stays as it was."""
+    quantized linear must share one scheme (one config group); everything else stays as it was. A
+    quantized "lm_head" of a tied model unties it (config.json's tie_word_embeddings false)."""
     if checkpoint_format not in ("compressed-tensors", "gptq", "awq"):
         raise ValueError(f"checkpoint_format must be compressed-tensors, gptq or awq, got {checkpoint_format!r}")
     if checkpoint_format != "compressed-tensors" and (w8a8 or kv_scales):
@@ -125,20 +129,28 @@ def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[st
     replaced = dict(replaced or {})
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
+
+    def write_quantized(module: str, dtype: torch.dtype) -> None:
+        if checkpoint_format == "gptq":
+            tensors.update(gptq_tensors_of(module, weights[module], dtype))
+        elif checkpoint_format == "awq":
+            tensors.update(awq_tensors_of(module, weights[module], dtype))
+        else:
+            tensors.update(compressed_tensors_of(module, weights[module], w8a8, dtype))
+
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 module = key.removesuffix(".weight")
                 if key.endswith(".weight") and module in weights:
-                    dtype = f.get_tensor(key).dtype
-                    if checkpoint_format == "gptq":
-                        tensors.update(gptq_tensors_of(module, weights[module], dtype))
-                    elif checkpoint_format == "awq":
-                        tensors.update(awq_tensors_of(module, weights[module], dtype))
-                    else:
-                        tensors.update(compressed_tensors_of(module, weights[module], w8a8, dtype))
+                    write_quantized(module, f.get_tensor(key).dtype)
                 else:
                     tensors[key] = replaced.pop(key) if key in replaced else f.get_tensor(key)
+    config = json.loads((model_dir / "config.json").read_text())
+    if "lm_head" in weights:     # integers of its own; the embedding lookup keeps its floats
+        if f"lm_head.{_SCALE[checkpoint_format]}" not in tensors:          # tied: the embedding's matrix
+            write_quantized("lm_head", tensors["model.embed_tokens.weight"].dtype)
+        config["tie_word_embeddings"] = False
     missing = sorted(m for m in weights if f"{m}.weight_scale" not in tensors and f"{m}.scales" not in tensors)
     if missing or replaced:
         raise ValueError(f"save_compressed: not in {model_dir}: {missing + sorted(replaced)}")
@@ -149,11 +161,12 @@ def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[st
         if path.is_file() and path.suffix != ".safetensors" and path.name not in ("config.json",
                                                                                    "model.safetensors.index.json"):
             shutil.copy2(path, out_dir / path.name)
-    config = json.loads((model_dir / "config.json").read_text())
     if checkpoint_format == "compressed-tensors":
-        config["quantization_config"] = quantization_config(scheme, w8a8, ignore if ignore is not None else ["lm_head"])
+        if ignore is None:
+            ignore = [] if "lm_head" in weights else ["lm_head"]
+        config["quantization_config"] = quantization_config(scheme, w8a8, ignore, lm_head="lm_head" in weights)
     else:
-        config["quantization_config"] = packed_format_config(checkpoint_format, scheme)
+        config["quantization_config"] = packed_format_config(checkpoint_format, scheme, lm_head="lm_head" in weights)
     if kv_scales:
         from quantization.kv_scales import KV_CACHE_SCHEME
         config["quantization_config"]["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from model_executor.linear import LinearMethodBase
-from model_executor.parallel_linear import RowParallelLinear
+from model_executor.parallel_linear import ParallelLMHead, RowParallelLinear
 from model_executor.quantization_config import QuantizationConfig
 
 from quantization import ops
@@ -112,12 +112,13 @@ def _parse_activations(args: dict | None, where: str) -> bool:
 
 def _matches(name: str, patterns, layer: nn.Module) -> bool:
     """compressed-tensors' target rule: "re:<regex>" matched against the module name, "Linear" (a
-    class name) any linear layer, otherwise the exact module name."""
+    class name) any linear layer but the lm_head, otherwise the exact module name. vLLM's rule for
+    the lm_head: a ParallelLMHead is no LinearBase, so only its name ("lm_head") or a regex targets it."""
     for pattern in patterns:
         if pattern.startswith("re:"):
             if re.match(pattern[3:], name):
                 return True
-        elif pattern == "Linear" or pattern == name:
+        elif pattern == name or (pattern == "Linear" and not isinstance(layer, ParallelLMHead)):
             return True
     return False
 
@@ -206,6 +207,20 @@ def _replace_weight(layer: nn.Module, params: dict[str, torch.Tensor], loaders: 
         layer.weight = None      # no float matrix any more: code that asks for one gets None
 
 
+def _per_channel_loader(layer: nn.Module, base):
+    """The loader of a per-channel tensor [out, 1] (scales, zero points): one number per output
+    row, none per input, so a row-parallel rank (which holds a slice of the INPUTS) loads it whole;
+    other layers split its rows as they split the weight's (vLLM: ChannelQuantScaleParameter)."""
+    if not isinstance(layer, RowParallelLinear):
+        return base
+
+    def load(param, loaded, *shard_id):
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"per-channel tensor: checkpoint shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_(loaded)
+    return load
+
+
 def _full_input_size(layer: nn.Module) -> int:
     """Input features of the whole (unsplit) layer: a row-parallel layer holds 1 / tp of them."""
     return layer.input_size * layer.tp_size if isinstance(layer, RowParallelLinear) else layer.input_size
@@ -232,7 +247,9 @@ class CompressedTensorsWNA16(LinearMethodBase):
                       weight_scale=torch.empty(out_features, groups, dtype=dtype),
                       weight_shape=torch.empty(2, dtype=torch.int64))
         base = getattr(layer.weight, "weight_loader", None)
-        loaders = dict(weight_shape=self._shape_loader(layer))
+        if s.group_size is None:
+            base = _per_channel_loader(layer, base)
+        loaders = dict(weight_shape=self._shape_loader(layer), weight_scale=base)
         if not s.symmetric:
             params["weight_zero_point"] = torch.empty(out_features, groups, dtype=torch.int8)
             loaders["weight_zero_point"] = self._zero_point_loader(base)
@@ -286,8 +303,10 @@ class CompressedTensorsW8A8Int8(LinearMethodBase):
 
     def create_weights(self, layer):
         dtype = layer.weight.dtype
+        scale_loader = _per_channel_loader(layer, getattr(layer.weight, "weight_loader", None))
         _replace_weight(layer, dict(weight=torch.empty(layer.output_size, layer.input_size, dtype=torch.int8),
-                                    weight_scale=torch.empty(layer.output_size, 1, dtype=dtype)), {})
+                                    weight_scale=torch.empty(layer.output_size, 1, dtype=dtype)),
+                        {"weight_scale": scale_loader})
 
     def process_weights_after_loading(self, layer):
         self.backend = _resolve_backend(self.backend, layer.weight.device)

@@ -13,6 +13,7 @@ compressed-tensors checkpoint's do; after loading, the layer is a `CompressedTen
     AWQ   qweight [in, out / 8] (packed along the output, nibble order 0 2 4 6 1 3 5 7), scales
           [groups, out], qzeros [groups, out / 8] (the same order), always asymmetric
 
+`"lm_head": true` (vLLM's `lm_head_quantized`) quantizes the lm_head with the same scheme.
 What is refused, naming the field: other bit widths than 4 / 8 (AWQ: 4), desc_act with a g_idx that
 regroups the inputs (our kernels read groups in order), AWQ versions other than "gemm".
 """
@@ -23,7 +24,7 @@ from torch import nn
 
 from model_executor.linear import Linear
 from model_executor.quantization_config import QuantizationConfig
-from quantization.compressed_tensors import CompressedTensorsWNA16
+from quantization.compressed_tensors import CompressedTensorsWNA16, _per_channel_loader
 from quantization.packing import pack_int32, unpack_awq, unpack_gptq, unpack_int32
 from quantization.reference import QuantScheme
 
@@ -42,15 +43,24 @@ def _group_size(method: str, value) -> int | None:
     return value
 
 
+def _lm_head_flag(method: str, config: dict) -> bool:
+    """`"lm_head": true`: the lm_head is quantized too (vLLM: `lm_head_quantized`, ParallelLMHead then
+    runs the layers' linear method; a tied model's checkpoint is untied for it)."""
+    value = config.get("lm_head", False)
+    if not isinstance(value, bool):
+        _fail(method, ".lm_head", f"{value!r} is not true or false")
+    return value
+
+
 class _PackedFormatConfig(QuantizationConfig):
     """What GPTQ and AWQ configs share: one scheme for every decoder linear, some modules left out."""
     method: str
 
-    def __init__(self, scheme: QuantScheme, skip: list[str]):
-        self.scheme, self.skip = scheme, skip
+    def __init__(self, scheme: QuantScheme, skip: list[str], lm_head: bool = False):
+        self.scheme, self.skip, self.lm_head = scheme, skip, lm_head
 
     def get_quant_method(self, layer, prefix, checkpoint_names, backend="auto"):
-        if not isinstance(layer, Linear) or prefix.startswith("lm_head"):
+        if not isinstance(layer, Linear) or (prefix.startswith("lm_head") and not self.lm_head):
             return None
         if any(s in name for s in self.skip for name in checkpoint_names):
             return None
@@ -60,8 +70,8 @@ class _PackedFormatConfig(QuantizationConfig):
 class GPTQConfig(_PackedFormatConfig):
     method = "gptq"
 
-    def __init__(self, scheme: QuantScheme, skip: list[str], v2: bool):
-        super().__init__(scheme, skip)
+    def __init__(self, scheme: QuantScheme, skip: list[str], v2: bool, lm_head: bool = False):
+        super().__init__(scheme, skip, lm_head)
         self.v2 = v2
 
     @classmethod
@@ -79,7 +89,8 @@ class GPTQConfig(_PackedFormatConfig):
         if fmt not in ("gptq", "gptq_v2"):
             _fail("gptq", ".checkpoint_format", f"{fmt!r}: supported are 'gptq' and 'gptq_v2'")
         scheme = QuantScheme(bits, bool(config.get("sym", True)), _group_size("gptq", config.get("group_size")))
-        return cls(scheme, list(config.get("modules_to_not_convert") or []), v2=fmt == "gptq_v2")
+        return cls(scheme, list(config.get("modules_to_not_convert") or []), v2=fmt == "gptq_v2",
+                   lm_head=_lm_head_flag("gptq", config))
 
     def linear_method(self, backend):
         return GPTQLinearMethod(self.scheme, backend, v2=self.v2)
@@ -103,7 +114,8 @@ class AWQConfig(_PackedFormatConfig):
         if not config.get("zero_point", True):
             _fail("awq", ".zero_point", "False: AWQ's layout stores zero points")
         group_size = _group_size("awq", config.get("group_size", config.get("q_group_size")))
-        return cls(QuantScheme(4, False, group_size), list(config.get("modules_to_not_convert") or []))
+        return cls(QuantScheme(4, False, group_size), list(config.get("modules_to_not_convert") or []),
+                   _lm_head_flag("awq", config))
 
     def linear_method(self, backend):
         return AWQLinearMethod(self.scheme, backend)
@@ -125,7 +137,9 @@ class _PackedFormatLinearMethod(CompressedTensorsWNA16):
                 param = nn.Parameter(torch.empty(0, dtype=torch.int32), requires_grad=False)
                 if shard_ids is not None:
                     param.shard_ids = shard_ids
-            param.weight_loader = self._loader(theirs, base, param.numel() == 0)
+            per_row = theirs != "qweight" and self.scheme.group_size is None     # [out, 1]: whole on a row-parallel rank
+            param.weight_loader = self._loader(theirs, _per_channel_loader(layer, base) if per_row else base,
+                                               param.numel() == 0)
             layer.register_parameter(theirs, param)
         g_idx = nn.Parameter(torch.empty(0, dtype=torch.int32), requires_grad=False)
         g_idx.weight_loader = self._check_g_idx

@@ -5,6 +5,11 @@
 llmcompressor's `oneshot(model, recipe=GPTQModifier(scheme="W4A16", targets="Linear",
 ignore=["lm_head"]))` followed by `save_pretrained(save_compressed=True)`, from scratch: every
 decoder linear (q/k/v/o, gate/up/down) quantized, the embeddings, norms and lm_head kept as they are.
+
+`--lm-head` quantizes the lm_head too (llmcompressor without `ignore=["lm_head"]`; GPTQ's
+`"lm_head": true`), the one matrix a decode step reads that the decoder linears leave in floats. A
+tied model (SmolLM2) is untied for it: the embedding lookup keeps its float rows, the lm_head gets
+integers of its own (vLLM 0.32 runs either as ParallelLMHead's linear method).
 """
 from __future__ import annotations
 
@@ -26,16 +31,27 @@ def decoder_linear_names(names) -> list[str]:
                   if n.endswith(".weight") and DECODER_LINEAR.match(n.removesuffix(".weight")))
 
 
-def quantize_checkpoint_rtn(model_dir: Path, scheme: QuantScheme) -> dict[str, QuantizedWeight]:
-    """Round-to-nearest needs no data: each linear's weight on its own grid."""
+def quantize_checkpoint_rtn(model_dir: Path, scheme: QuantScheme, lm_head: bool = False) -> dict[str, QuantizedWeight]:
+    """Round-to-nearest needs no data: each linear's weight on its own grid (and the lm_head's,
+    `lm_head`: its own matrix, or the embedding's when the two are tied)."""
     from safetensors import safe_open
 
-    out = {}
+    out, tensors = {}, {}
     for path in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
             for name in decoder_linear_names(f.keys()):
                 out[name] = quantize_rtn(f.get_tensor(name + ".weight"), scheme)
+            if lm_head:
+                tensors.update({k: f.get_tensor(k) for k in LM_HEAD_SOURCES if k in f.keys()})
+    if lm_head:
+        source = next((k for k in LM_HEAD_SOURCES if k in tensors), None)
+        if source is None:
+            raise ValueError(f"{model_dir}: no lm_head.weight nor model.embed_tokens.weight to quantize")
+        out["lm_head"] = quantize_rtn(tensors[source], scheme)
     return out
+
+
+LM_HEAD_SOURCES = ("lm_head.weight", "model.embed_tokens.weight")     # untied first; a tied model has one matrix
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--format", choices=("compressed-tensors", "gptq", "awq"), default="compressed-tensors",
                         help="the checkpoint's layout: compressed-tensors (what llmcompressor writes), or the same "
                              "integers as a GPTQ (symmetric) or AWQ (asymmetric int4) checkpoint")
+    parser.add_argument("--lm-head", action="store_true",
+                        help="quantize the lm_head too (round-to-nearest, the same scheme; a tied one is untied)")
     parser.add_argument("--kv-cache-scheme", choices=("fp8",), default=None,
                         help="also store per-layer fp8 KV-cache scales, calibrated (for kv_cache_dtype='fp8')")
     parser.add_argument("--kv-observer", choices=("static_minmax", "minmax"), default="static_minmax",
@@ -62,8 +80,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.group_size is not None:
         scheme = QuantScheme(scheme.num_bits, scheme.symmetric, args.group_size or None)
     replaced = None
+    if args.lm_head and args.method != "rtn":
+        parser.error("--lm-head: round-to-nearest only (GPTQ / AWQ of the lm_head would need its own calibration "
+                     "pass over the final norm's outputs, which calibrated.py does not run)")
     if args.method == "rtn":
-        weights = quantize_checkpoint_rtn(args.model, scheme)
+        weights = quantize_checkpoint_rtn(args.model, scheme, lm_head=args.lm_head)
     else:
         from quantization import calibrated
         weights, replaced = calibrated.quantize_checkpoint(args.model, scheme, args.method, args.num_samples,
