@@ -7,18 +7,24 @@ the same checkpoints on real vLLM — in one run, on this machine.
 
 The checkpoints are made here from the float SmolLM2 with round-to-nearest (`quantization.quantize`,
 compressed-tensors format): W8A16 (int8 per channel), W4A16 (int4, groups of 64: 576 = 9 x 64), W8A8
-(int8 weights and per-token int8 activations). Workloads: "batch 1" is one request of a 32-token
+(int8 weights and per-token int8 activations); "+ lm_head": the same with the lm_head quantized too
+(`--lm-head`: SmolLM2's tied embedding untied, its 28.3 M weights the largest matrix a step reads). Workloads: "batch 1" is one request of a 32-token
 prompt decoding 64 greedy tokens; "batch 64" is 64 such requests at once, 32 tokens each. Sides:
 
-    ours, fp32 activations    float / W8A16 / W4A16 / W8A8 weights (the C++ kernels read the integers)
-    ours, bf16 activations    float / W4A16 / W8A8: what vLLM's CPU kernels accept
-    vLLM 0.32 CPU, bf16       the same three checkpoints, both cores (its WNA16 and int8 GEMMs
+    ours, fp32 activations    float / W8A16 / W4A16 / W8A8 weights, W8A16 / W4A16 + lm_head (the C++
+                              kernels read the integers)
+    ours, bf16 activations    float / W4A16 / W4A16 + lm_head / W8A8: what vLLM's CPU kernels accept
+                              (its CPU WNA16 kernels take int4 only: "uint8b128 not supported")
+    vLLM 0.32 CPU, bf16       the same four checkpoints, both cores (its WNA16 and int8 GEMMs
                               refuse fp32 activations: "cpu_gemm_wna16 not implemented for 'Float'")
 
 Each side runs `--rounds` times after a warm-up, in one engine (a process of its own for vLLM); its
 figure is its best round (a shared machine only ever slows a run down). Reported per side: output tokens per second over the whole
 generate (short prompts: decode dominates), the ratio to the float side of the same activations, and
 the greedy tokens' agreement with the float side (ours) or with ours on the same checkpoint (vLLM).
+Each weight-only checkpoint's held-out perplexity (16 windows of 256 tokens of stdlib modules no
+calibration reads) is HF transformers' on its dequantized copy (`save_decompressed`): what the
+rounding costs, measured by code nobody here wrote.
 """
 from __future__ import annotations
 
@@ -32,9 +38,12 @@ from benchmarks import vllm_peer
 from benchmarks.bench_engine import make_workload, tiny_model_dir
 from benchmarks.common import RESULTS_DIR, prefix_agreement, try_plot, write_result
 
-SCHEMES = {"W8A16": ("W8A16", None), "W4A16": ("W4A16", 64), "W8A8": ("W8A8", None)}
-FP32_SIDES = ["float", "W8A16", "W4A16", "W8A8"]
-BF16_SIDES = ["float", "W4A16", "W8A8"]
+# side -> (scheme, group size, lm_head quantized too)
+SCHEMES = {"W8A16": ("W8A16", None, False), "W4A16": ("W4A16", 64, False), "W8A8": ("W8A8", None, False),
+           "W8A16 + lm_head": ("W8A16", None, True), "W4A16 + lm_head": ("W4A16", 64, True)}
+FP32_SIDES = ["float", "W8A16", "W4A16", "W8A16 + lm_head", "W4A16 + lm_head", "W8A8"]
+BF16_SIDES = ["float", "W4A16", "W4A16 + lm_head", "W8A8"]
+WEIGHT_ONLY = ["float", "W8A16", "W4A16", "W8A16 + lm_head", "W4A16 + lm_head"]     # perplexity measured
 
 
 def make_checkpoints(model_dir: Path, out: Path) -> dict[str, Path]:
@@ -42,11 +51,25 @@ def make_checkpoints(model_dir: Path, out: Path) -> dict[str, Path]:
     from quantization.quantize import main as quantize
 
     dirs = {"float": Path(model_dir)}
-    for side, (scheme, group) in SCHEMES.items():
-        dirs[side] = out / side
+    for side, (scheme, group, lm_head) in SCHEMES.items():
+        dirs[side] = out / side.replace(" + ", "_")
         quantize(["--model", str(model_dir), "--out", str(dirs[side]), "--scheme", scheme]
-                 + (["--group-size", str(group)] if group else []))
+                 + (["--group-size", str(group)] if group else []) + (["--lm-head"] if lm_head else []))
     return dirs
+
+
+def held_out_perplexity(checkpoint: Path, quantized: bool, work_dir: Path, smoke: bool) -> float:
+    """HF transformers' perplexity on held-out text of the checkpoint's dequantized float copy."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantization import calibration
+    from quantization.checkpoint import save_decompressed
+
+    path = save_decompressed(checkpoint, work_dir / f"{checkpoint.name}_dequantized") if quantized else checkpoint
+    held = calibration.held_out_samples(AutoTokenizer.from_pretrained(path), 2 if smoke else 16, 64 if smoke else 256)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return round(calibration.perplexity(lambda b: model(input_ids=b, use_cache=False).logits, held), 3)
 
 
 def workloads(tokenizer, smoke: bool) -> dict[str, list[tuple[list[int], int]]]:
@@ -134,6 +157,8 @@ def main(argv: list[str] | None = None) -> dict:
             versions["vllm"] = got.pop("version")
             for w, r in got.items():
                 results[("vLLM 0.32 CPU", "bfloat16", side, w)] = r
+    perplexities = {side: held_out_perplexity(dirs[side], side != "float", root, args.smoke) for side in WEIGHT_ONLY}
+    print("held-out perplexity", perplexities, flush=True)
     tmp.cleanup()
     rows = []
     for (who, dtype, side, w), (seconds, tokens) in results.items():
@@ -144,6 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
                          seconds=round(seconds, 3), output_tokens_per_s=round(output_tokens / seconds, 2),
                          vs_float=round(base[0] / seconds, 3),
                          greedy_agreement_with_float=agreement(tokens, base[1]),
+                         **({"held_out_perplexity": perplexities[side]} if side in perplexities else {}),
                          **({"vs_ours_same_checkpoint": round(ours_same[0] / seconds, 3),
                              "greedy_agreement_with_ours": agreement(tokens, ours_same[1])}
                             if who != "ours" else {})))
@@ -151,7 +177,10 @@ def main(argv: list[str] | None = None) -> dict:
     add_peer_ratios(rows)
     path = write_result("quantization_engine", dict(
         model="tiny random Llama" if args.smoke else "SmolLM2-135M-Instruct",
-        quantization="round-to-nearest, compressed-tensors: W8A16 per channel, W4A16 groups of 64, W8A8 dynamic per token",
+        quantization="round-to-nearest, compressed-tensors: W8A16 per channel, W4A16 groups of 64, W8A8 dynamic per "
+                     "token; '+ lm_head': the lm_head quantized too (untied)",
+        perplexity="HF transformers on each weight-only checkpoint's dequantized copy, held-out stdlib text, "
+                   + ("2 x 64 tokens" if args.smoke else "16 x 256 tokens"),
         workloads={w: f"{len(x)} request(s), {len(x[0][0])}-token prompts, {x[0][1]} greedy tokens each (ignore_eos)"
                    for w, x in work.items()},
         rounds=args.rounds, vllm=versions.get("vllm"), command="python -m benchmarks.bench_quantization"

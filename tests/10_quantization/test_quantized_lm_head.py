@@ -126,3 +126,17 @@ def test_tensor_parallel_per_channel_scales(tiny_float, make_llm, tmp_path, fmt,
         assert tokens(llm) == tokens(make_llm(path))
     finally:
         llm.shutdown()
+
+
+def test_engine_benchmark_smoke(tmp_path):
+    """benchmarks/bench_quantization.py --smoke: every side on both workloads, the quantized-lm_head
+    sides among them, a held-out perplexity for each weight-only checkpoint, the JSON written."""
+    from benchmarks import bench_quantization as bench
+
+    result = bench.main(["--smoke", "--out-dir", str(tmp_path)])
+    rows = result["rows"]
+    sides = {(r["dtype"], r["weights"]) for r in rows}
+    assert sides == {("float32", s) for s in bench.FP32_SIDES} | {("bfloat16", s) for s in bench.BF16_SIDES}
+    assert all(len([r for r in rows if (r["dtype"], r["weights"]) == side]) == 2 for side in sides)
+    assert all(r["held_out_perplexity"] > 1 for r in rows if r["weights"] in bench.WEIGHT_ONLY)
+    assert json.loads(result["path"].read_text())["rows"] == rows
