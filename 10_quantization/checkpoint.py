@@ -38,9 +38,23 @@ COMPRESSED_TENSORS_VERSION = "0.20.1"          # the format version these files 
 _SCALE = {"compressed-tensors": "weight_scale", "gptq": "scales", "awq": "scales"}   # a quantized layer's scale tensor
 
 
-def quantization_config(scheme: QuantScheme, w8a8: bool, ignore: list[str], lm_head: bool = False) -> dict:
-    """config.json's quantization_config for one group of every Linear but `ignore` (and the lm_head,
-    named, when `lm_head`: vLLM's class target "Linear" does not reach its ParallelLMHead)."""
+def quantization_config(scheme: QuantScheme, w8a8: bool, ignore: list[str], lm_head: bool = False,
+                        lm_head_scheme: QuantScheme | None = None) -> dict:
+    """config.json's quantization_config: one group of every Linear but `ignore`, the lm_head in it
+    when `lm_head` (named: vLLM's class target "Linear" does not reach its ParallelLMHead), or in a
+    group of its own with `lm_head_scheme` (a target naming a layer wins over a class target in
+    vLLM, compressed-tensors and here)."""
+    fmt = "int-quantized" if w8a8 else "pack-quantized"
+    same = lm_head and lm_head_scheme in (None, scheme)
+    groups = dict(group_0=_config_group(scheme, w8a8, ["Linear", "lm_head"] if same else ["Linear"]))
+    if lm_head and not same:
+        groups["group_1"] = _config_group(lm_head_scheme, False, ["lm_head"])
+    return dict(quant_method="compressed-tensors", format=fmt if len(groups) == 1 else "mixed-precision",
+                quantization_status="compressed", config_groups=groups, ignore=list(ignore), kv_cache_scheme=None,
+                global_compression_ratio=None, sparsity_config={}, version=COMPRESSED_TENSORS_VERSION)
+
+
+def _config_group(scheme: QuantScheme, w8a8: bool, targets: list[str]) -> dict:
     weights = dict(num_bits=scheme.num_bits, type="int", symmetric=scheme.symmetric, strategy=scheme.strategy,
                    group_size=scheme.group_size, dynamic=False, actorder=None, observer="minmax",
                    block_structure=None)
@@ -48,12 +62,8 @@ def quantization_config(scheme: QuantScheme, w8a8: bool, ignore: list[str], lm_h
     if w8a8:
         activations = dict(num_bits=8, type="int", symmetric=True, strategy="token", group_size=None,
                            dynamic=True, actorder=None, observer=None, block_structure=None)
-    fmt = "int-quantized" if w8a8 else "pack-quantized"
-    group = dict(targets=["Linear", "lm_head"] if lm_head else ["Linear"], weights=weights, input_activations=activations, output_activations=None,
-                 format=fmt)
-    return dict(quant_method="compressed-tensors", format=fmt, quantization_status="compressed",
-                config_groups=dict(group_0=group), ignore=list(ignore), kv_cache_scheme=None,
-                global_compression_ratio=None, sparsity_config={}, version=COMPRESSED_TENSORS_VERSION)
+    return dict(targets=targets, weights=weights, input_activations=activations, output_activations=None,
+                format="int-quantized" if w8a8 else "pack-quantized")
 
 
 def compressed_tensors_of(name: str, weight: QuantizedWeight, w8a8: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -112,8 +122,9 @@ def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[st
     write instead of the checkpoint's (AWQ folds its scales into the norms). `kv_scales`: per-layer
     fp8 KV-cache scales (kv_scales.py) stored with a `kv_cache_scheme`. `checkpoint_format`:
     "compressed-tensors", or the same integers in GPTQ's or AWQ's own layout ("gptq", "awq"). Every
-    quantized linear must share one scheme (one config group); everything else stays as it was. A
-    quantized "lm_head" of a tied model unties it (config.json's tie_word_embeddings false)."""
+    quantized decoder linear must share one scheme (one config group); everything else stays as it
+    was. A quantized "lm_head" of a tied model unties it (config.json's tie_word_embeddings false); it
+    may have a scheme of its own (a second config group, compressed-tensors weight-only)."""
     if checkpoint_format not in ("compressed-tensors", "gptq", "awq"):
         raise ValueError(f"checkpoint_format must be compressed-tensors, gptq or awq, got {checkpoint_format!r}")
     if checkpoint_format != "compressed-tensors" and (w8a8 or kv_scales):
@@ -122,10 +133,15 @@ def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[st
     from safetensors.torch import save_file
 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    schemes = {w.scheme for w in weights.values()}
+    schemes = {w.scheme for name, w in weights.items() if name != "lm_head"}
     if len(schemes) != 1:
-        raise ValueError(f"save_compressed writes one config group: got {len(schemes)} schemes {sorted(map(str, schemes))}")
+        raise ValueError(f"save_compressed writes one scheme for the decoder linears: got {len(schemes)} schemes "
+                         f"{sorted(map(str, schemes))}")
     scheme = schemes.pop()
+    lm_head_scheme = weights["lm_head"].scheme if "lm_head" in weights else None
+    if lm_head_scheme not in (None, scheme) and (checkpoint_format != "compressed-tensors" or w8a8):
+        raise ValueError(f"an lm_head of another scheme ({lm_head_scheme}) than the decoder's ({scheme}) needs a "
+                         "config group of its own: a weight-only compressed-tensors checkpoint (not gptq / awq / W8A8)")
     replaced = dict(replaced or {})
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
@@ -164,7 +180,8 @@ def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[st
     if checkpoint_format == "compressed-tensors":
         if ignore is None:
             ignore = [] if "lm_head" in weights else ["lm_head"]
-        config["quantization_config"] = quantization_config(scheme, w8a8, ignore, lm_head="lm_head" in weights)
+        config["quantization_config"] = quantization_config(scheme, w8a8, ignore, lm_head="lm_head" in weights,
+                                                            lm_head_scheme=lm_head_scheme)
     else:
         config["quantization_config"] = packed_format_config(checkpoint_format, scheme, lm_head="lm_head" in weights)
     if kv_scales:
@@ -188,13 +205,16 @@ def save_decompressed(quantized_dir: Path | str, out_dir: Path | str) -> Path:
     quantized_dir, out_dir = Path(quantized_dir), Path(out_dir)
     config = json.loads((quantized_dir / "config.json").read_text())
     groups = CompressedTensorsConfig.from_config(config.pop("quantization_config")).groups
-    if len(groups) != 1:
-        raise ValueError(f"save_decompressed reads one config group, {quantized_dir} has {len(groups)}")
-    scheme = groups[0].weights
+    by_name = {t: g.weights for g in groups for t in g.targets if t != "Linear"}      # a group naming its layers
+    by_class = [g.weights for g in groups if "Linear" in g.targets]
+    if len(by_class) > 1 or any(t.startswith("re:") for t in by_name):
+        raise ValueError(f"save_decompressed reads one class-targeted group and groups naming their layers; "
+                         f"{quantized_dir} has {[g.targets for g in groups]}")
     tensors = {}
     for path in sorted(quantized_dir.glob("*.safetensors")):
         tensors.update(load_file(str(path)))
     for name in [k.removesuffix(".weight_scale") for k in tensors if k.endswith(".weight_scale")]:
+        scheme = by_name.get(name) or by_class[0]
         scale = tensors.pop(f"{name}.weight_scale")
         if f"{name}.weight_packed" in tensors:
             q = unpack_int32(tensors.pop(f"{name}.weight_packed"), scheme.num_bits)

@@ -160,9 +160,13 @@ class CompressedTensorsConfig(QuantizationConfig):
         return cls(groups, list(config.get("ignore") or []), kv_cache_scheme or None)
 
     def scheme_of(self, name: str, layer: nn.Module) -> GroupScheme | None:
+        """The group that quantizes layer `name`: one naming it (exactly or by "re:") before one
+        reaching it by class — vLLM's `find_matched_target` order, and compressed-tensors' (so a
+        group targeting "lm_head" wins over a "Linear" one in every reader)."""
         if _matches(name, self.ignore, layer):
             return None
-        return next((g for g in self.groups if _matches(name, g.targets, layer)), None)
+        by_name = (g for g in self.groups if _matches(name, [t for t in g.targets if t != "Linear"], layer))
+        return next(by_name, None) or next((g for g in self.groups if _matches(name, g.targets, layer)), None)
 
     def get_quant_method(self, layer, prefix, checkpoint_names, backend="auto"):
         schemes = {name: self.scheme_of(name, layer) for name in checkpoint_names}

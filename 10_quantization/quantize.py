@@ -31,9 +31,11 @@ def decoder_linear_names(names) -> list[str]:
                   if n.endswith(".weight") and DECODER_LINEAR.match(n.removesuffix(".weight")))
 
 
-def quantize_checkpoint_rtn(model_dir: Path, scheme: QuantScheme, lm_head: bool = False) -> dict[str, QuantizedWeight]:
+def quantize_checkpoint_rtn(model_dir: Path, scheme: QuantScheme, lm_head: bool = False,
+                            lm_head_scheme: QuantScheme | None = None) -> dict[str, QuantizedWeight]:
     """Round-to-nearest needs no data: each linear's weight on its own grid (and the lm_head's,
-    `lm_head`: its own matrix, or the embedding's when the two are tied)."""
+    `lm_head`: its own matrix, or the embedding's when the two are tied; `lm_head_scheme`, default
+    `scheme`)."""
     from safetensors import safe_open
 
     out, tensors = {}, {}
@@ -47,7 +49,7 @@ def quantize_checkpoint_rtn(model_dir: Path, scheme: QuantScheme, lm_head: bool 
         source = next((k for k in LM_HEAD_SOURCES if k in tensors), None)
         if source is None:
             raise ValueError(f"{model_dir}: no lm_head.weight nor model.embed_tokens.weight to quantize")
-        out["lm_head"] = quantize_rtn(tensors[source], scheme)
+        out["lm_head"] = quantize_rtn(tensors[source], lm_head_scheme or scheme)
     return out
 
 
@@ -68,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
                              "integers as a GPTQ (symmetric) or AWQ (asymmetric int4) checkpoint")
     parser.add_argument("--lm-head", action="store_true",
                         help="quantize the lm_head too (round-to-nearest, the same scheme; a tied one is untied)")
+    parser.add_argument("--lm-head-scheme", choices=sorted(s for s in SCHEMES if not SCHEMES[s][1]), default=None,
+                        help="the lm_head's own weight-only scheme (implies --lm-head; a second config group), "
+                             "e.g. W8A16 beside W4A16 decoder linears")
     parser.add_argument("--kv-cache-scheme", choices=("fp8",), default=None,
                         help="also store per-layer fp8 KV-cache scales, calibrated (for kv_cache_dtype='fp8')")
     parser.add_argument("--kv-observer", choices=("static_minmax", "minmax"), default="static_minmax",
@@ -80,11 +85,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.group_size is not None:
         scheme = QuantScheme(scheme.num_bits, scheme.symmetric, args.group_size or None)
     replaced = None
+    lm_head_scheme = SCHEMES[args.lm_head_scheme][0] if args.lm_head_scheme else None
+    args.lm_head = args.lm_head or lm_head_scheme is not None
     if args.lm_head and args.method != "rtn":
         parser.error("--lm-head: round-to-nearest only (GPTQ / AWQ of the lm_head would need its own calibration "
                      "pass over the final norm's outputs, which calibrated.py does not run)")
     if args.method == "rtn":
-        weights = quantize_checkpoint_rtn(args.model, scheme, lm_head=args.lm_head)
+        weights = quantize_checkpoint_rtn(args.model, scheme, lm_head=args.lm_head, lm_head_scheme=lm_head_scheme)
     else:
         from quantization import calibrated
         weights, replaced = calibrated.quantize_checkpoint(args.model, scheme, args.method, args.num_samples,

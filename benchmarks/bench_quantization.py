@@ -8,13 +8,15 @@ the same checkpoints on real vLLM — in one run, on this machine.
 The checkpoints are made here from the float SmolLM2 with round-to-nearest (`quantization.quantize`,
 compressed-tensors format): W8A16 (int8 per channel), W4A16 (int4, groups of 64: 576 = 9 x 64), W8A8
 (int8 weights and per-token int8 activations); "+ lm_head": the same with the lm_head quantized too
-(`--lm-head`: SmolLM2's tied embedding untied, its 28.3 M weights the largest matrix a step reads). Workloads: "batch 1" is one request of a 32-token
+(`--lm-head`: SmolLM2's tied embedding untied, its 28.3 M weights the largest matrix a step reads);
+"W4A16 + int8 lm_head": int4 decoder linears, an int8 per-channel lm_head (`--lm-head-scheme W8A16`). Workloads: "batch 1" is one request of a 32-token
 prompt decoding 64 greedy tokens; "batch 64" is 64 such requests at once, 32 tokens each. Sides:
 
-    ours, fp32 activations    float / W8A16 / W4A16 / W8A8 weights, W8A16 / W4A16 + lm_head (the C++
-                              kernels read the integers)
+    ours, fp32 activations    float / W8A16 / W4A16 / W8A8 weights, W8A16 / W4A16 + lm_head, W4A16 +
+                              int8 lm_head (the C++ kernels read the integers)
     ours, bf16 activations    float / W4A16 / W4A16 + lm_head / W8A8: what vLLM's CPU kernels accept
-                              (its CPU WNA16 kernels take int4 only: "uint8b128 not supported")
+                              (its CPU WNA16 kernels take int4 only: "uint8b128 not supported", so
+                              no side with int8 weight-only layers runs there)
     vLLM 0.32 CPU, bf16       the same four checkpoints, both cores (its WNA16 and int8 GEMMs
                               refuse fp32 activations: "cpu_gemm_wna16 not implemented for 'Float'")
 
@@ -38,12 +40,13 @@ from benchmarks import vllm_peer
 from benchmarks.bench_engine import make_workload, tiny_model_dir
 from benchmarks.common import RESULTS_DIR, prefix_agreement, try_plot, write_result
 
-# side -> (scheme, group size, lm_head quantized too)
-SCHEMES = {"W8A16": ("W8A16", None, False), "W4A16": ("W4A16", 64, False), "W8A8": ("W8A8", None, False),
-           "W8A16 + lm_head": ("W8A16", None, True), "W4A16 + lm_head": ("W4A16", 64, True)}
-FP32_SIDES = ["float", "W8A16", "W4A16", "W8A16 + lm_head", "W4A16 + lm_head", "W8A8"]
+# side -> (scheme, group size, the lm_head's: None in floats, "same" scheme, or a scheme of its own)
+SCHEMES = {"W8A16": ("W8A16", None, None), "W4A16": ("W4A16", 64, None), "W8A8": ("W8A8", None, None),
+           "W8A16 + lm_head": ("W8A16", None, "same"), "W4A16 + lm_head": ("W4A16", 64, "same"),
+           "W4A16 + int8 lm_head": ("W4A16", 64, "W8A16")}
+FP32_SIDES = ["float", "W8A16", "W4A16", "W8A16 + lm_head", "W4A16 + lm_head", "W4A16 + int8 lm_head", "W8A8"]
 BF16_SIDES = ["float", "W4A16", "W4A16 + lm_head", "W8A8"]
-WEIGHT_ONLY = ["float", "W8A16", "W4A16", "W8A16 + lm_head", "W4A16 + lm_head"]     # perplexity measured
+WEIGHT_ONLY = ["float", "W8A16", "W4A16", "W8A16 + lm_head", "W4A16 + lm_head", "W4A16 + int8 lm_head"]
 
 
 def make_checkpoints(model_dir: Path, out: Path) -> dict[str, Path]:
@@ -52,9 +55,10 @@ def make_checkpoints(model_dir: Path, out: Path) -> dict[str, Path]:
 
     dirs = {"float": Path(model_dir)}
     for side, (scheme, group, lm_head) in SCHEMES.items():
-        dirs[side] = out / side.replace(" + ", "_")
+        dirs[side] = out / side.replace(" + ", "_").replace(" ", "_")
+        head = {None: [], "same": ["--lm-head"]}.get(lm_head, ["--lm-head-scheme", lm_head])
         quantize(["--model", str(model_dir), "--out", str(dirs[side]), "--scheme", scheme]
-                 + (["--group-size", str(group)] if group else []) + (["--lm-head"] if lm_head else []))
+                 + (["--group-size", str(group)] if group else []) + head)
     return dirs
 
 
@@ -178,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     path = write_result("quantization_engine", dict(
         model="tiny random Llama" if args.smoke else "SmolLM2-135M-Instruct",
         quantization="round-to-nearest, compressed-tensors: W8A16 per channel, W4A16 groups of 64, W8A8 dynamic per "
-                     "token; '+ lm_head': the lm_head quantized too (untied)",
+                     "token; '+ lm_head': the lm_head quantized too (untied); '+ int8 lm_head': W8A16 per channel",
         perplexity="HF transformers on each weight-only checkpoint's dequantized copy, held-out stdlib text, "
                    + ("2 x 64 tokens" if args.smoke else "16 x 256 tokens"),
         workloads={w: f"{len(x)} request(s), {len(x[0][0])}-token prompts, {x[0][1]} greedy tokens each (ignore_eos)"

@@ -75,6 +75,23 @@ def test_a_tied_lm_head_is_untied_and_quantized(tied_float, make_llm, tmp_path):
     assert tokens(make_llm(path)) == hf_tokens(path)
 
 
+def test_an_lm_head_with_a_scheme_of_its_own(tied_float, make_llm, tmp_path):
+    """int4 decoder linears, an int8 lm_head: two config groups, the lm_head's naming it. HF and the
+    engine give the same tokens, and so does the float engine on the dequantized copy."""
+    from quantization.checkpoint import save_decompressed
+
+    path = tmp_path / "mixed"
+    quantize_main(["--model", str(tied_float), "--out", str(path), "--scheme", "W4A16", "--group-size", "32",
+                   "--lm-head-scheme", "W8A16"])
+    config = json.loads((path / "config.json").read_text())["quantization_config"]
+    groups = config["config_groups"]
+    assert [g["targets"] for g in groups.values()] == [["Linear"], ["lm_head"]]
+    assert [g["weights"]["num_bits"] for g in groups.values()] == [4, 8] and config["format"] == "mixed-precision"
+    ours = tokens(make_llm(path))
+    assert ours == hf_tokens(path)
+    assert ours == tokens(make_llm(save_decompressed(path, tmp_path / "float")))
+
+
 def test_gptq_lm_head_flag_loads_the_same_integers(tiny_float, make_llm, tmp_path):
     float_dir, _ = tiny_float
     weights = quantize_checkpoint_rtn(float_dir, SCHEMES["w4a16_g32"], lm_head=True)
