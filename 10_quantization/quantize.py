@@ -9,7 +9,8 @@ decoder linear (q/k/v/o, gate/up/down) quantized, the embeddings, norms and lm_h
 `--lm-head` quantizes the lm_head too (llmcompressor without `ignore=["lm_head"]`; GPTQ's
 `"lm_head": true`), the one matrix a decode step reads that the decoder linears leave in floats. A
 tied model (SmolLM2) is untied for it: the embedding lookup keeps its float rows, the lm_head gets
-integers of its own (vLLM 0.32 runs either as ParallelLMHead's linear method).
+integers of its own (vLLM 0.32 runs either as ParallelLMHead's linear method). `--lm-head-scheme
+W8A16` gives it a scheme of its own in a second config group (int4 decoder linears, an int8 lm_head).
 """
 from __future__ import annotations
 
