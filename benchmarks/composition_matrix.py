@@ -18,8 +18,9 @@ the prefix cache reset between: the second time their prompts come from the pool
 (chapter 09) every request runs with an adapter PEFT made (`lora_request`, or the adapter's name as
 the server's `model`), and the truth is the plain engine on the checkpoint PEFT's `merge_and_unload`
 wrote: the base weights with the adapter folded in. With int4 weights (chapter 10) the engine loads the
-checkpoint quantized to W4A16 (RTN, groups of 32, compressed-tensors), and the truth is the plain
-engine on the float weights it decompresses to (with LoRA too: the adapter merged into those). With the
+checkpoint quantized to W4A16 (RTN, groups of 32, compressed-tensors; the lm_head in int8, a config
+group of its own), and the truth is the plain engine on the float weights it decompresses to (with LoRA
+too: the adapter merged into those). With the
 int8 KV cache (chapter 10, kv_cache_dtype="int8_per_token_head") every K/V row is rounded as it is
 written, so the truth is the plain engine with that same cache: every other feature must keep its
 bytes exactly.
@@ -154,13 +155,16 @@ class Context:
 
     def quantized_dir(self) -> Path:
         """The checkpoint with every decoder linear in int4 (W4A16, groups of 32: a tensor-parallel
-        half of the tiny model's 64-wide o_proj input is still whole groups), chapter 10's writer."""
+        half of the tiny model's 64-wide o_proj input is still whole groups) and the lm_head in int8
+        per channel (a config group of its own), chapter 10's writer."""
         out = self.work_dir / "int4"
         if not out.exists():
             from quantization.checkpoint import save_compressed
             from quantization.quantize import quantize_checkpoint_rtn
             from quantization.reference import QuantScheme
-            save_compressed(self.model_dir, out, quantize_checkpoint_rtn(self.model_dir, QuantScheme(4, True, 32)))
+            weights = quantize_checkpoint_rtn(self.model_dir, QuantScheme(4, True, 32), lm_head=True,
+                                              lm_head_scheme=QuantScheme(8, True, None))
+            save_compressed(self.model_dir, out, weights)
         return out
 
     def dequantized_dir(self) -> Path:
