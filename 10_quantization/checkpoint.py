@@ -116,11 +116,12 @@ def packed_format_config(fmt: str, scheme: QuantScheme, lm_head: bool = False) -
 
 def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[str, QuantizedWeight], w8a8: bool = False,
                     ignore: list[str] | None = None, replaced: dict[str, torch.Tensor] | None = None,
-                    kv_scales: dict[str, float] | None = None, checkpoint_format: str = "compressed-tensors") -> Path:
+                    kv_scales: dict[str, float | torch.Tensor] | None = None, checkpoint_format: str = "compressed-tensors") -> Path:
     """Copy the HF checkpoint `model_dir` to `out_dir` with the linears named in `weights` (HF module
     names, e.g. "model.layers.0.self_attn.q_proj") stored quantized. `replaced`: float tensors to
     write instead of the checkpoint's (AWQ folds its scales into the norms). `kv_scales`: per-layer
-    fp8 KV-cache scales (kv_scales.py) stored with a `kv_cache_scheme`. `checkpoint_format`:
+    fp8 KV-cache scales (kv_scales.py; [heads, 1, 1] tensors: one per KV head, strategy "attn_head")
+    stored with a `kv_cache_scheme`. `checkpoint_format`:
     "compressed-tensors", or the same integers in GPTQ's or AWQ's own layout ("gptq", "awq"). Every
     quantized decoder linear must share one scheme (one config group); everything else stays as it
     was. A quantized "lm_head" of a tied model unties it (config.json's tie_word_embeddings false); it
@@ -170,7 +171,8 @@ def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[st
     missing = sorted(m for m in weights if f"{m}.weight_scale" not in tensors and f"{m}.scales" not in tensors)
     if missing or replaced:
         raise ValueError(f"save_compressed: not in {model_dir}: {missing + sorted(replaced)}")
-    tensors.update({name: torch.tensor([scale], dtype=torch.float32) for name, scale in (kv_scales or {}).items()})
+    kv_tensors = {name: _kv_scale_tensor(scale) for name, scale in (kv_scales or {}).items()}
+    tensors.update(kv_tensors)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
               metadata={"format": "pt"})
     for path in model_dir.iterdir():                     # tokenizer, chat template, generation config
@@ -186,9 +188,17 @@ def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[st
         config["quantization_config"] = packed_format_config(checkpoint_format, scheme, lm_head="lm_head" in weights)
     if kv_scales:
         from quantization.kv_scales import KV_CACHE_SCHEME
-        config["quantization_config"]["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)
+        per_head = any(t.dim() == 3 for t in kv_tensors.values())             # [heads, 1, 1]
+        config["quantization_config"]["kv_cache_scheme"] = dict(KV_CACHE_SCHEME,
+                                                                strategy="attn_head" if per_head else "tensor")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
+
+
+def _kv_scale_tensor(scale) -> torch.Tensor:
+    """A KV-cache scale as stored: [1] for one per layer, [heads, 1, 1] for one per KV head."""
+    t = torch.as_tensor(scale, dtype=torch.float32)
+    return t.reshape(1) if t.dim() == 0 else t.contiguous()
 
 
 def save_decompressed(quantized_dir: Path | str, out_dir: Path | str) -> Path:

@@ -55,17 +55,21 @@ def _fail(where: str, message: str) -> None:
     raise ValueError(f"compressed-tensors quantization_config{where}: {message}")
 
 
+KV_SCALE_STRATEGIES = ("tensor", "attn_head")
+
+
 def check_kv_cache_scheme(scheme: dict) -> None:
-    """A checkpoint's KV-cache scales: fp8, one symmetric scale per layer for K and one for V (the
-    `self_attn.k_scale` / `v_scale` tensors), which an engine run with kv_cache_dtype="fp8" uses.
-    vLLM's checks (CompressedTensorsConfig.validate_kv_cache_scheme), with its words; its per-head
-    strategy ("attn_head") is refused here, naming it."""
+    """A checkpoint's KV-cache scales: fp8, symmetric, one scale per layer for K and one for V (the
+    `self_attn.k_scale` / `v_scale` tensors; strategy "tensor") or one per KV head ("attn_head",
+    stored [heads, 1, 1]), which an engine run with kv_cache_dtype="fp8" uses. vLLM's checks
+    (CompressedTensorsConfig.validate_kv_cache_scheme), with its words."""
     where = ".kv_cache_scheme"
     if scheme.get("type") != "float" or scheme.get("num_bits") != 8:
         _fail(where, "Currently supported kv cache quantization is num_bits=8, type=float, however received "
                      f"num_bits={scheme.get('num_bits')}, type={scheme.get('type')}")
-    if scheme.get("strategy") != "tensor":
-        _fail(where, f"strategy {scheme.get('strategy')!r}: one scale per layer (\"tensor\") is supported here")
+    if scheme.get("strategy") not in KV_SCALE_STRATEGIES:
+        _fail(where, f"Invalid strategy for compressed-tensors KV cache. Expected strategies: {KV_SCALE_STRATEGIES}, "
+                     f"found strategy: {scheme.get('strategy')!r}")
     if not scheme.get("symmetric"):
         _fail(where, "Only support symmetric scaling factor for compressed-tensors KV cache. However found "
                      f"symmetric: {scheme.get('symmetric')}")
@@ -129,6 +133,9 @@ class CompressedTensorsConfig(QuantizationConfig):
 
     def has_kv_cache_scales(self) -> bool:
         return bool(self.kv_cache_scheme)
+
+    def kv_cache_scales_per_head(self) -> bool:
+        return bool(self.kv_cache_scheme) and self.kv_cache_scheme.get("strategy") == "attn_head"
 
     @classmethod
     def get_name(cls) -> str:

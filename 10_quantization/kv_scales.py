@@ -5,7 +5,8 @@ with `kv_cache_scheme`, its static min-max observer; vLLM: BaseKVCacheMethod).
 One scale for K and one for V per attention layer: the largest magnitude the layer writes into its
 cache over the calibration windows (K after RoPE, as the cache holds it; "static_minmax"), or
 llmcompressor's moving average of each window's ("minmax"), over fp8 e4m3's largest number (448).
-Stored as `model.layers.{i}.self_attn.k_scale` / `v_scale`, shape [1].
+Stored as `model.layers.{i}.self_attn.k_scale` / `v_scale`, shape [1]; with strategy "attn_head" one
+per KV head, shape [kv_heads, 1, 1] (llmcompressor's layout for it).
 
     scales = calibrate_kv_scales(model_dir, num_samples=32, seq_len=256, observer="static_minmax")
 """
@@ -20,6 +21,7 @@ from paged_attention.kv_quant import FP8_MAX
 KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True, "dynamic": False,
                    "group_size": None, "block_structure": None, "observer": "minmax", "observer_kwargs": {},
                    "actorder": None}
+STRATEGIES = ("tensor", "attn_head")
 
 
 OBSERVERS = ("static_minmax", "minmax")
@@ -45,9 +47,11 @@ def observed_range(mins: torch.Tensor, maxs: torch.Tensor, observer: str, averag
 
 @torch.inference_mode()
 def calibrate_kv_scales(model_dir: Path | str, num_samples: int = 32, seq_len: int = 256,
-                        observer: str = "static_minmax") -> dict[str, float]:
-    """{checkpoint name: scale} for every layer's K and V (see the module doc; `observer`:
-    observed_range)."""
+                        observer: str = "static_minmax", strategy: str = "tensor") -> dict[str, torch.Tensor]:
+    """{checkpoint name: scale [1], or [kv_heads, 1, 1] for strategy "attn_head"} for every layer's
+    K and V (see the module doc; `observer`: observed_range)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     from transformers import AutoTokenizer
 
     from mini_vllm.config import ModelConfig
@@ -60,14 +64,16 @@ def calibrate_kv_scales(model_dir: Path | str, num_samples: int = 32, seq_len: i
     model = get_model(config)
     layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
     samples = calibration_samples(AutoTokenizer.from_pretrained(model_dir), num_samples, seq_len)
-    mins = torch.zeros(len(samples), len(layers), 2)                    # [window, layer, (K, V)]
-    maxs = torch.zeros(len(samples), len(layers), 2)
+    heads = config.num_key_value_heads if strategy == "attn_head" else 1
+    mins = torch.zeros(len(samples), len(layers), 2, heads)            # [window, layer, (K, V), head]
+    maxs = torch.zeros(len(samples), len(layers), 2, heads)
     window = 0
 
     def observe(i):
         def hook(module, args):                                          # (query, key, value, kv_cache, metadata)
-            for j, x in enumerate(args[1:3]):
-                mins[window, i, j], maxs[window, i, j] = x.min().float(), x.max().float()
+            for j, x in enumerate(args[1:3]):                            # [T, KVH, D]
+                x = x.float().transpose(0, 1).reshape(heads, -1)         # [heads, T * KVH / heads * D]
+                mins[window, i, j], maxs[window, i, j] = x.amin(1), x.amax(1)
         return hook
     handles = [layer.register_forward_pre_hook(observe(i)) for i, layer in enumerate(layers)]
     block_size = 16
@@ -81,5 +87,6 @@ def calibrate_kv_scales(model_dir: Path | str, num_samples: int = 32, seq_len: i
         for h in handles:
             h.remove()
     scales = (observed_range(mins, maxs, observer) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    return {f"model.layers.{i}.self_attn.{w}_scale": float(scales[i, j])
+    shape = (heads, 1, 1) if strategy == "attn_head" else (1,)
+    return {f"model.layers.{i}.self_attn.{w}_scale": scales[i, j].reshape(shape).clone()
             for i in range(len(layers)) for j, w in enumerate("kv")}

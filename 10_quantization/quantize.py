@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
                              "e.g. W8A16 beside W4A16 decoder linears")
     parser.add_argument("--kv-cache-scheme", choices=("fp8",), default=None,
                         help="also store per-layer fp8 KV-cache scales, calibrated (for kv_cache_dtype='fp8')")
+    parser.add_argument("--kv-strategy", choices=("tensor", "attn_head"), default="tensor",
+                        help="KV scales: one per layer, or one per KV head (llmcompressor's attn_head)")
     parser.add_argument("--kv-observer", choices=("static_minmax", "minmax"), default="static_minmax",
                         help="KV scales: the largest |K| / |V| seen, or llmcompressor's moving average (minmax)")
     args = parser.parse_args(argv)
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     kv_scales = None
     if args.kv_cache_scheme:
         from quantization.kv_scales import calibrate_kv_scales
-        kv_scales = calibrate_kv_scales(args.model, args.num_samples, args.seq_len, observer=args.kv_observer)
+        kv_scales = calibrate_kv_scales(args.model, args.num_samples, args.seq_len, observer=args.kv_observer,
+                                        strategy=args.kv_strategy)
     save_compressed(args.model, args.out, weights, w8a8=w8a8, replaced=replaced, kv_scales=kv_scales,
                     checkpoint_format=args.format)
     print(f"{args.out}: {len(weights)} linears quantized ({args.scheme}, {args.method})")

@@ -66,7 +66,7 @@ def main(argv=None) -> None:
         ckpt = llmc_checkpoint(model, ids, args.work / f"llmc_{observer}", observer)
         theirs = file_scales(ckpt)
         ours = calibrate_kv_scales(model, args.windows, args.seq_len, observer=observer)
-        ratios = [ours[k] / theirs[k] for k in sorted(theirs)]
+        ratios = [float(ours[k]) / theirs[k] for k in sorted(theirs)]
         llm = LLM(str(ckpt), kv_cache_dtype="fp8", max_model_len=512, seed=0)
         layers = [m for m in llm.llm_engine.engine_core.model_runner.model.modules() if isinstance(m, PagedAttention)]
         used = {f"model.layers.{i}.self_attn.{w}_scale": getattr(m.kv_quant, f"{w}_scale")

@@ -44,6 +44,10 @@ class QuantizationConfig:
         kv_cache_scheme; vLLM: BaseKVCacheMethod) for an fp8 KV cache (kv_cache_dtype "fp8")."""
         return False
 
+    def kv_cache_scales_per_head(self) -> bool:
+        """True when those scales are one per KV head (compressed-tensors' strategy "attn_head")."""
+        return False
+
     def get_quant_method(self, layer: nn.Module, prefix: str, checkpoint_names: list[str],
                          backend: str = "auto") -> LinearMethodBase | None:
         """The linear method for `layer` (our module name `prefix`; `checkpoint_names`: the

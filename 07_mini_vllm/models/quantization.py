@@ -23,8 +23,8 @@ from model_executor.quantization_config import QuantizationConfig
 from mini_vllm.models.attention import PagedAttention
 from paged_attention.kv_quant import KVQuant
 
-__all__ = ["QUANTIZATION_METHODS", "add_kv_cache_scales", "get_quantization_config", "process_kv_cache_scales",
-           "process_quantized_layers", "quant_kernel_backend",
+__all__ = ["QUANTIZATION_METHODS", "add_kv_cache_scales", "get_quantization_config", "kv_heads_of_rank",
+           "process_kv_cache_scales", "process_quantized_layers", "quant_kernel_backend",
            "quantize_linear_layers", "verify_quantization"]
 
 # name (config.json's quant_method, LLM(quantization=...)) -> (module, class) of its QuantizationConfig
@@ -102,15 +102,18 @@ def quantize_linear_layers(model: nn.Module, quant_config: QuantizationConfig | 
 def add_kv_cache_scales(model: nn.Module, quant_config: QuantizationConfig | None) -> int:
     """A checkpoint with KV-cache scales: every attention layer gets `k_scale` / `v_scale`
     parameters for them, -1 until loaded (vLLM: BaseKVCacheMethod.create_weights; the checkpoint's
-    `self_attn.k_scale` loads into `self_attn.attn.k_scale`, loader.remap_kv_scale_name)."""
+    `self_attn.k_scale` loads into `self_attn.attn.k_scale`, loader.remap_kv_scale_name): one number,
+    or one per KV head of this rank (strategy "attn_head")."""
     if quant_config is None or not quant_config.has_kv_cache_scales():
         return 0
+    per_head = quant_config.kv_cache_scales_per_head()
     layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
     for layer in layers:
         for name in ("k_scale", "v_scale"):
-            param = nn.Parameter(torch.tensor(-1.0, dtype=torch.float32), requires_grad=False)
+            shape = (layer.num_kv_heads,) if per_head else ()
+            param = nn.Parameter(torch.full(shape, -1.0, dtype=torch.float32), requires_grad=False)
             param.optional_in_checkpoint = True          # a checkpoint may lack them: 1.0 then
-            param.weight_loader = _load_scalar
+            param.weight_loader = _load_per_head if per_head else _load_scalar
             layer.register_parameter(name, param)
     return len(layers)
 
@@ -122,14 +125,37 @@ def _load_scalar(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded.reshape(()))
 
 
+def kv_heads_of_rank(total: int, tp_size: int, rank: int) -> list[int]:
+    """The KV heads tensor-parallel rank `rank` holds: a slice of them, or one replicated head when
+    there are fewer heads than ranks (vLLM's attention-head partitioning)."""
+    if total >= tp_size:
+        n = total // tp_size
+        return list(range(rank * n, (rank + 1) * n))
+    return [rank * total // tp_size]
+
+
+def _load_per_head(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """One scale per KV head, stored [heads, 1, 1] (llmcompressor's "attn_head"): this rank's heads."""
+    from model_executor.parallel_state import get_tp_group
+    tp = get_tp_group()
+    flat = loaded.flatten()
+    heads = kv_heads_of_rank(flat.numel(), tp.world_size, tp.rank_in_group)
+    if len(heads) != param.numel():
+        raise ValueError(f"a per-head KV-cache scale of {flat.numel()} heads gives this rank {len(heads)}, "
+                         f"its attention layer holds {param.numel()} KV heads")
+    param.data.copy_(flat[heads])
+
+
 def process_kv_cache_scales(model: nn.Module) -> int:
     """After loading (vLLM: BaseKVCacheMethod.process_weights_after_loading): an fp8 cache with
     per-tensor scales takes the checkpoint's (a lone k_scale serves V too); any other cache ignores
-    them — a float cache has no scale, per-token-head modes compute their own. Returns the layers
-    whose scales were set."""
+    them — a float cache has no scale, per-token-head modes compute their own. Per-head scales
+    become their largest (vLLM's `_k_scale_float`, what its CPU and FlashInfer attention read; only
+    its FlashAttention path reads a scale per head): no head's numbers then exceed fp8's range.
+    Returns the layers whose scales were set."""
     count = 0
     for layer in (m for m in model.modules() if isinstance(m, PagedAttention) and hasattr(m, "k_scale")):
-        k, v = float(layer.k_scale), float(layer.v_scale)
+        k, v = float(layer.k_scale.max()), float(layer.v_scale.max())
         del layer._parameters["k_scale"], layer._parameters["v_scale"]
         quant = layer.kv_quant
         if quant is None or quant.per_token_head or k <= 0:

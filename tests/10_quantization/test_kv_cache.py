@@ -385,7 +385,7 @@ def test_an_fp8_cache_with_checkpoint_scales_runs_in_the_engine(tiny_quantized, 
 
 @pytest.mark.parametrize("scheme, field", [
     ({**FP8_SCHEME, "type": "int"}, "num_bits=8, type=int"),
-    ({**FP8_SCHEME, "strategy": "attn_head"}, "strategy 'attn_head'"),
+    ({**FP8_SCHEME, "strategy": "channel"}, "Invalid strategy .* found strategy: 'channel'"),
     ({**FP8_SCHEME, "symmetric": False}, "Only support symmetric"),
 ])
 def test_unsupported_kv_cache_schemes_are_refused_naming_them(tiny_quantized, tmp_path, scheme, field):
@@ -424,3 +424,33 @@ def test_calibrated_kv_scales_bound_what_the_cache_stores(tiny_float, tmp_path):
     window = calibration_samples(AutoTokenizer.from_pretrained(out), 4, 64)[0].tolist()
     paged_logits(model, ModelConfig.from_pretrained(out, kv_cache_dtype="fp8"), [window])
     assert len(seen) == len(quants) and all(k <= FP8_MAX * (1 + 1e-5) and v <= FP8_MAX * (1 + 1e-5) for k, v in seen)
+
+
+def test_per_head_kv_scales_load_as_their_largest(tiny_float, make_llm, tmp_path):
+    """quantize --kv-strategy attn_head: one scale per KV head, stored [heads, 1, 1] (llmcompressor's
+    layout). Each layer's largest head scale is the per-layer scale of the same calibration (a max of
+    maxima), and the engine reads per-head scales as that largest, as vLLM's CPU attention does; so
+    the two checkpoints give one engine the same scales and the same tokens."""
+    from safetensors.torch import load_file
+
+    from mini_vllm.models.attention import PagedAttention
+    from mini_vllm.models.quantization import kv_heads_of_rank
+    from quantization.quantize import main as quantize_main
+    path, hf = tiny_float
+    out = {}
+    for strategy in ("tensor", "attn_head"):
+        out[strategy] = tmp_path / strategy
+        quantize_main(["--model", str(path), "--out", str(out[strategy]), "--scheme", "W8A16", "--kv-cache-scheme",
+                       "fp8", "--kv-strategy", strategy, "--num-samples", "4", "--seq-len", "64"])
+    per_head, per_layer = (load_file(str(out[s] / "model.safetensors")) for s in ("attn_head", "tensor"))
+    name = "model.layers.1.self_attn.k_scale"
+    assert per_head[name].shape == (hf.config.num_key_value_heads, 1, 1) and per_layer[name].shape == (1,)
+    assert per_head[name].max() == per_layer[name][0] and bool((per_head[name] < per_layer[name][0]).any())
+
+    def scales_and_tokens(ckpt):
+        llm = make_llm(ckpt, kv_cache_dtype="fp8")
+        layers = [m for m in llm.llm_engine.engine_core.model_runner.model.modules() if isinstance(m, PagedAttention)]
+        return [(m.kv_quant.k_scale, m.kv_quant.v_scale) for m in layers], greedy(llm)
+    assert scales_and_tokens(out["attn_head"]) == scales_and_tokens(out["tensor"])
+    assert [kv_heads_of_rank(4, 2, r) for r in (0, 1)] == [[0, 1], [2, 3]]
+    assert [kv_heads_of_rank(2, 4, r) for r in range(4)] == [[0], [0], [1], [1]]       # fewer heads: replicated
