@@ -224,7 +224,9 @@ def save_decompressed(quantized_dir: Path | str, out_dir: Path | str) -> Path:
     for path in sorted(quantized_dir.glob("*.safetensors")):
         tensors.update(load_file(str(path)))
     for name in [k.removesuffix(".weight_scale") for k in tensors if k.endswith(".weight_scale")]:
-        scheme = by_name.get(name) or by_class[0]
+        scheme = by_name.get(name) or (by_class[0] if by_class else None)
+        if scheme is None:
+            raise ValueError(f"{quantized_dir}: {name} is quantized but no config group targets it")
         scale = tensors.pop(f"{name}.weight_scale")
         if f"{name}.weight_packed" in tensors:
             q = unpack_int32(tensors.pop(f"{name}.weight_packed"), scheme.num_bits)

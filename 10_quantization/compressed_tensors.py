@@ -218,7 +218,7 @@ def _replace_weight(layer: nn.Module, params: dict[str, torch.Tensor], loaders: 
         layer.weight = None      # no float matrix any more: code that asks for one gets None
 
 
-def _per_channel_loader(layer: nn.Module, base):
+def per_channel_loader(layer: nn.Module, base):
     """The loader of a per-channel tensor [out, 1] (scales, zero points): one number per output
     row, none per input, so a row-parallel rank (which holds a slice of the INPUTS) loads it whole;
     other layers split its rows as they split the weight's (vLLM: ChannelQuantScaleParameter)."""
@@ -259,7 +259,7 @@ class CompressedTensorsWNA16(LinearMethodBase):
                       weight_shape=torch.empty(2, dtype=torch.int64))
         base = getattr(layer.weight, "weight_loader", None)
         if s.group_size is None:
-            base = _per_channel_loader(layer, base)
+            base = per_channel_loader(layer, base)
         loaders = dict(weight_shape=self._shape_loader(layer), weight_scale=base)
         if not s.symmetric:
             params["weight_zero_point"] = torch.empty(out_features, groups, dtype=torch.int8)
@@ -314,7 +314,7 @@ class CompressedTensorsW8A8Int8(LinearMethodBase):
 
     def create_weights(self, layer):
         dtype = layer.weight.dtype
-        scale_loader = _per_channel_loader(layer, getattr(layer.weight, "weight_loader", None))
+        scale_loader = per_channel_loader(layer, getattr(layer.weight, "weight_loader", None))
         _replace_weight(layer, dict(weight=torch.empty(layer.output_size, layer.input_size, dtype=torch.int8),
                                     weight_scale=torch.empty(layer.output_size, 1, dtype=dtype)),
                         {"weight_scale": scale_loader})

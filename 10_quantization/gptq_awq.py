@@ -24,7 +24,7 @@ from torch import nn
 
 from model_executor.linear import Linear
 from model_executor.quantization_config import QuantizationConfig
-from quantization.compressed_tensors import CompressedTensorsWNA16, _per_channel_loader
+from quantization.compressed_tensors import CompressedTensorsWNA16, per_channel_loader
 from quantization.packing import pack_int32, unpack_awq, unpack_gptq, unpack_int32
 from quantization.reference import QuantScheme
 
@@ -138,7 +138,7 @@ class _PackedFormatLinearMethod(CompressedTensorsWNA16):
                 if shard_ids is not None:
                     param.shard_ids = shard_ids
             per_row = theirs != "qweight" and self.scheme.group_size is None     # [out, 1]: whole on a row-parallel rank
-            param.weight_loader = self._loader(theirs, _per_channel_loader(layer, base) if per_row else base,
+            param.weight_loader = self._loader(theirs, per_channel_loader(layer, base) if per_row else base,
                                                param.numel() == 0)
             layer.register_parameter(theirs, param)
         g_idx = nn.Parameter(torch.empty(0, dtype=torch.int32), requires_grad=False)

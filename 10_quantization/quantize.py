@@ -24,6 +24,7 @@ from quantization.reference import QuantizedWeight, QuantScheme, quantize_rtn
 __all__ = ["decoder_linear_names", "quantize_checkpoint_rtn"]
 
 DECODER_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj$")
+LM_HEAD_SOURCES = ("lm_head.weight", "model.embed_tokens.weight")     # untied first; a tied model has one matrix
 
 
 def decoder_linear_names(names) -> list[str]:
@@ -53,8 +54,6 @@ def quantize_checkpoint_rtn(model_dir: Path, scheme: QuantScheme, lm_head: bool 
         out["lm_head"] = quantize_rtn(tensors[source], lm_head_scheme or scheme)
     return out
 
-
-LM_HEAD_SOURCES = ("lm_head.weight", "model.embed_tokens.weight")     # untied first; a tied model has one matrix
 
 
 def main(argv: list[str] | None = None) -> None:
