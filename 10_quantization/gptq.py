@@ -186,12 +186,14 @@ def _linears(layer: nn.Module) -> dict[str, nn.Linear]:
 @torch.no_grad()
 def gptq_quantize_model(model: nn.Module, samples: torch.Tensor, scheme: QuantScheme, *,
                         act_order: bool = False, block_size: int = 128, percdamp: float = 0.01,
-                        batch_size: int = 8, progress: Callable[[int, int], None] | None = None
-                        ) -> dict[str, QuantizedWeight]:
+                        batch_size: int = 8, progress: Callable[[int, int], None] | None = None,
+                        lm_head_scheme: QuantScheme | None = None) -> dict[str, QuantizedWeight]:
     """Quantize every nn.Linear of every decoder layer, layer by layer. Returns QuantizedWeight
     per HF module name ("model.layers.0.self_attn.q_proj"). The model is changed IN PLACE: each
     linear's weight becomes its dequantized value (so the next layer calibrates on the quantized
-    outputs); pass a copy to keep the original. progress(layers_done, layers_total)."""
+    outputs); pass a copy to keep the original. progress(layers_done, layers_total).
+    `lm_head_scheme`: the lm_head too ("lm_head"), on the final norm's outputs of the quantized
+    layers; its float weight is left as it is (a tied model's is the embedding)."""
     names = {m: name for name, m in model.named_modules()}
     inputs = capture_layer_inputs(model, samples, batch_size)
     layers = decoder_layers(model)
@@ -212,4 +214,11 @@ def gptq_quantize_model(model: nn.Module, samples: torch.Tensor, scheme: QuantSc
         inputs = [(run_layer(layer, hidden, kwargs), kwargs) for hidden, kwargs in inputs]   # pass 2
         if progress is not None:
             progress(index + 1, len(layers))
+    if lm_head_scheme is not None:
+        head = model.get_output_embeddings()                       # [vocab, hidden]
+        hessian = Hessian(head.weight.shape[1])
+        for hidden, _ in inputs:
+            hessian.add(model.model.norm(hidden))                  # what the lm_head reads
+        result["lm_head"] = gptq_quantize(head.weight, hessian.H, lm_head_scheme, block_size=block_size,
+                                          percdamp=percdamp, act_order=act_order)
     return result

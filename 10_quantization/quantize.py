@@ -6,8 +6,8 @@ llmcompressor's `oneshot(model, recipe=GPTQModifier(scheme="W4A16", targets="Lin
 ignore=["lm_head"]))` followed by `save_pretrained(save_compressed=True)`, from scratch: every
 decoder linear (q/k/v/o, gate/up/down) quantized, the embeddings, norms and lm_head kept as they are.
 
-`--lm-head` quantizes the lm_head too (llmcompressor without `ignore=["lm_head"]`; GPTQ's
-`"lm_head": true`), the one matrix a decode step reads that the decoder linears leave in floats. A
+`--lm-head` quantizes the lm_head too, with rtn or gptq (llmcompressor without `ignore=["lm_head"]`;
+GPTQ's `"lm_head": true`), the one matrix a decode step reads that the decoder linears leave in floats. A
 tied model (SmolLM2) is untied for it: the embedding lookup keeps its float rows, the lm_head gets
 integers of its own (vLLM 0.32 runs either as ParallelLMHead's linear method). `--lm-head-scheme
 W8A16` gives it a scheme of its own in a second config group (int4 decoder linears, an int8 lm_head).
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the checkpoint's layout: compressed-tensors (what llmcompressor writes), or the same "
                              "integers as a GPTQ (symmetric) or AWQ (asymmetric int4) checkpoint")
     parser.add_argument("--lm-head", action="store_true",
-                        help="quantize the lm_head too (round-to-nearest, the same scheme; a tied one is untied)")
+                        help="quantize the lm_head too (rtn or gptq, the same scheme; a tied one is untied)")
     parser.add_argument("--lm-head-scheme", choices=sorted(s for s in SCHEMES if not SCHEMES[s][1]), default=None,
                         help="the lm_head's own weight-only scheme (implies --lm-head; a second config group), "
                              "e.g. W8A16 beside W4A16 decoder linears")
@@ -89,15 +89,16 @@ def main(argv: list[str] | None = None) -> None:
     replaced = None
     lm_head_scheme = SCHEMES[args.lm_head_scheme][0] if args.lm_head_scheme else None
     args.lm_head = args.lm_head or lm_head_scheme is not None
-    if args.lm_head and args.method != "rtn":
-        parser.error("--lm-head: round-to-nearest only (GPTQ / AWQ of the lm_head would need its own calibration "
-                     "pass over the final norm's outputs, which calibrated.py does not run)")
+    if args.lm_head and args.method == "awq":
+        parser.error("--lm-head: with rtn or gptq (AWQ's smoothing maps, llmcompressor's too, cover the decoder "
+                     "layers only)")
     if args.method == "rtn":
         weights = quantize_checkpoint_rtn(args.model, scheme, lm_head=args.lm_head, lm_head_scheme=lm_head_scheme)
     else:
         from quantization import calibrated
+        head = (lm_head_scheme or scheme) if args.lm_head else None
         weights, replaced = calibrated.quantize_checkpoint(args.model, scheme, args.method, args.num_samples,
-                                                           args.seq_len)
+                                                           args.seq_len, lm_head_scheme=head)
     kv_scales = None
     if args.kv_cache_scheme:
         from quantization.kv_scales import calibrate_kv_scales

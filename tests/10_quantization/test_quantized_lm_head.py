@@ -125,10 +125,43 @@ def test_the_class_target_linear_does_not_reach_the_lm_head(tiny_float, make_llm
         make_llm(path)
 
 
-def test_lm_head_with_a_calibrated_method_is_refused(tmp_path, capsys):
+def test_gptq_quantizes_the_lm_head_on_the_final_norms_outputs(tied_float, make_llm, tmp_path):
+    """GPTQ's lm_head: its error on what it calibrated on (the final norm's outputs of the quantized
+    layers) is below round-to-nearest's on the same inputs; the checkpoint runs as HF runs it."""
+    import copy
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantization.calibration import calibration_samples
+    from quantization.gptq import gptq_quantize_model
+
+    scheme = SCHEMES["w4a16_g32"]
+    hf = AutoModelForCausalLM.from_pretrained(tied_float, dtype=torch.float32).eval()
+    samples = calibration_samples(AutoTokenizer.from_pretrained(tied_float), 4, 64)
+    model = copy.deepcopy(hf)
+    weights = gptq_quantize_model(model, samples, scheme, act_order=True, lm_head_scheme=scheme)
+    w = hf.get_output_embeddings().weight.detach()
+    assert torch.equal(model.get_output_embeddings().weight, w)                # the float (tied) matrix kept
+    seen = []
+    model.get_output_embeddings().register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    with torch.no_grad():
+        model(samples)
+    x = torch.cat(seen).reshape(-1, w.shape[1])                                # [tokens, hidden]
+
+    def error(q):
+        return float(((x @ (q.dequantize() - w).T) ** 2).sum())
+    assert error(weights["lm_head"]) < error(quantize_rtn(w, scheme))
+
+    path = tmp_path / "gptq_head"
+    quantize_main(["--model", str(tied_float), "--out", str(path), "--scheme", "W4A16", "--group-size", "32",
+                   "--method", "gptq", "--lm-head", "--num-samples", "4", "--seq-len", "64"])
+    assert tokens(make_llm(path)) == hf_tokens(path)
+
+
+def test_lm_head_with_awq_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        quantize_main(["--out", str(tmp_path / "x"), "--method", "gptq", "--lm-head"])
-    assert "--lm-head: round-to-nearest only" in capsys.readouterr().err
+        quantize_main(["--out", str(tmp_path / "x"), "--method", "awq", "--lm-head"])
+    assert "--lm-head: with rtn or gptq" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("fmt, w8a8", [("compressed-tensors", False), ("compressed-tensors", True), ("gptq", False)])
