@@ -44,12 +44,12 @@ def quantization_config(scheme: QuantScheme, w8a8: bool, ignore: list[str], lm_h
     when `lm_head` (named: vLLM's class target "Linear" does not reach its ParallelLMHead), or in a
     group of its own with `lm_head_scheme` (a target naming a layer wins over a class target in
     vLLM, compressed-tensors and here)."""
-    fmt = "int-quantized" if w8a8 else "pack-quantized"
     same = lm_head and lm_head_scheme in (None, scheme)
     groups = dict(group_0=_config_group(scheme, w8a8, ["Linear", "lm_head"] if same else ["Linear"]))
     if lm_head and not same:
         groups["group_1"] = _config_group(lm_head_scheme, False, ["lm_head"])
-    return dict(quant_method="compressed-tensors", format=fmt if len(groups) == 1 else "mixed-precision",
+    return dict(quant_method="compressed-tensors",
+                format=groups["group_0"]["format"] if len(groups) == 1 else "mixed-precision",
                 quantization_status="compressed", config_groups=groups, ignore=list(ignore), kv_cache_scheme=None,
                 global_compression_ratio=None, sparsity_config={}, version=COMPRESSED_TENSORS_VERSION)
 
@@ -168,7 +168,7 @@ def save_compressed(model_dir: Path | str, out_dir: Path | str, weights: dict[st
         if f"lm_head.{_SCALE[checkpoint_format]}" not in tensors:          # tied: the embedding's matrix
             write_quantized("lm_head", tensors["model.embed_tokens.weight"].dtype)
         config["tie_word_embeddings"] = False
-    missing = sorted(m for m in weights if f"{m}.weight_scale" not in tensors and f"{m}.scales" not in tensors)
+    missing = sorted(m for m in weights if f"{m}.{_SCALE[checkpoint_format]}" not in tensors)
     if missing or replaced:
         raise ValueError(f"save_compressed: not in {model_dir}: {missing + sorted(replaced)}")
     kv_tensors = {name: _kv_scale_tensor(scale) for name, scale in (kv_scales or {}).items()}
@@ -214,19 +214,15 @@ def save_decompressed(quantized_dir: Path | str, out_dir: Path | str) -> Path:
 
     quantized_dir, out_dir = Path(quantized_dir), Path(out_dir)
     config = json.loads((quantized_dir / "config.json").read_text())
-    groups = CompressedTensorsConfig.from_config(config.pop("quantization_config")).groups
-    by_name = {t: g.weights for g in groups for t in g.targets if t != "Linear"}      # a group naming its layers
-    by_class = [g.weights for g in groups if "Linear" in g.targets]
-    if len(by_class) > 1 or any(t.startswith("re:") for t in by_name):
-        raise ValueError(f"save_decompressed reads one class-targeted group and groups naming their layers; "
-                         f"{quantized_dir} has {[g.targets for g in groups]}")
+    ct_config = CompressedTensorsConfig.from_config(config.pop("quantization_config"))
     tensors = {}
     for path in sorted(quantized_dir.glob("*.safetensors")):
         tensors.update(load_file(str(path)))
     for name in [k.removesuffix(".weight_scale") for k in tensors if k.endswith(".weight_scale")]:
-        scheme = by_name.get(name) or (by_class[0] if by_class else None)
-        if scheme is None:
+        group = ct_config.scheme_of(name, None)        # the checkpoint's modules: no layer, matched by name
+        if group is None:
             raise ValueError(f"{quantized_dir}: {name} is quantized but no config group targets it")
+        scheme = group.weights
         scale = tensors.pop(f"{name}.weight_scale")
         if f"{name}.weight_packed" in tensors:
             q = unpack_int32(tensors.pop(f"{name}.weight_packed"), scheme.num_bits)

@@ -166,10 +166,11 @@ class CompressedTensorsConfig(QuantizationConfig):
             _fail(".config_groups", "no config group: nothing is quantized")
         return cls(groups, list(config.get("ignore") or []), kv_cache_scheme or None)
 
-    def scheme_of(self, name: str, layer: nn.Module) -> GroupScheme | None:
+    def scheme_of(self, name: str, layer: nn.Module | None) -> GroupScheme | None:
         """The group that quantizes layer `name`: one naming it (exactly or by "re:") before one
         reaching it by class — vLLM's `find_matched_target` order, and compressed-tensors' (so a
-        group targeting "lm_head" wins over a "Linear" one in every reader)."""
+        group targeting "lm_head" wins over a "Linear" one in every reader). `layer` None: a
+        checkpoint's module, which "Linear" reaches whatever its name (HF's reading)."""
         if _matches(name, self.ignore, layer):
             return None
         by_name = (g for g in self.groups if _matches(name, [t for t in g.targets if t != "Linear"], layer))
