@@ -112,9 +112,17 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, check_va
     _load("cache_kernels").reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, _stream())
 
 
+def _kv_args(kv_quant: KVQuant | None) -> tuple[int, bool, float, float]:
+    """What the decode kernels take for a cache (paged_attention_common.cuh: KVQuantArgs): the kind
+    (0 float, 1 int8, 2 fp8 e4m3fn), per-row scales or not, the per-tensor K and V scales."""
+    if kv_quant is None:
+        return 0, False, 1.0, 1.0
+    return (1 if kv_quant.storage_dtype == torch.int8 else 2), kv_quant.per_token_head, kv_quant.k_scale, kv_quant.v_scale
+
+
 def paged_decode_attention(
     query: torch.Tensor,         # [num_seqs, num_heads, head_dim]
-    key_cache: torch.Tensor,     # [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,     # [num_blocks, block_size, num_kv_heads, head_dim (+ 4 bytes: kv_quant.py)]
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [num_seqs, max_num_blocks] int32
     seq_lens: torch.Tensor,      # [num_seqs] int32
@@ -123,17 +131,19 @@ def paged_decode_attention(
     *,
     max_seq_len: int | None = None, # host-side max of seq_lens; read from seq_lens if None
     version: str | None = None,     # "v1" | "v2" | "v3" | None (vLLM's rule between v1/v2, `use_v1`)
+    kv_quant: KVQuant | None = None,   # an 8-bit cache: each kernel dequantizes the rows as it reads them
 ) -> torch.Tensor:                  # [num_seqs, num_heads, head_dim]
     seq_lens = contiguous_index(seq_lens)
     if block_tables.dim() == 2 and block_tables.stride(1) != 1:
         block_tables = block_tables.contiguous()   # the kernel walks a row with stride 1
-    check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values, max_seq_len)
+    check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, check_values, max_seq_len, kv_quant)
     _int32_index("block_tables", block_tables)
     _int32_index("seq_lens", seq_lens)
     _refuse_strided_cache(key_cache=key_cache, value_cache=value_cache)
     query = _unit_last_stride(query)
     num_seqs, num_heads, head_dim = query.shape
     check_cuda_config(head_dim, key_cache.shape[1])
+    kv = _kv_args(kv_quant)
     if version not in (None, "v1", "v2", "v3"):
         raise ValueError(f"version must be 'v1', 'v2', 'v3' or None, got {version!r}")
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)   # the binding wants it contiguous
@@ -146,12 +156,13 @@ def paged_decode_attention(
         version = "v1" if use_v1(max_seq_len, num_seqs, num_heads) else "v2"
     ext = _load("paged_attention")
     if version == "v1":
-        ext.paged_attention_v1(out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, _stream())
+        ext.paged_attention_v1(out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, *kv,
+                               _stream())
         return out
     if version == "v3":   # flash-decoding rung (kernels_cuda/paged_attention_v3.cuh), split-KV by `use_v3_split`
         if not use_v3_split(max_seq_len, num_seqs, num_heads, key_cache.shape[2]):
             ext.paged_attention_v3(out, None, None, None, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                   max_seq_len, _stream())
+                                   max_seq_len, *kv, _stream())
             return out
     max_num_partitions = -(-max_seq_len // PARTITION_SIZE)
     exp_sums = torch.empty(num_seqs, num_heads, max_num_partitions, dtype=torch.float32, device=query.device)
@@ -159,7 +170,7 @@ def paged_decode_attention(
     tmp_out = torch.empty(num_seqs, num_heads, max_num_partitions, head_dim, dtype=torch.float32, device=query.device)
     split_kernel = ext.paged_attention_v3 if version == "v3" else ext.paged_attention_v2
     split_kernel(out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables, seq_lens,
-                 scale, max_seq_len, _stream())
+                 scale, max_seq_len, *kv, _stream())
     return out
 
 

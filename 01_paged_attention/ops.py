@@ -72,21 +72,12 @@ def check_kernel_backend(backend: str, device: torch.device, backends: tuple[str
                                "is imported (the Triton interpreter); on a GPU pass CUDA tensors")
 
 
-# Every backend writes an 8-bit cache (kv_quant.py); these are the ones whose chapter-01 decode
-# reads one. The engine reads its cache through chapter 05's unified attention, whose backends all
-# read it; the CUDA decode kernels (v1/v2/v3) of this chapter read float caches only.
-QUANT_READ_BACKENDS = ("reference", "torch", "cpu", "triton")
-
-
-def _quant_kwargs(kv_quant: KVQuant | None, backend: str, backends: tuple[str, ...] = BACKENDS) -> dict:
-    """{"kv_quant": ...} for a backend that takes it; {} for a float cache."""
-    if kv_quant is None:
-        return {}
-    if backend not in backends:
-        raise ValueError(f"backend {backend!r} of chapter 01 handles float caches only here; an 8-bit cache "
-                         f"({kv_quant.kv_cache_dtype}) is handled by {', '.join(backends)}, and read by every "
-                         "backend of chapter 05's unified_attention")
-    return {"kv_quant": kv_quant}
+def _quant_kwargs(kv_quant: KVQuant | None) -> dict:
+    """{"kv_quant": ...} for an 8-bit cache, {} for a float cache. Every backend writes an 8-bit cache
+    (kv_quant.py) and every decode reads one, CUDA's v1 / v2 / v3 too (kernels_cuda/
+    paged_attention_common.cuh: KVQuantArgs); the engine reads its cache through chapter 05's
+    unified attention, whose backends all read it as well."""
+    return {} if kv_quant is None else {"kv_quant": kv_quant}
 
 
 def backend_module(backend: str, device: torch.device) -> ModuleType:
@@ -108,7 +99,7 @@ def reshape_and_cache(
     kv_quant: KVQuant | None = None,   # an 8-bit cache (kv_quant.py): rows are quantized as written
 ) -> None:
     backend_module(backend, key.device).reshape_and_cache(key, value, key_cache, value_cache, slot_mapping,
-                                                          check_values, **_quant_kwargs(kv_quant, backend))
+                                                          check_values, **_quant_kwargs(kv_quant))
 
 
 def paged_decode_attention(
@@ -126,7 +117,7 @@ def paged_decode_attention(
     version: str | None = None,         # cuda: "v1" | "v2" | "v3" (None = vLLM's v1/v2 rule)
     kv_quant: KVQuant | None = None,    # an 8-bit cache: rows are dequantized as read
 ) -> torch.Tensor:                      # [num_seqs, num_heads, head_dim]
-    variant = _quant_kwargs(kv_quant, backend, QUANT_READ_BACKENDS)
+    variant = _quant_kwargs(kv_quant)
     if num_kv_splits is not None:
         if backend != "triton":
             raise ValueError(f"num_kv_splits= selects the Triton split-KV variant; backend {backend!r} has none"
@@ -158,4 +149,4 @@ def paged_prefill_attention(
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     return backend_module(backend, query.device).paged_prefill_attention(
         query, key, value, key_cache, value_cache, slot_mapping, query_start_loc, scale, check_values,
-        max_query_len=max_query_len, **_quant_kwargs(kv_quant, backend))
+        max_query_len=max_query_len, **_quant_kwargs(kv_quant))

@@ -30,36 +30,45 @@ struct DecodeArgs {
   const int* seq_lens;
   int num_seqs, num_heads, num_kv_heads, max_num_blocks_per_seq, max_seq_len;
   float scale;
-  const int64_t* strides;
+  KVQuantArgs kvq;              // kind kKVCacheFloat: the caches are of the query's dtype
+  const int64_t* strides;       // the caches' in their elements (an 8-bit cache: bytes)
   cudaStream_t stream;
 };
 
 template <typename T> struct Tag { using type = T; };
 template <int N> using Int = std::integral_constant<int, N>;
 
-// Turn runtime (dtype, head size, block size) into template arguments: f(Tag<T>, Int<HEAD>, Int<BLOCK>).
+// Turn runtime (dtype, cache kind, head size, block size) into template arguments:
+// f(Tag<T>, Tag<cache_t>, Int<HEAD>, Int<BLOCK>), cache_t = T for a float cache, uint8_t for an
+// 8-bit one (int8 and fp8 share that instance: the kind is a runtime argument, so 8-bit reads
+// double the instances rather than triple them; vLLM makes the fp8 kind a template argument).
 template <typename F>
-int dispatch(int dtype, int head_size, int block_size, F&& f) {
-  auto by_block = [&](auto tag, auto head) -> int {
+int dispatch(int dtype, const KVQuantArgs& kvq, int head_size, int block_size, F&& f) {
+  if (kvq.kind < kKVCacheFloat || kvq.kind > kKVCacheFp8 || (kvq.per_row && kvq.kind == kKVCacheFloat))
+    return kUnsupportedConfig;
+  auto by_block = [&](auto tag, auto cache_tag, auto head) -> int {
     switch (block_size) {
-      case 8: return f(tag, head, Int<8>{});
-      case 16: return f(tag, head, Int<16>{});
-      case 32: return f(tag, head, Int<32>{});
+      case 8: return f(tag, cache_tag, head, Int<8>{});
+      case 16: return f(tag, cache_tag, head, Int<16>{});
+      case 32: return f(tag, cache_tag, head, Int<32>{});
       default: return kUnsupportedConfig;
     }
   };
-  auto by_head = [&](auto tag) -> int {
+  auto by_head = [&](auto tag, auto cache_tag) -> int {
     switch (head_size) {
-      case 64: return by_block(tag, Int<64>{});
-      case 128: return by_block(tag, Int<128>{});
-      case 256: return by_block(tag, Int<256>{});
+      case 64: return by_block(tag, cache_tag, Int<64>{});
+      case 128: return by_block(tag, cache_tag, Int<128>{});
+      case 256: return by_block(tag, cache_tag, Int<256>{});
       default: return kUnsupportedConfig;
     }
+  };
+  auto by_cache = [&](auto tag) -> int {
+    return kvq.kind == kKVCacheFloat ? by_head(tag, tag) : by_head(tag, Tag<uint8_t>{});
   };
   switch (dtype) {
-    case kFloat32: return by_head(Tag<float>{});
-    case kFloat16: return by_head(Tag<__half>{});
-    case kBFloat16: return by_head(Tag<__nv_bfloat16>{});
+    case kFloat32: return by_cache(Tag<float>{});
+    case kFloat16: return by_cache(Tag<__half>{});
+    case kBFloat16: return by_cache(Tag<__nv_bfloat16>{});
     default: return kUnsupportedConfig;
   }
 }
@@ -77,30 +86,30 @@ int reserve_shared_memory(Kernel kernel, size_t bytes) {
   return static_cast<int>(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
 }
 
-template <typename T, int HEAD, int BLOCK>
+template <typename T, typename C, int HEAD, int BLOCK>
 int launch_v1(void* out, const DecodeArgs& a) {
   // The whole sequence's logits live in shared memory, padded to whole blocks.
   const int logits_capacity = divide_round_up(a.max_seq_len, BLOCK) * BLOCK;
   const size_t smem = static_cast<size_t>(logits_capacity) * sizeof(float);
-  auto kernel = paged_attention_v1_kernel<T, HEAD, BLOCK, NUM_THREADS>;
+  auto kernel = paged_attention_v1_kernel<T, C, HEAD, BLOCK, NUM_THREADS>;
   if (int rc = reserve_shared_memory(kernel, smem)) return rc;
   const int64_t* s = a.strides;
   VFS_LAUNCH(kernel, dim3(a.num_heads, a.num_seqs, 1), NUM_THREADS, smem, a.stream)(
-      static_cast<T*>(out), static_cast<const T*>(a.q), static_cast<const T*>(a.k_cache),
-      static_cast<const T*>(a.v_cache), a.num_kv_heads, a.scale, a.block_tables, a.seq_lens,
+      static_cast<T*>(out), static_cast<const T*>(a.q), static_cast<const C*>(a.k_cache),
+      static_cast<const C*>(a.v_cache), a.num_kv_heads, a.scale, a.kvq, a.block_tables, a.seq_lens,
       a.max_num_blocks_per_seq, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8], logits_capacity);
   return static_cast<int>(cudaGetLastError());
 }
 
-template <typename T, int HEAD, int BLOCK>
+template <typename T, typename C, int HEAD, int BLOCK>
 int launch_v2(void* out, float* exp_sums, float* max_logits, float* tmp_out, const DecodeArgs& a) {
   const int max_num_partitions = divide_round_up(a.max_seq_len, PARTITION_SIZE);
   const int64_t* s = a.strides;
-  const auto partition_kernel = paged_attention_v2_kernel<T, HEAD, BLOCK, NUM_THREADS, PARTITION_SIZE>;
+  const auto partition_kernel = paged_attention_v2_kernel<T, C, HEAD, BLOCK, NUM_THREADS, PARTITION_SIZE>;
   VFS_LAUNCH(partition_kernel, dim3(a.num_heads, a.num_seqs, max_num_partitions), NUM_THREADS,
              PARTITION_SIZE * sizeof(float), a.stream)(
-          exp_sums, max_logits, tmp_out, static_cast<const T*>(a.q), static_cast<const T*>(a.k_cache),
-          static_cast<const T*>(a.v_cache), a.num_kv_heads, a.scale, a.block_tables, a.seq_lens,
+          exp_sums, max_logits, tmp_out, static_cast<const T*>(a.q), static_cast<const C*>(a.k_cache),
+          static_cast<const C*>(a.v_cache), a.num_kv_heads, a.scale, a.kvq, a.block_tables, a.seq_lens,
           a.max_num_blocks_per_seq, s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8]);
   if (cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
   auto reduce = paged_attention_v2_reduce_kernel<T, HEAD, NUM_THREADS, PARTITION_SIZE>;
@@ -120,7 +129,7 @@ constexpr int V3_GROUP_MAX = 4;
 
 inline int v3_head_chunks(int group, int group_max) { return divide_round_up(group, group_max); }
 
-template <typename T, int HEAD, int BLOCK, int GROUP_MAX>
+template <typename T, typename C, int HEAD, int BLOCK, int GROUP_MAX>
 int launch_v3(void* out, float* exp_sums, float* max_logits, float* tmp_out, const DecodeArgs& a) {
   const int group = a.num_heads / a.num_kv_heads;
   const int head_chunks = v3_head_chunks(group, GROUP_MAX);
@@ -128,11 +137,11 @@ int launch_v3(void* out, float* exp_sums, float* max_logits, float* tmp_out, con
   const bool split = tmp_out != nullptr;
   const int max_num_partitions = split ? divide_round_up(a.max_seq_len, PARTITION_SIZE) : 1;
   const int64_t* s = a.strides;
-  const auto kernel = paged_attention_v3_kernel<T, HEAD, BLOCK, GROUP_MAX, NUM_THREADS, PARTITION_SIZE>;
+  const auto kernel = paged_attention_v3_kernel<T, C, HEAD, BLOCK, GROUP_MAX, NUM_THREADS, PARTITION_SIZE>;
   VFS_LAUNCH(kernel, dim3(a.num_kv_heads * head_chunks, a.num_seqs, max_num_partitions), NUM_THREADS, 0, a.stream)(
       static_cast<T*>(out), exp_sums, max_logits, tmp_out, static_cast<const T*>(a.q),
-      static_cast<const T*>(a.k_cache), static_cast<const T*>(a.v_cache), a.num_heads, a.num_kv_heads,
-      heads_per_block, a.scale, a.block_tables, a.seq_lens, a.max_num_blocks_per_seq, s[0], s[1], s[2], s[3], s[4],
+      static_cast<const C*>(a.k_cache), static_cast<const C*>(a.v_cache), a.num_heads, a.num_kv_heads,
+      heads_per_block, a.scale, a.kvq, a.block_tables, a.seq_lens, a.max_num_blocks_per_seq, s[0], s[1], s[2], s[3], s[4],
       s[5], s[6], s[7], s[8]);
   if (cudaError_t e = cudaGetLastError()) return static_cast<int>(e);
   if (!split) return 0;
@@ -152,11 +161,14 @@ int launch_v3(void* out, float* exp_sums, float* max_logits, float* tmp_out, con
 int vfs_paged_attention_v1(int dtype, int head_size, int block_size, void* out, const void* q, const void* k_cache,
                            const void* v_cache, const int* block_tables, const int* seq_lens, int num_seqs,
                            int num_heads, int num_kv_heads, int max_num_blocks_per_seq, int max_seq_len,
-                           float scale, const int64_t* strides, int64_t stream) {
+                           float scale, int kv_cache_kind, bool kv_per_row, float k_scale, float v_scale,
+                           const int64_t* strides, int64_t stream) {
   const vfs::DecodeArgs a{q, k_cache, v_cache, block_tables, seq_lens, num_seqs, num_heads, num_kv_heads,
-                          max_num_blocks_per_seq, max_seq_len, scale, strides, reinterpret_cast<cudaStream_t>(stream)};
-  return vfs::dispatch(dtype, head_size, block_size, [&](auto tag, auto head, auto block) {
-    return vfs::launch_v1<typename decltype(tag)::type, decltype(head)::value, decltype(block)::value>(out, a);
+                          max_num_blocks_per_seq, max_seq_len, scale, {kv_cache_kind, kv_per_row, k_scale, v_scale},
+                          strides, reinterpret_cast<cudaStream_t>(stream)};
+  return vfs::dispatch(dtype, a.kvq, head_size, block_size, [&](auto tag, auto cache_tag, auto head, auto block) {
+    return vfs::launch_v1<typename decltype(tag)::type, typename decltype(cache_tag)::type, decltype(head)::value,
+                          decltype(block)::value>(out, a);
   });
 }
 
@@ -164,12 +176,14 @@ int vfs_paged_attention_v2(int dtype, int head_size, int block_size, void* out, 
                            float* tmp_out, const void* q, const void* k_cache, const void* v_cache,
                            const int* block_tables, const int* seq_lens, int num_seqs, int num_heads,
                            int num_kv_heads, int max_num_blocks_per_seq, int max_seq_len, float scale,
-                           const int64_t* strides, int64_t stream) {
+                           int kv_cache_kind, bool kv_per_row, float k_scale, float v_scale, const int64_t* strides,
+                           int64_t stream) {
   const vfs::DecodeArgs a{q, k_cache, v_cache, block_tables, seq_lens, num_seqs, num_heads, num_kv_heads,
-                          max_num_blocks_per_seq, max_seq_len, scale, strides, reinterpret_cast<cudaStream_t>(stream)};
-  return vfs::dispatch(dtype, head_size, block_size, [&](auto tag, auto head, auto block) {
-    return vfs::launch_v2<typename decltype(tag)::type, decltype(head)::value, decltype(block)::value>(
-        out, exp_sums, max_logits, tmp_out, a);
+                          max_num_blocks_per_seq, max_seq_len, scale, {kv_cache_kind, kv_per_row, k_scale, v_scale},
+                          strides, reinterpret_cast<cudaStream_t>(stream)};
+  return vfs::dispatch(dtype, a.kvq, head_size, block_size, [&](auto tag, auto cache_tag, auto head, auto block) {
+    return vfs::launch_v2<typename decltype(tag)::type, typename decltype(cache_tag)::type, decltype(head)::value,
+                          decltype(block)::value>(out, exp_sums, max_logits, tmp_out, a);
   });
 }
 
@@ -180,18 +194,21 @@ int vfs_paged_attention_v3(int dtype, int head_size, int block_size, void* out, 
                            float* tmp_out, const void* q, const void* k_cache, const void* v_cache,
                            const int* block_tables, const int* seq_lens, int num_seqs, int num_heads,
                            int num_kv_heads, int max_num_blocks_per_seq, int max_seq_len, float scale,
-                           const int64_t* strides, int64_t stream) {
+                           int kv_cache_kind, bool kv_per_row, float k_scale, float v_scale, const int64_t* strides,
+                           int64_t stream) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return vfs::kUnsupportedConfig;
   if ((tmp_out == nullptr) != (exp_sums == nullptr) || (tmp_out == nullptr) != (max_logits == nullptr))
     return vfs::kUnsupportedConfig;
   const vfs::DecodeArgs a{q, k_cache, v_cache, block_tables, seq_lens, num_seqs, num_heads, num_kv_heads,
-                          max_num_blocks_per_seq, max_seq_len, scale, strides, reinterpret_cast<cudaStream_t>(stream)};
+                          max_num_blocks_per_seq, max_seq_len, scale, {kv_cache_kind, kv_per_row, k_scale, v_scale},
+                          strides, reinterpret_cast<cudaStream_t>(stream)};
   const bool mha = num_heads == num_kv_heads;
-  return vfs::dispatch(dtype, head_size, block_size, [&](auto tag, auto head, auto block) {
+  return vfs::dispatch(dtype, a.kvq, head_size, block_size, [&](auto tag, auto cache_tag, auto head, auto block) {
     using T = typename decltype(tag)::type;
+    using C = typename decltype(cache_tag)::type;
     constexpr int HEAD = decltype(head)::value, BLOCK = decltype(block)::value;
-    return mha ? vfs::launch_v3<T, HEAD, BLOCK, 1>(out, exp_sums, max_logits, tmp_out, a)
-               : vfs::launch_v3<T, HEAD, BLOCK, vfs::V3_GROUP_MAX>(out, exp_sums, max_logits, tmp_out, a);
+    return mha ? vfs::launch_v3<T, C, HEAD, BLOCK, 1>(out, exp_sums, max_logits, tmp_out, a)
+               : vfs::launch_v3<T, C, HEAD, BLOCK, vfs::V3_GROUP_MAX>(out, exp_sums, max_logits, tmp_out, a);
   });
 }
 
@@ -200,7 +217,8 @@ int vfs_paged_attention_v3_group_max() { return vfs::V3_GROUP_MAX; }
 int vfs_paged_attention_partition_size() { return vfs::PARTITION_SIZE; }
 
 const char* vfs_paged_attention_error_string(int code) {
-  if (code == vfs::kUnsupportedConfig) return "unsupported dtype / head size / block size (not compiled)";
+  if (code == vfs::kUnsupportedConfig)
+    return "unsupported dtype / KV cache kind / head size / block size (not compiled)";
   if (code == vfs::kSharedMemoryTooLarge)
     return "v1 keeps every logit of the longest sequence in shared memory and max_seq_len is too long for it; use v2";
   return cudaGetErrorString(static_cast<cudaError_t>(code));

@@ -38,16 +38,18 @@
 
 namespace vfs {
 
-template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE>
+// cache_t: scalar_t (a float cache) or uint8_t (an 8-bit cache, read as `kvq` says: int8 or fp8
+// bytes, scaled per row or per layer; its strides count bytes).
+template <typename scalar_t, typename cache_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE>
 __device__ __forceinline__ void paged_attention_kernel(
     float* __restrict__ exp_sums,            // v2: [num_seqs, num_heads, max_num_partitions]
     float* __restrict__ max_logits,          // v2: [num_seqs, num_heads, max_num_partitions]
     scalar_t* __restrict__ out,              // v1: [num_seqs, num_heads, head_size] (contiguous)
     float* __restrict__ tmp_out,             // v2: [num_seqs, num_heads, max_num_partitions, head_size]
     const scalar_t* __restrict__ q,          // [num_seqs, num_heads, head_size]
-    const scalar_t* __restrict__ k_cache,    // [num_blocks, block_size, num_kv_heads, head_size]
-    const scalar_t* __restrict__ v_cache,    // [num_blocks, block_size, num_kv_heads, head_size]
-    const int num_kv_heads, const float scale,
+    const cache_t* __restrict__ k_cache,     // [num_blocks, block_size, num_kv_heads, head_size (+ 4 bytes)]
+    const cache_t* __restrict__ v_cache,     // [num_blocks, block_size, num_kv_heads, head_size (+ 4 bytes)]
+    const int num_kv_heads, const float scale, const KVQuantArgs kvq,
     const int* __restrict__ block_tables,    // [num_seqs, max_num_blocks_per_seq]
     const int* __restrict__ seq_lens,        // [num_seqs]
     const int max_num_blocks_per_seq, const int64_t block_tables_stride,
@@ -56,6 +58,7 @@ __device__ __forceinline__ void paged_attention_kernel(
     const int64_t v_block_stride, const int64_t v_token_stride, const int64_t v_head_stride,
     const int logits_capacity) {             // floats available in the dynamic shared memory
   constexpr bool USE_PARTITIONING = PARTITION_SIZE > 0;
+  constexpr bool QUANT = sizeof(cache_t) == 1;
   constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
   static_assert(NUM_THREADS % WARP_SIZE == 0, "whole warps only");
   static_assert(BLOCK_SIZE <= WARP_SIZE && WARP_SIZE % BLOCK_SIZE == 0, "one warp covers one KV block");
@@ -112,7 +115,7 @@ __device__ __forceinline__ void paged_attention_kernel(
   constexpr int VEC_SIZE = (16 / (THREAD_GROUP_SIZE * sizeof(scalar_t))) > 0 ? 16 / (THREAD_GROUP_SIZE * sizeof(scalar_t)) : 1;
   constexpr int NUM_VECS_PER_THREAD = HEAD_SIZE / (THREAD_GROUP_SIZE * VEC_SIZE);
   static_assert(HEAD_SIZE % (THREAD_GROUP_SIZE * VEC_SIZE) == 0, "head size must split evenly over a thread group");
-  using K_vec = Vec<scalar_t, VEC_SIZE>;
+  using K_vec = Vec<cache_t, VEC_SIZE>;   // the same lane layout for an 8-bit cache, VEC_SIZE bytes
   const int token_in_block = lane / THREAD_GROUP_SIZE;
   const int lane_in_group = lane % THREAD_GROUP_SIZE;
 
@@ -123,16 +126,16 @@ __device__ __forceinline__ void paged_attention_kernel(
     const int token_idx = block_idx * BLOCK_SIZE + token_in_block;
     float qk = 0.f;
     if (token_idx < seq_len) {  // the tail of the last block is never read
-      const scalar_t* k_ptr = k_cache + physical_block * k_block_stride + token_in_block * k_token_stride +
-                              kv_head_idx * k_head_stride;
+      const cache_t* k_ptr = k_cache + physical_block * k_block_stride + token_in_block * k_token_stride +
+                             kv_head_idx * k_head_stride;
       // Unrolled by 8: enough 16-byte loads in flight per thread without spilling registers
       // when one thread owns a whole row (BLOCK_SIZE 32, head size 256).
 #pragma unroll 8
       for (int j = 0; j < NUM_VECS_PER_THREAD; ++j) {
         const int offset = (j * THREAD_GROUP_SIZE + lane_in_group) * VEC_SIZE;
-        const K_vec k_vec = *reinterpret_cast<const K_vec*>(k_ptr + offset);
+        const K_vec k_vec = load_kv<cache_t, VEC_SIZE>(k_ptr + offset);
 #pragma unroll
-        for (int e = 0; e < VEC_SIZE; ++e) qk += q_smem[offset + e] * to_float(k_vec.val[e]);
+        for (int e = 0; e < VEC_SIZE; ++e) qk += q_smem[offset + e] * kv_to_float(k_vec.val[e], kvq.kind);
       }
     }
     // Combine the group's partial dot products (its lanes differ only in the low bits).
@@ -140,6 +143,10 @@ __device__ __forceinline__ void paged_attention_kernel(
     for (int mask = THREAD_GROUP_SIZE / 2; mask >= 1; mask /= 2) qk += __shfl_xor_sync(0xffffffffu, qk, mask);
     if (lane_in_group == 0 && token_idx < end_token_idx) {
       qk *= scale;
+      if constexpr (QUANT) {   // q . (s k) = s (q . k): the row's K scale once, after the dot
+        qk *= kv_row_scale<HEAD_SIZE>(k_cache + physical_block * k_block_stride + token_in_block * k_token_stride +
+                                          kv_head_idx * k_head_stride, kvq.per_row, kvq.k_scale);
+      }
       logits[token_idx - start_token_idx] = qk;
       qk_max = fmaxf(qk_max, qk);
     }
@@ -167,14 +174,14 @@ __device__ __forceinline__ void paged_attention_kernel(
   // ---- phase 3: out = sum over tokens of p * v
   // A token's V row is HEAD_SIZE contiguous elements = NUM_V_VECS 16-byte vectors. LANES_PER_ROW
   // lanes sweep one row; the warp covers ROWS_PER_ITER tokens at once.
-  constexpr int V_VEC_SIZE = 16 / sizeof(scalar_t);
+  constexpr int V_VEC_SIZE = 16 / sizeof(scalar_t);       // an 8-bit cache: the same lanes, V_VEC_SIZE bytes
   constexpr int NUM_V_VECS = HEAD_SIZE / V_VEC_SIZE;
   constexpr int LANES_PER_ROW = NUM_V_VECS < WARP_SIZE ? NUM_V_VECS : WARP_SIZE;
   constexpr int V_VECS_PER_LANE = NUM_V_VECS / LANES_PER_ROW;
   constexpr int ROWS_PER_ITER = WARP_SIZE / LANES_PER_ROW;
   static_assert(HEAD_SIZE % V_VEC_SIZE == 0 && NUM_V_VECS % LANES_PER_ROW == 0, "head size must split into 16-byte vectors");
   static_assert(BLOCK_SIZE % ROWS_PER_ITER == 0, "a warp's rows must tile the block");
-  using V_vec = Vec<scalar_t, V_VEC_SIZE>;
+  using V_vec = Vec<cache_t, V_VEC_SIZE>;
   const int row_in_iter = lane / LANES_PER_ROW;
   const int lane_in_row = lane % LANES_PER_ROW;
 
@@ -188,13 +195,14 @@ __device__ __forceinline__ void paged_attention_kernel(
     const int num_rows = min(BLOCK_SIZE, seq_len - block_idx * BLOCK_SIZE);
 #pragma unroll 2
     for (int row = row_in_iter; row < num_rows; row += ROWS_PER_ITER) {
-      const float p = logits[block_idx * BLOCK_SIZE + row - start_token_idx];
-      const scalar_t* v_ptr = v_cache + physical_block * v_block_stride + row * v_token_stride + kv_head_idx * v_head_stride;
+      const cache_t* v_ptr = v_cache + physical_block * v_block_stride + row * v_token_stride + kv_head_idx * v_head_stride;
+      float p = logits[block_idx * BLOCK_SIZE + row - start_token_idx];
+      if constexpr (QUANT) p *= kv_row_scale<HEAD_SIZE>(v_ptr, kvq.per_row, kvq.v_scale);   // p (s v) = (p s) v
 #pragma unroll
       for (int j = 0; j < V_VECS_PER_LANE; ++j) {
-        const V_vec v_vec = *reinterpret_cast<const V_vec*>(v_ptr + (j * LANES_PER_ROW + lane_in_row) * V_VEC_SIZE);
+        const V_vec v_vec = load_kv<cache_t, V_VEC_SIZE>(v_ptr + (j * LANES_PER_ROW + lane_in_row) * V_VEC_SIZE);
 #pragma unroll
-        for (int e = 0; e < V_VEC_SIZE; ++e) accs[j * V_VEC_SIZE + e] += p * to_float(v_vec.val[e]);
+        for (int e = 0; e < V_VEC_SIZE; ++e) accs[j * V_VEC_SIZE + e] += p * kv_to_float(v_vec.val[e], kvq.kind);
       }
     }
   }
@@ -229,33 +237,33 @@ __device__ __forceinline__ void paged_attention_kernel(
 }
 
 // v1: grid (num_heads, num_seqs); dynamic shared memory holds the sequence's logits.
-template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
+template <typename scalar_t, typename cache_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS>
 __global__ void __launch_bounds__(NUM_THREADS, 1) paged_attention_v1_kernel(
-    scalar_t* __restrict__ out, const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache,
-    const scalar_t* __restrict__ v_cache, const int num_kv_heads, const float scale,
+    scalar_t* __restrict__ out, const scalar_t* __restrict__ q, const cache_t* __restrict__ k_cache,
+    const cache_t* __restrict__ v_cache, const int num_kv_heads, const float scale, const KVQuantArgs kvq,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens, const int max_num_blocks_per_seq,
     const int64_t block_tables_stride, const int64_t q_seq_stride, const int64_t q_head_stride,
     const int64_t k_block_stride, const int64_t k_token_stride, const int64_t k_head_stride,
     const int64_t v_block_stride, const int64_t v_token_stride, const int64_t v_head_stride,
     const int logits_capacity) {
-  paged_attention_kernel<scalar_t, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, 0>(
-      nullptr, nullptr, out, nullptr, q, k_cache, v_cache, num_kv_heads, scale, block_tables, seq_lens,
+  paged_attention_kernel<scalar_t, cache_t, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, 0>(
+      nullptr, nullptr, out, nullptr, q, k_cache, v_cache, num_kv_heads, scale, kvq, block_tables, seq_lens,
       max_num_blocks_per_seq, block_tables_stride, q_seq_stride, q_head_stride, k_block_stride, k_token_stride,
       k_head_stride, v_block_stride, v_token_stride, v_head_stride, logits_capacity);
 }
 
 // v2: grid (num_heads, num_seqs, max_num_partitions); one partition per thread block.
-template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE>
+template <typename scalar_t, typename cache_t, int HEAD_SIZE, int BLOCK_SIZE, int NUM_THREADS, int PARTITION_SIZE>
 __global__ void __launch_bounds__(NUM_THREADS, 1) paged_attention_v2_kernel(
     float* __restrict__ exp_sums, float* __restrict__ max_logits, float* __restrict__ tmp_out,
-    const scalar_t* __restrict__ q, const scalar_t* __restrict__ k_cache, const scalar_t* __restrict__ v_cache,
-    const int num_kv_heads, const float scale, const int* __restrict__ block_tables,
+    const scalar_t* __restrict__ q, const cache_t* __restrict__ k_cache, const cache_t* __restrict__ v_cache,
+    const int num_kv_heads, const float scale, const KVQuantArgs kvq, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int max_num_blocks_per_seq, const int64_t block_tables_stride,
     const int64_t q_seq_stride, const int64_t q_head_stride, const int64_t k_block_stride,
     const int64_t k_token_stride, const int64_t k_head_stride, const int64_t v_block_stride,
     const int64_t v_token_stride, const int64_t v_head_stride) {
-  paged_attention_kernel<scalar_t, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, PARTITION_SIZE>(
-      exp_sums, max_logits, nullptr, tmp_out, q, k_cache, v_cache, num_kv_heads, scale, block_tables, seq_lens,
+  paged_attention_kernel<scalar_t, cache_t, HEAD_SIZE, BLOCK_SIZE, NUM_THREADS, PARTITION_SIZE>(
+      exp_sums, max_logits, nullptr, tmp_out, q, k_cache, v_cache, num_kv_heads, scale, kvq, block_tables, seq_lens,
       max_num_blocks_per_seq, block_tables_stride, q_seq_stride, q_head_stride, k_block_stride, k_token_stride,
       k_head_stride, v_block_stride, v_token_stride, v_head_stride, PARTITION_SIZE);
 }

@@ -48,6 +48,61 @@ struct alignas(sizeof(T) * N) Vec {
   T val[N];
 };
 
+// ------------------------------------------------------------------ reading an 8-bit cache
+// (paged_attention/kv_quant.py). The read kernels take the cache as bytes (cache_t = uint8_t)
+// and this: what the bytes are and where their scales live.
+enum KVCacheKind : int { kKVCacheFloat = 0, kKVCacheInt8 = 1, kKVCacheFp8 = 2 };
+
+struct KVQuantArgs {
+  int kind;          // KVCacheKind
+  bool per_row;      // each (token, KV head) row: head_size bytes, then its fp32 scale; else the layer's:
+  float k_scale;     //   K's per-tensor scale
+  float v_scale;     //   V's
+};
+
+// fp8 e4m3fn byte -> float, exactly (integer arithmetic: the emulator and every GPU agree). The
+// writers clamp to +-448, so the NaN codes (S.1111.111) never occur in a cache.
+__device__ __forceinline__ float fp8e4m3_to_float(uint8_t b) {
+  const unsigned sign = static_cast<unsigned>(b & 0x80u) << 24, exp = (b >> 3) & 0xFu, man = b & 7u;
+  if (exp == 0) return __uint_as_float(sign | __float_as_uint(static_cast<float>(man) * 0.001953125f));  // man * 2^-9
+  return __uint_as_float(sign | ((exp + 120u) << 23) | (man << 20));    // 2^(exp - 7) * (1 + man / 8)
+}
+
+// One cache element as a float, unscaled: a float cache's as it is, an 8-bit cache's byte as
+// int8 or fp8 (warp-uniform branch: one kernel instance serves both 8-bit kinds).
+template <typename cache_t> __device__ __forceinline__ float kv_to_float(cache_t x, int) { return to_float(x); }
+__device__ __forceinline__ float kv_to_float(uint8_t x, int kind) {
+  return kind == kKVCacheInt8 ? static_cast<float>(static_cast<int8_t>(x)) : fp8e4m3_to_float(x);
+}
+
+// N consecutive cache elements, as stored (converted on use, so that bf16 or 8-bit loads in
+// flight cost half or a quarter of the registers floats would). A float cache: one 16-byte
+// load. An 8-bit cache: a per-token-head row is head_size + 4 bytes, so rows are only 4-byte
+// aligned and the widest load is 4 bytes.
+template <typename cache_t, int N>
+__device__ __forceinline__ Vec<cache_t, N> load_kv(const cache_t* p) {
+  if constexpr (sizeof(cache_t) == 1) {
+    constexpr int W = N < 4 ? N : 4;
+    Vec<cache_t, N> v;
+#pragma unroll
+    for (int i = 0; i < N; i += W) {
+      const Vec<cache_t, W> w = *reinterpret_cast<const Vec<cache_t, W>*>(p + i);
+#pragma unroll
+      for (int e = 0; e < W; ++e) v.val[i + e] = w.val[e];
+    }
+    return v;
+  } else {
+    return *reinterpret_cast<const Vec<cache_t, N>*>(p);
+  }
+}
+
+// The scale of one cache row (`row` points at its first element): a per-token-head row carries
+// it after its head_size bytes; otherwise the layer's. Only 8-bit caches ask.
+template <int HEAD_SIZE>
+__device__ __forceinline__ float kv_row_scale(const uint8_t* row, const bool per_row, const float tensor_scale) {
+  return per_row ? *reinterpret_cast<const float*>(row + HEAD_SIZE) : tensor_scale;
+}
+
 // Sum (or max) over the lanes of a warp whose index differs only in bits [lo, WARP_SIZE):
 // with lo = 1 every lane ends with the warp total; with lo = group size, every lane holds
 // the total over the lanes that share its position inside a group.

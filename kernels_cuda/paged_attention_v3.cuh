@@ -74,16 +74,19 @@ struct V3Layout {
   static_assert(BLOCK_SIZE % ROWS_PER_STEP == 0 && STEPS % BATCH == 0, "a warp's steps must tile the block");
 };
 
-template <typename scalar_t, int HEAD_SIZE, int BLOCK_SIZE, int GROUP_MAX, int NUM_THREADS, int PARTITION_SIZE>
+// cache_t: scalar_t (a float cache) or uint8_t (an 8-bit cache, read as `kvq` says; strides in bytes).
+// The lane layout is the query dtype's either way (V3Layout<scalar_t>): an 8-bit lane loads VEC bytes.
+template <typename scalar_t, typename cache_t, int HEAD_SIZE, int BLOCK_SIZE, int GROUP_MAX, int NUM_THREADS,
+          int PARTITION_SIZE>
 __global__ void __launch_bounds__(NUM_THREADS, v3_min_blocks_per_sm<GROUP_MAX>()) paged_attention_v3_kernel(
     scalar_t* __restrict__ out,              // no split: [num_seqs, num_heads, head_size] (contiguous)
     float* __restrict__ exp_sums,            // split: [num_seqs, num_heads, max_num_partitions]
     float* __restrict__ max_logits,          // split: [num_seqs, num_heads, max_num_partitions]
     float* __restrict__ tmp_out,             // split: [num_seqs, num_heads, max_num_partitions, head_size]; nullptr: no split
     const scalar_t* __restrict__ q,          // [num_seqs, num_heads, head_size]
-    const scalar_t* __restrict__ k_cache,    // [num_blocks, block_size, num_kv_heads, head_size]
-    const scalar_t* __restrict__ v_cache,    // [num_blocks, block_size, num_kv_heads, head_size]
-    const int num_heads, const int num_kv_heads, const int heads_per_block, const float scale,
+    const cache_t* __restrict__ k_cache,     // [num_blocks, block_size, num_kv_heads, head_size (+ 4 bytes)]
+    const cache_t* __restrict__ v_cache,     // [num_blocks, block_size, num_kv_heads, head_size (+ 4 bytes)]
+    const int num_heads, const int num_kv_heads, const int heads_per_block, const float scale, const KVQuantArgs kvq,
     const int* __restrict__ block_tables,    // [num_seqs, max_num_blocks_per_seq]
     const int* __restrict__ seq_lens,        // [num_seqs]
     const int max_num_blocks_per_seq, const int64_t block_tables_stride,
@@ -91,7 +94,8 @@ __global__ void __launch_bounds__(NUM_THREADS, v3_min_blocks_per_sm<GROUP_MAX>()
     const int64_t k_block_stride, const int64_t k_token_stride, const int64_t k_head_stride,
     const int64_t v_block_stride, const int64_t v_token_stride, const int64_t v_head_stride) {
   using L = V3Layout<scalar_t, HEAD_SIZE, BLOCK_SIZE>;
-  using Vec16 = Vec<scalar_t, L::VEC>;
+  using Vec16 = Vec<cache_t, L::VEC>;      // 16 bytes of a float cache; VEC bytes of an 8-bit one
+  constexpr bool QUANT = sizeof(cache_t) == 1;
   constexpr int NUM_WARPS = NUM_THREADS / WARP_SIZE;
   static_assert(NUM_THREADS % WARP_SIZE == 0, "whole warps only");
   static_assert(PARTITION_SIZE % BLOCK_SIZE == 0, "partitions are whole blocks");
@@ -167,10 +171,10 @@ __global__ void __launch_bounds__(NUM_THREADS, v3_min_blocks_per_sm<GROUP_MAX>()
     const int64_t physical_block = block_table[block_idx];
     // Rows past seq_len (the unused tail of the last block) are never read.
     const int num_rows = min(BLOCK_SIZE, seq_len - block_idx * BLOCK_SIZE);
-    const scalar_t* k_ptr = k_cache + physical_block * k_block_stride + kv_head_idx * k_head_stride +
-                            lane_in_row * L::VEC;
-    const scalar_t* v_ptr = v_cache + physical_block * v_block_stride + kv_head_idx * v_head_stride +
-                            lane_in_row * L::VEC;
+    const cache_t* k_row0 = k_cache + physical_block * k_block_stride + kv_head_idx * k_head_stride;
+    const cache_t* v_row0 = v_cache + physical_block * v_block_stride + kv_head_idx * v_head_stride;
+    const cache_t* k_ptr = k_row0 + lane_in_row * L::VEC;
+    const cache_t* v_ptr = v_row0 + lane_in_row * L::VEC;
 
     // -- scores s[row][h] = q_h . k_row (log2 domain), BATCH steps of loads in flight
     float block_max[GROUP_MAX];
@@ -185,10 +189,13 @@ __global__ void __launch_bounds__(NUM_THREADS, v3_min_blocks_per_sm<GROUP_MAX>()
 #pragma unroll
         for (int j = 0; j < L::VECS_PER_LANE; ++j) {
           if (row < num_rows) {
-            k_vec[i][j] = *reinterpret_cast<const Vec16*>(k_ptr + row * k_token_stride + j * L::LANES_PER_ROW * L::VEC);
+            k_vec[i][j] = load_kv<cache_t, L::VEC>(k_ptr + row * k_token_stride + j * L::LANES_PER_ROW * L::VEC);
           } else {
 #pragma unroll
-            for (int e = 0; e < L::VEC; ++e) k_vec[i][j].val[e] = from_float<scalar_t>(0.f);
+            for (int e = 0; e < L::VEC; ++e) {
+              if constexpr (QUANT) k_vec[i][j].val[e] = 0;
+              else k_vec[i][j].val[e] = from_float<scalar_t>(0.f);
+            }
           }
         }
       }
@@ -202,15 +209,18 @@ __global__ void __launch_bounds__(NUM_THREADS, v3_min_blocks_per_sm<GROUP_MAX>()
 #pragma unroll
           for (int j = 0; j < L::VECS_PER_LANE; ++j) {
 #pragma unroll
-            for (int e = 0; e < L::VEC; ++e) s[h] += q_reg[h][j * L::VEC + e] * to_float(k_vec[i][j].val[e]);
+            for (int e = 0; e < L::VEC; ++e) s[h] += q_reg[h][j * L::VEC + e] * kv_to_float(k_vec[i][j].val[e], kvq.kind);
           }
           // the row's lanes differ only in the low bits of the lane index
 #pragma unroll
           for (int mask = L::LANES_PER_ROW / 2; mask >= 1; mask /= 2) s[h] += __shfl_xor_sync(0xffffffffu, s[h], mask);
         }
         if (row < num_rows) {
+          float k_scale = 1.f;   // q . (s k) = s (q . k): the row's K scale once, after the dot
+          if constexpr (QUANT) k_scale = kv_row_scale<HEAD_SIZE>(k_row0 + row * k_token_stride, kvq.per_row, kvq.k_scale);
 #pragma unroll
           for (int h = 0; h < GROUP_MAX; ++h) {
+            if constexpr (QUANT) s[h] *= k_scale;
             block_max[h] = fmaxf(block_max[h], s[h]);
             if (lane_in_row == 0) s_smem[warp_idx][row][h] = s[h];
           }
@@ -240,21 +250,24 @@ __global__ void __launch_bounds__(NUM_THREADS, v3_min_blocks_per_sm<GROUP_MAX>()
         if (row < num_rows) {
 #pragma unroll
           for (int j = 0; j < L::VECS_PER_LANE; ++j)
-            v_vec[i][j] = *reinterpret_cast<const Vec16*>(v_ptr + row * v_token_stride + j * L::LANES_PER_ROW * L::VEC);
+            v_vec[i][j] = load_kv<cache_t, L::VEC>(v_ptr + row * v_token_stride + j * L::LANES_PER_ROW * L::VEC);
         }
       }
 #pragma unroll
       for (int i = 0; i < L::BATCH; ++i) {
         const int row = (b + i) * L::ROWS_PER_STEP + row_in_step;
         if (row < num_rows) {   // junk * 0 could be NaN: rows past seq_len take no part at all
+          float v_scale = 1.f;   // p (s v) = (p s) v
+          if constexpr (QUANT) v_scale = kv_row_scale<HEAD_SIZE>(v_row0 + row * v_token_stride, kvq.per_row, kvq.v_scale);
 #pragma unroll
           for (int h = 0; h < GROUP_MAX; ++h) {
             const float p = exp2f(s_smem[warp_idx][row][h] - m[h]);
             l[h] += p;
+            const float pv = QUANT ? p * v_scale : p;
 #pragma unroll
             for (int j = 0; j < L::VECS_PER_LANE; ++j) {
 #pragma unroll
-              for (int e = 0; e < L::VEC; ++e) acc[h][j * L::VEC + e] += p * to_float(v_vec[i][j].val[e]);
+              for (int e = 0; e < L::VEC; ++e) acc[h][j * L::VEC + e] += pv * kv_to_float(v_vec[i][j].val[e], kvq.kind);
             }
           }
         }

@@ -39,11 +39,13 @@ CXXFLAGS = ["-std=c++17", "-O1", "-shared", "-fPIC", "-pthread", "-Wno-unknown-p
 LAUNCHERS: dict[str, list[str]] = {
     "paged_attention": [
         "int vfs_paged_attention_v1(int, int, int, void*, const void*, const void*, const void*, const int*, "
-        "const int*, int, int, int, int, int, float, const int64_t*, int64_t)",
+        "const int*, int, int, int, int, int, float, int, bool, float, float, const int64_t*, int64_t)",
         "int vfs_paged_attention_v2(int, int, int, void*, float*, float*, float*, const void*, const void*, "
-        "const void*, const int*, const int*, int, int, int, int, int, float, const int64_t*, int64_t)",
+        "const void*, const int*, const int*, int, int, int, int, int, float, int, bool, float, float, "
+        "const int64_t*, int64_t)",
         "int vfs_paged_attention_v3(int, int, int, void*, float*, float*, float*, const void*, const void*, "
-        "const void*, const int*, const int*, int, int, int, int, int, float, const int64_t*, int64_t)",
+        "const void*, const int*, const int*, int, int, int, int, int, float, int, bool, float, float, "
+        "const int64_t*, int64_t)",
         "int vfs_paged_attention_v3_group_max()",
         "int vfs_paged_attention_partition_size()",
         "const char* vfs_paged_attention_error_string(int)",

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kernels_cuda import emulator
-from paged_attention import cuda_ops, reference as ref
+from paged_attention import cuda_ops, ops as pa, reference as ref
+from paged_attention.kv_quant import KVQuant, quantize_rows
 from paged_attention.synthetic import index_views, make_paged_kv, random_query
 from tolerances import assert_close, assert_equal
 
@@ -46,10 +47,11 @@ def ptr(t: torch.Tensor) -> ctypes.c_void_p:
 
 
 def launch_decode(emu, version, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
-                  dtype_code=None, head_size=None):
+                  dtype_code=None, head_size=None, kv_args=(0, False, 1.0, 1.0)):
     """What paged_attention_binding.cpp does for cuda_ops.paged_decode_attention: the launcher
     (vfs_paged_attention_v1 / _v2 / _v3) on raw pointers. Returns (launcher's return code, out).
-    "v3-split" is v3 with the partition scratch (split-KV + v2's reduce), "v3" without it."""
+    "v3-split" is v3 with the partition scratch (split-KV + v2's reduce), "v3" without it.
+    kv_args: (kind, per_row, k_scale, v_scale) of an 8-bit cache (cuda_ops._kv_args); a float cache's by default."""
     num_seqs, num_heads, head_dim = query.shape
     strides = (ctypes.c_int64 * 9)(block_tables.stride(0), query.stride(0), query.stride(1),
                                    *key_cache.stride()[:3], *value_cache.stride()[:3])
@@ -64,13 +66,15 @@ def launch_decode(emu, version, query, key_cache, value_cache, block_tables, seq
     elif version == "v3":
         args += [None, None, None]
     args += [ptr(query), ptr(key_cache), ptr(value_cache), ptr(block_tables), ptr(seq_lens), num_seqs, num_heads,
-             key_cache.shape[2], block_tables.shape[1], max_seq_len, scale, strides, 0]
+             key_cache.shape[2], block_tables.shape[1], max_seq_len, scale, *kv_args, strides, 0]
     rc = getattr(emu, f"vfs_paged_attention_{version.removesuffix('-split')}")(*args)
     return rc, out
 
 
-def emulate_decode(emu, version, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len):
-    rc, out = launch_decode(emu, version, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len)
+def emulate_decode(emu, version, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
+                   kv_args=(0, False, 1.0, 1.0)):
+    rc, out = launch_decode(emu, version, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
+                            kv_args=kv_args)
     assert rc == 0, f"launcher returned {rc}: {emu.vfs_paged_attention_error_string(rc).decode()}"
     return out
 
@@ -254,25 +258,28 @@ class EmulatedExtensions:
         assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(), "binding: seq_lens contiguous int32"
         assert key_cache.stride(3) == 1 and value_cache.stride(3) == 1, "binding: cache rows contiguous"
 
-    def paged_attention_v1(self, out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, stream):
+    def paged_attention_v1(self, out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len,
+                           *kv_and_stream):
         self._binding_checks(out, query, key_cache, value_cache, block_tables, seq_lens)
+        self.calls.append("v1")
         out.copy_(emulate_decode(self.emu, "v1", query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                 max_seq_len))
+                                 max_seq_len, kv_and_stream[:4]))
 
     def paged_attention_v2(self, out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables,
-                           seq_lens, scale, max_seq_len, stream):
+                           seq_lens, scale, max_seq_len, *kv_and_stream):
         self._binding_checks(out, query, key_cache, value_cache, block_tables, seq_lens)
+        self.calls.append("v2")
         out.copy_(emulate_decode(self.emu, "v2", query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                 max_seq_len))
+                                 max_seq_len, kv_and_stream[:4]))
 
     def paged_attention_v3(self, out, exp_sums, max_logits, tmp_out, query, key_cache, value_cache, block_tables,
-                           seq_lens, scale, max_seq_len, stream):
+                           seq_lens, scale, max_seq_len, *kv_and_stream):
         self._binding_checks(out, query, key_cache, value_cache, block_tables, seq_lens)
         assert (exp_sums is None) == (max_logits is None) == (tmp_out is None), "binding: all scratch or none"
         version = "v3" if tmp_out is None else "v3-split"
         self.calls.append(version)
         out.copy_(emulate_decode(self.emu, version, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                 max_seq_len))
+                                 max_seq_len, kv_and_stream[:4]))
 
     def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping, stream):
         assert slot_mapping.is_contiguous(), "binding: slot_mapping must be contiguous"
@@ -365,3 +372,66 @@ def test_use_v3_split_splits_only_long_contexts_on_an_unfilled_gpu():
     assert not split(2048, 128, 32, 8)             # 1024 thread blocks fill the GPU already
     assert split(8192, 16, 32, 8)                  # 128 thread blocks: split
     assert cuda_ops.v3_thread_blocks_per_seq(64, 8) == 16     # group 8 = 2 chunks of 4
+
+
+# ----------------------------------------------------------------------------- an 8-bit cache (kv_quant.py)
+
+KV_MODES = {"int8_per_token_head": KVQuant("int8_per_token_head"),
+            "fp8_per_token_head": KVQuant("fp8_per_token_head"),
+            "fp8": KVQuant("fp8", k_scale=0.02, v_scale=0.01)}
+
+
+def quantized_cache(kq: KVQuant, float_cache: torch.Tensor, which: str) -> torch.Tensor:
+    """make_paged_kv's cache in 8 bits (kv_quant.py's rows); every slot no request owns holds 0x7F
+    bytes: int8 127, an fp8 NaN, a scale of 3.4e38 — what a kernel that reads one would show."""
+    unused = float_cache.isnan().any(-1)                                   # [num_blocks, block_size, kv_heads]
+    rows = quantize_rows(float_cache.nan_to_num(0.0), kq, which)
+    rows.view(torch.uint8)[unused] = 0x7F
+    return rows
+
+
+@pytest.mark.parametrize("mode", KV_MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_version_reads_an_8bit_cache(emu, mode, dtype):
+    """v1, v2, v3 and split v3 on an int8 / fp8 cache (per-row scales inline, or the layer's):
+    equal to the torch backend's read of the same bytes. GQA 4/2, a padding row, partial last
+    blocks, 530 tokens = 2 partitions; the block size changes with the case, so every lane width
+    of the 8-bit loads (1, 2, 4 and 8 bytes a lane) is met."""
+    kq = KV_MODES[mode]
+    block_size = cuda_ops.SUPPORTED_BLOCK_SIZES[(list(KV_MODES).index(mode) + DTYPES.index(dtype)) % 3]
+    seq_lens = [37, 0, 530]
+    kv = make_paged_kv(seq_lens, 2, 64, block_size, seed=11, extra_table_width=1)
+    kc, vc = quantized_cache(kq, kv.key_cache, "k"), quantized_cache(kq, kv.value_cache, "v")
+    q = random_query(len(seq_lens), 4, 64, dtype, seed=12)
+    want = pa.paged_decode_attention(q, kc, vc, kv.block_tables, kv.seq_lens, 0.125, backend="torch", kv_quant=kq)
+    for version in ("v1", "v2", "v3", "v3-split"):
+        out = emulate_decode(emu, version, q, kc, vc, kv.block_tables, kv.seq_lens, 0.125, max(seq_lens),
+                             cuda_ops._kv_args(kq))
+        assert_close(out, want, dtype)
+
+
+@pytest.mark.parametrize("mode", KV_MODES)
+def test_wrapper_reads_an_8bit_cache(emulated_cuda_ops, mode):
+    """cuda_ops.paged_decode_attention(kv_quant=...) end to end (its checks, vLLM's v1/v2 rule, the
+    launch arguments), and bad 8-bit launches are refused by the launcher."""
+    kq = KV_MODES[mode]
+    kv = make_paged_kv([45, 600], 1, 128, 16, seed=13)
+    kc, vc = quantized_cache(kq, kv.key_cache, "k"), quantized_cache(kq, kv.value_cache, "v")
+    q = random_query(2, 3, 128, torch.bfloat16, seed=14)
+    want = pa.paged_decode_attention(q, kc, vc, kv.block_tables, kv.seq_lens, 0.1, backend="torch", kv_quant=kq)
+    for version in (None, "v3"):
+        out = emulated_cuda_ops.paged_decode_attention(q, kc, vc, kv.block_tables, kv.seq_lens, 0.1, version=version,
+                                                       kv_quant=kq)
+        assert_close(out, want, torch.bfloat16)
+    assert emulated_cuda_ops._load("paged_attention").calls[-2:] == ["v2", "v3-split"]   # 600 tokens: 2 partitions
+
+
+def test_launcher_refuses_a_cache_kind_it_does_not_know(emu):
+    kv = make_paged_kv([20], 1, 64, 16, seed=15)
+    q = random_query(1, 1, 64, seed=16)
+    for kv_args in [(3, False, 1.0, 1.0), (0, True, 1.0, 1.0)]:       # no kind 3; a float cache has no row scales
+        for version in ("v1", "v2", "v3"):
+            rc, _ = launch_decode(emu, version, q, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 0.125,
+                                  20, kv_args=kv_args)
+            assert rc == K_UNSUPPORTED_CONFIG
+    assert "KV cache kind" in emu.vfs_paged_attention_error_string(K_UNSUPPORTED_CONFIG).decode()

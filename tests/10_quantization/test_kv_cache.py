@@ -196,11 +196,11 @@ def test_the_cuda_write_run_by_the_emulator_writes_the_references_bytes(mode, dt
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_on_the_gpu_triton_and_cuda_write_and_triton_reads_the_cache(mode, dtype):
+def test_on_the_gpu_triton_and_cuda_write_and_read_the_cache(mode, dtype):
     """Native Triton and CUDA: the writes' bytes equal the reference's but where a GPU division
     (Triton's 1 / scale need not be correctly rounded) moves a value across a rounding boundary —
-    one step, in a few elements; chapter 05's 2-D and split-KV reads and chapter 01's two decode
-    rungs equal the reference on the same cache."""
+    one step, in a few elements; chapter 05's 2-D and split-KV reads, chapter 01's two Triton decode
+    rungs and its CUDA v1 / v2 / v3 equal the reference on the same cache."""
     kq = MODES[mode]
     gen = torch.Generator().manual_seed(4)
     T, kvh, h, d, bs = 300, 2, 8, 64, 16
@@ -234,6 +234,10 @@ def test_on_the_gpu_triton_and_cuda_write_and_triton_reads_the_cache(mode, dtype
                                                     seq.cuda(), d ** -0.5, kv_quant=kq, version=version,
                                                     num_kv_splits=splits)
             assert_close(out.cpu(), ref, dtype)
+    for version in ("v1", "v2", "v3"):               # the CUDA decode kernels read it too
+        out = pa.paged_decode_attention(query.cuda(), ref_k.cuda(), ref_v.cuda(), block_tables.cuda(), seq.cuda(),
+                                        d ** -0.5, backend="cuda", version=version, kv_quant=kq)
+        assert_close(out.cpu(), ref, dtype)
 
 
 def test_bad_kv_cache_input_is_refused_clearly():
@@ -247,9 +251,11 @@ def test_bad_kv_cache_input_is_refused_clearly():
         pa.reshape_and_cache(key, key, int8_cache, int8_cache, torch.tensor([0, 1]), kv_quant=kq)
     with pytest.raises(TypeError, match="needs kv_quant="):
         pa.reshape_and_cache(key, key, int8_cache, int8_cache, torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match="handles float caches only.*torch, cpu, triton"):
-        pa.paged_decode_attention(torch.randn(1, 2, 64), int8_cache, int8_cache, torch.zeros(1, 1, dtype=torch.int32),
-                                  torch.ones(1, dtype=torch.int32), 0.1, backend="cuda", kv_quant=kq)
+    for backend in ("torch", "cpu"):                                             # the read checks the rows too
+        with pytest.raises(ValueError, match="row holds 68"):
+            pa.paged_decode_attention(torch.randn(1, 2, 64), int8_cache, int8_cache,
+                                      torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1,
+                                      backend=backend, kv_quant=kq)
     with pytest.raises(ValueError, match="computes a scale per row"):
         KVQuant("int8_per_token_head", k_scale=0.5)
 
