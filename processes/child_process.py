@@ -9,7 +9,8 @@ configuration its parent has when it starts, and never outlives the run that sta
     passes them on broken. Not `spawn`: every child would import torch again (seconds).
   * the environment: the forkserver keeps the environment of its own start; a child gets its
     parent's environment as it is when the CHILD starts (a test's monkeypatch, a variable set since).
-  * job control: a child leads a process group of its own, so a paused one stays paused (`_become_child`).
+  * job control: `pause()` returns once every thread of the child is stopped (`stop_process`), and a
+    child leads a process group of its own, so a paused one stays paused (`_become_child`).
   * lifetime: a child is not a daemon (it may start processes of its own: an engine core's workers);
     it dies with the forkserver (Linux prctl PDEATHSIG), which dies with the process that started it,
     and `ChildProcess.close()` is bounded (stop -> terminate -> kill) and runs at interpreter exit.
@@ -21,6 +22,7 @@ import ctypes
 import multiprocessing as mp
 import os
 import signal
+import time
 import traceback
 import weakref
 
@@ -33,6 +35,39 @@ def die_with_parent() -> None:
     (Linux prctl; strictly: when the starting THREAD exits, so start children from a long-lived
     thread, as everything here does). Also a `preexec_fn` for servers started with subprocess."""
     _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP `pid` and return once EVERY thread of it is stopped (alive, silent: a test's hung node).
+
+    kill() returns before that. The kernel hands a process-directed SIGSTOP to one thread (the main
+    one, if it can take it) and wakes it; only when that thread next runs does it start the group
+    stop that stops the others. On a busy machine that can take milliseconds, and meanwhile another
+    thread — a server woken by the very request the test sends next — runs Python code and answers.
+    (CI saw a "paused" prefill node serve a load within one engine step.) So wait for every thread's
+    state in /proc to be "T"."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while not _all_threads_stopped(pid):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid}: not every thread stopped within {timeout} s of SIGSTOP")
+        time.sleep(0.001)
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        raise ProcessLookupError(f"process {pid} is gone") from None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]       # after "(comm)": comm may hold spaces
+        except (FileNotFoundError, ProcessLookupError):
+            continue                                                  # a thread that just exited
+        if state not in ("T", "t"):
+            return False
+    return True
 
 
 def serve_commands(conn, make, commands: dict, close) -> None:
@@ -209,7 +244,8 @@ class ChildProcess:
             self.proc.join(10)
 
     def pause(self) -> None:
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        """SIGSTOP, returning once every thread is stopped (stop_process): alive, silent."""
+        stop_process(self.proc.pid)
 
     def resume(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)

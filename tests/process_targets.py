@@ -37,3 +37,21 @@ def stopped_child_outlives_an_orphaned_group() -> str:
             state = next(line.split()[1] for line in f if line.startswith("State:"))
         child.resume()
     return state
+
+
+def echo_server(conn, kwargs: dict) -> None:
+    """A child with a second thread that answers on a socket (as a KV node's transfer server does)
+    while its main thread waits on the pipe: reports the port, echoes each byte until stopped."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        peer, _ = server.accept()
+        while data := peer.recv(1):
+            peer.sendall(data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    conn.send(("ok", {"port": server.getsockname()[1]}))
+    conn.recv()

@@ -21,6 +21,7 @@ import pytest
 
 from mini_vllm import LLM, SamplingParams
 from mini_vllm.executor import MultiprocExecutor, UniProcExecutor
+from processes import stop_process
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 SMALL = dict(max_model_len=512, cpu_kernels="off", enforce_eager=True)
@@ -157,7 +158,7 @@ def test_pp2_matches_one_rank_then_gives_up_on_a_hung_stage(parallel_llm, tiny_m
     assert shapes == [[(16, 16, 2, 16)], [(16, 16, 2, 16)]]               # one layer (all its KV heads) per stage
 
     # Stage 1 stops answering (SIGSTOP: alive, silent): the step is given up after the 3 s timeout.
-    os.kill(executor.worker_pids[1], signal.SIGSTOP)
+    stop_process(executor.worker_pids[1])
     t0 = time.monotonic()
     out = llm.generate(prompts[:2], GREEDY, use_tqdm=False)
     assert {o.outputs[0].finish_reason for o in out} == {"error"}
