@@ -67,7 +67,13 @@ CONFIGS = {
     # the paper's GPTQ: in order, each group's grid from its error-updated weights; llmcompressor
     # has no such mode (actorder=None still fixes every grid up front from the original weights)
     "gptq_w4g64_inorder": ("gptq", 4, 64, {"act_order": False}, ["--actorder", "none"]),
+    # llmcompressor's W4A16_ASYM preset with groups of 32: a zero point per group as well as a scale
+    "gptq_w4g32_asym": ("gptq", 4, 32, {"act_order": True}, ["--actorder", "static", "--asymmetric"]),
 }
+
+
+def is_symmetric(config: str) -> bool:
+    return "--asymmetric" not in CONFIGS[config][4]
 
 
 def load_model(path):
@@ -102,7 +108,7 @@ def run_ours(config: str, model_path: Path, samples: torch.Tensor, log) -> dict:
     from quantization.reference import QuantScheme, quantize_rtn
 
     method, bits, group, options, _ = CONFIGS[config]
-    scheme = QuantScheme(bits, True, group)
+    scheme = QuantScheme(bits, is_symmetric(config), group)
     model = load_model(model_path)
     progress = lambda done, total: log(f"ours {config}: layer {done}/{total}") if done % 10 == 0 else None
     start = time.perf_counter()
@@ -132,8 +138,8 @@ def read_theirs(out: Path, config: str) -> dict:
 
     _, bits, group, _, _ = CONFIGS[config]
     args = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]["weights"]
-    assert (args["num_bits"], args["group_size"], args["symmetric"]) == (bits, group, True), args
-    scheme = QuantScheme(bits, True, group)
+    assert (args["num_bits"], args["group_size"], args["symmetric"]) == (bits, group, is_symmetric(config)), args
+    scheme = QuantScheme(bits, is_symmetric(config), group)
     tensors = load_file(str(out / "model.safetensors"))
     weights = {}
     for key in tensors:
@@ -141,7 +147,9 @@ def read_theirs(out: Path, config: str) -> dict:
             name = key[: -len(".weight_packed")]
             q = unpack_int32(tensors[key], bits)                      # [out, in] int8
             scale = tensors[f"{name}.weight_scale"].float()          # [out, groups]
-            weights[name] = dequantize(q, scale, torch.zeros(scale.shape, dtype=torch.int8), scheme)
+            zero = (torch.zeros(scale.shape, dtype=torch.int8) if scheme.symmetric   # packed along the outputs
+                    else unpack_int32(tensors[f"{name}.weight_zero_point"], bits, dim=0))
+            weights[name] = dequantize(q, scale, zero, scheme)
     smoothed = load_file(str(out / "fp_state.safetensors")) if (out / "fp_state.safetensors").exists() else {}
     run = json.loads((out / "run.json").read_text())
     return {"weights": weights, "smoothed": smoothed, "seconds": run["seconds"], "versions": run["versions"]}
@@ -282,7 +290,10 @@ def main(argv: list[str] | None = None) -> dict:
             "mean_error_llmcompressor": statistics.fmean(errors[(c, "llmcompressor")].values()),
             "seconds_ours": ours[c]["seconds"], "seconds_llmcompressor": theirs[c]["seconds"],
             **({"perplexity_ours": perplexities[f"{c}/ours"],
-                "perplexity_llmcompressor": perplexities[f"{c}/llmcompressor"]} if perplexities else {}),
+                "perplexity_llmcompressor": perplexities[f"{c}/llmcompressor"],
+                "perplexity_ours_vs_fp32": perplexities[f"{c}/ours"] / perplexities["fp32"],
+                "perplexity_llmcompressor_vs_fp32": perplexities[f"{c}/llmcompressor"] / perplexities["fp32"]}
+               if perplexities else {}),
         }
         log(f"{c}: ours/llmcompressor per-layer error, median {summary[c]['median_ratio']:.3f}, "
             f"worst {worst[0]:.3f} ({worst[1]}), within 10%: {summary[c]['layers_within_10pct']:.1%}")
@@ -290,7 +301,8 @@ def main(argv: list[str] | None = None) -> dict:
     workload = {"model": "SmolLM2-135M-Instruct (fp32)", "calibration": "stdlib docstrings (quantization.calibration)",
                 "n_samples": args.n_samples, "awq_samples": args.awq_samples, "seq_len": args.seq_len,
                 "held_out_samples": args.held_out,
-                "seed": args.seed, "configs": {c: CONFIGS[c][:4] for c in configs},
+                "seed": args.seed, "configs": {c: [*CONFIGS[c][:4], "symmetric" if is_symmetric(c) else "asymmetric"]
+                                         for c in configs},
                 "threads": "1 each (ours in-process, llmcompressor in a subprocess, side by side)",
                 "corpus": calibration.corpus_statistics()}
     peer_versions = next(iter(theirs.values()))["versions"]
