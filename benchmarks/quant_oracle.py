@@ -69,6 +69,8 @@ CONFIGS = {
     "gptq_w4g64_inorder": ("gptq", 4, 64, {"act_order": False}, ["--actorder", "none"]),
     # llmcompressor's W4A16_ASYM preset with groups of 32: a zero point per group as well as a scale
     "gptq_w4g32_asym": ("gptq", 4, 32, {"act_order": True}, ["--actorder", "static", "--asymmetric"]),
+    # AWQ as AutoAWQ and llmcompressor's AWQ preset run it: a zero point per group
+    "awq_w4g64_asym": ("awq", 4, 64, {"duo_scaling": True, "n_grid": 20}, ["--n-grid", "20", "--asymmetric"]),
 }
 
 
