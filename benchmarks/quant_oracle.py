@@ -71,6 +71,7 @@ CONFIGS = {
     "gptq_w4g32_asym": ("gptq", 4, 32, {"act_order": True}, ["--actorder", "static", "--asymmetric"]),
     # AWQ as AutoAWQ and llmcompressor's AWQ preset run it: a zero point per group
     "awq_w4g64_asym": ("awq", 4, 64, {"duo_scaling": True, "n_grid": 20}, ["--n-grid", "20", "--asymmetric"]),
+    "awq_w4g32_asym": ("awq", 4, 32, {"duo_scaling": True, "n_grid": 20}, ["--n-grid", "20", "--asymmetric"]),
 }
 
 
