@@ -65,7 +65,7 @@ def _all_threads_stopped(pid: int) -> bool:
                 state = f.read().rsplit(")", 1)[1].split()[0]       # after "(comm)": comm may hold spaces
         except (FileNotFoundError, ProcessLookupError):
             continue                                                  # a thread that just exited
-        if state not in ("T", "t"):
+        if state not in ("T", "t", "Z", "X"):                         # stopped (or a thread on its way out)
             return False
     return True
 
