@@ -75,11 +75,11 @@ static int quant_cache_type(int cache_kind, bool slot_is_int64, const void* key,
                             void* value_cache, const void* slot_mapping, int64_t num_tokens, int block_size,
                             int num_kv_heads, int head_size, bool per_row, float k_scale, float v_scale,
                             const int64_t* strides, cudaStream_t stream) {
-  if (cache_kind == 1)
+  if (cache_kind == kKVCacheInt8)
     return quant_slot_type<scalar_t, int8_t>(slot_is_int64, key, value, key_cache, value_cache, slot_mapping,
                                              num_tokens, block_size, num_kv_heads, head_size, per_row, k_scale,
                                              v_scale, strides, stream);
-  if (cache_kind == 2)
+  if (cache_kind == kKVCacheFp8)
     return quant_slot_type<scalar_t, uint8_t>(slot_is_int64, key, value, key_cache, value_cache, slot_mapping,
                                               num_tokens, block_size, num_kv_heads, head_size, per_row, k_scale,
                                               v_scale, strides, stream);
@@ -88,7 +88,7 @@ static int quant_cache_type(int cache_kind, bool slot_is_int64, const void* key,
 
 }  // namespace vfs
 
-// An 8-bit cache (paged_attention/kv_quant.py): cache_kind 1 = int8, 2 = fp8 e4m3fn (stored as bytes);
+// An 8-bit cache (paged_attention/kv_quant.py): cache_kind a KVCacheKind, int8 or fp8 e4m3fn (stored as bytes);
 // per_row: each row's fp32 scale after its head_size bytes (else k_scale / v_scale). Strides as below,
 // the caches' in bytes.
 int vfs_reshape_and_cache_quant(int dtype, bool slot_is_int64, int cache_kind, bool per_row, const void* key,

@@ -124,10 +124,10 @@ __device__ __forceinline__ void paged_attention_kernel(
   for (int block_idx = start_block_idx + warp_idx; block_idx < end_block_idx; block_idx += NUM_WARPS) {
     const int64_t physical_block = block_table[block_idx];
     const int token_idx = block_idx * BLOCK_SIZE + token_in_block;
+    const cache_t* k_ptr = k_cache + physical_block * k_block_stride + token_in_block * k_token_stride +
+                           kv_head_idx * k_head_stride;
     float qk = 0.f;
     if (token_idx < seq_len) {  // the tail of the last block is never read
-      const cache_t* k_ptr = k_cache + physical_block * k_block_stride + token_in_block * k_token_stride +
-                             kv_head_idx * k_head_stride;
       // Unrolled by 8: enough 16-byte loads in flight per thread without spilling registers
       // when one thread owns a whole row (BLOCK_SIZE 32, head size 256).
 #pragma unroll 8
@@ -144,8 +144,7 @@ __device__ __forceinline__ void paged_attention_kernel(
     if (lane_in_group == 0 && token_idx < end_token_idx) {
       qk *= scale;
       if constexpr (QUANT) {   // q . (s k) = s (q . k): the row's K scale once, after the dot
-        qk *= kv_row_scale<HEAD_SIZE>(k_cache + physical_block * k_block_stride + token_in_block * k_token_stride +
-                                          kv_head_idx * k_head_stride, kvq.per_row, kvq.k_scale);
+        qk *= kv_row_scale<HEAD_SIZE>(k_ptr, kvq.per_row, kvq.k_scale);
       }
       logits[token_idx - start_token_idx] = qk;
       qk_max = fmaxf(qk_max, qk);
