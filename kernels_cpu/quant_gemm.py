@@ -22,8 +22,10 @@ once after loading (`process_weights_after_loading`), as `pack_*` does here.
 Build: like every kernel here (build.py), compiled on first use into torch's extension cache. On an
 AVX-512 CPU with VNNI the AVX-512 variant is built a second way, with -mavx512vnni (a separate
 extension, `vfs_cpu_quant_gemm_vnni_avx512`), so the W8A8 sums run on vpdpbusd; without VNNI the
-plain AVX-512 build (like AVX2) sums int16 pairs with vpmaddwd. The SIMDe build (tests) always runs
-the vpdpbusd code, emulated.
+plain AVX-512 build (like AVX2) sums int16 pairs with vpmaddwd. On a CPU with AMX (Sapphire Rapids
+on) a third build adds -mamx-* and -mavx512bf16 (`vfs_cpu_quant_gemm_amx_avx512`): from 16 rows, bf16
+WNA16 and W8A8 run on the tiles (csrc/amx.h; module.amx() says whether Linux let this process use
+them). The SIMDe build (tests) always runs the vpdpbusd code and the tile code, both emulated.
 """
 from __future__ import annotations
 
@@ -35,12 +37,15 @@ import torch.nn.functional as F
 
 from kernels_cpu import build
 
-SOURCES = ("quant_gemm.cpp",)           # + vec.h
+SOURCES = ("quant_gemm.cpp",)           # + vec.h, amx.h
 WHAT = "CPU quantized GEMM kernel"
 # No contraction into fused multiply-adds where the source does not ask for one: the W8A8 scaling
 # then rounds exactly as the reference's double arithmetic (the kernels' FMAs are intrinsics).
 CFLAGS = ("-ffp-contract=off",)
 VNNI_CFLAGS = ("-mavx512vnni",)
+# The matrix unit (csrc/amx.h): tiles, their bf16 and int8 products. AMX CPUs all have VNNI and
+# AVX512-BF16 (the dequantization's float -> bf16 conversion).
+AMX_CFLAGS = VNNI_CFLAGS + ("-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8")
 
 _default = []                           # the module load() returns without arguments, once resolved
 
@@ -52,20 +57,36 @@ def cpu_has_vnni() -> bool:
     return bool(check and check())
 
 
-def load(isa: str | None = None, vnni: bool | None = None):
-    """The extension for `isa` (default: this CPU's best; built on first use, build.py). vnni None:
-    the VNNI build exactly when the variant is native AVX-512 and the CPU has VNNI; True / False
-    ask for one build or the other (tests)."""
-    default = isa is None and vnni is None
+@functools.lru_cache(maxsize=None)
+def cpu_has_amx() -> bool:
+    """This CPU has AMX tiles with their bf16 and int8 products (the kernel asks Linux for the tile
+    state itself; a process that is refused runs the vector paths, module.amx() says which)."""
+    check = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    if not (check and check()):
+        return False
+    flags = open("/proc/cpuinfo").read().split("flags", 2)[1].split("\n", 1)[0].split()
+    return {"amx_tile", "amx_bf16", "amx_int8"} <= set(flags)
+
+
+def load(isa: str | None = None, vnni: bool | None = None, amx: bool | None = None):
+    """The extension for `isa` (default: this CPU's best; built on first use, build.py). vnni and
+    amx None: the AMX build where the variant is native AVX-512 and the CPU has AMX, else the VNNI
+    build where it has VNNI, else the plain one; True / False ask for a build (tests)."""
+    default = isa is None and vnni is None and amx is None
     if default and _default:
         return _default[0]                                   # the hot path: one list lookup
     resolved = isa or build.cpu_isa()
+    if amx is None:
+        amx = resolved == "avx512" and vnni is not False and cpu_has_amx()
     if vnni is None:
-        vnni = resolved == "avx512" and cpu_has_vnni()
-    if vnni and resolved != "avx512":
-        raise ValueError(f"the VNNI build is an AVX-512 one, not {resolved}")
-    stem = "cpu_quant_gemm_vnni" if vnni else "cpu_quant_gemm"
-    module = build.load_extension(stem, SOURCES, WHAT, resolved, CFLAGS + (VNNI_CFLAGS if vnni else ()))
+        vnni = amx or (resolved == "avx512" and cpu_has_vnni())
+    if (vnni or amx) and resolved != "avx512":
+        raise ValueError(f"the VNNI and AMX builds are AVX-512 ones, not {resolved}")
+    if amx and not vnni:
+        raise ValueError("the AMX build is a VNNI one too (every AMX CPU has VNNI)")
+    stem, flags = (("cpu_quant_gemm_amx", AMX_CFLAGS) if amx else ("cpu_quant_gemm_vnni", VNNI_CFLAGS) if vnni
+                   else ("cpu_quant_gemm", ()))
+    module = build.load_extension(stem, SOURCES, WHAT, resolved, CFLAGS + flags)
     if default:
         _default.append(module)
     return module
@@ -118,13 +139,14 @@ def to_panels(rows: torch.Tensor, nr: int) -> torch.Tensor:
 
 
 def pack_wna16(weight_packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, num_bits: int,
-               group_size: int | None, isa: str | None = None, vnni: bool | None = None) -> WNA16Weight:
+               group_size: int | None, isa: str | None = None, vnni: bool | None = None,
+               amx: bool | None = None) -> WNA16Weight:
     """compressed-tensors' pack-quantized weight -> the kernel's panels. weight_packed int32
     [out, in * b / 32] (values q - qmin, little end first), scale [out, groups] float, zero_point
     int8 [out, groups] or None (symmetric), group_size None: per channel. The words move as they
     are (a transpose of panels), each value's top bit flipped: q - qmin becomes q in two's
     complement, which the kernel sign-extends with two shifts (or one table lookup)."""
-    nr = load(isa, vnni).panel_width
+    nr = load(isa, vnni, amx).panel_width
     out_features, num_words = weight_packed.shape
     in_features = num_words * (32 // num_bits)
     top_bits = 0x88888888 if num_bits == 4 else 0x80808080                  # the top bit of every value
@@ -139,11 +161,11 @@ def pack_wna16(weight_packed: torch.Tensor, scale: torch.Tensor, zero_point: tor
                        group_size or in_features, zero_point is None, in_features, out_features)
 
 
-def pack_w8a8(weight: torch.Tensor, scale: torch.Tensor, isa: str | None = None,
-              vnni: bool | None = None) -> W8A8Weight:
+def pack_w8a8(weight: torch.Tensor, scale: torch.Tensor, isa: str | None = None, vnni: bool | None = None,
+              amx: bool | None = None) -> W8A8Weight:
     """int8 [out, in] + per-channel scale ([out] or [out, 1]) -> the kernel's panels: 4 consecutive
     inputs of a row in one int32 word (the input dim zero-padded to a multiple of 4)."""
-    nr = load(isa, vnni).panel_width
+    nr = load(isa, vnni, amx).panel_width
     out_features, in_features = weight.shape
     padded = F.pad(weight.contiguous(), (0, -in_features % 4))              # [out, 4 * K4] int8
     words = padded.view(torch.int32)                                         # [out, K4]: byte j = input 4 kk + j
@@ -157,16 +179,16 @@ def pack_w8a8(weight: torch.Tensor, scale: torch.Tensor, isa: str | None = None,
 # ----------------------------------------------------------------------------- the products
 
 def wna16_linear(x: torch.Tensor, packed: WNA16Weight, bias: torch.Tensor | None = None,
-                 isa: str | None = None, vnni: bool | None = None) -> torch.Tensor:
+                 isa: str | None = None, vnni: bool | None = None, amx: bool | None = None) -> torch.Tensor:
     """x [T, in] contiguous (fp32 / bf16 / fp16) @ dequantize(W)^T (+ bias, fp32 [out]) -> [T, out]
     in x's dtype."""
-    return load(isa, vnni).wna16_gemm(x, packed.words, packed.params, bias, packed.num_bits, packed.group_size,
-                                      packed.symmetric, packed.out_features)
+    return load(isa, vnni, amx).wna16_gemm(x, packed.words, packed.params, bias, packed.num_bits,
+                                           packed.group_size, packed.symmetric, packed.out_features)
 
 
 def w8a8_linear(x: torch.Tensor, packed: W8A8Weight, bias: torch.Tensor | None = None,
-                isa: str | None = None, vnni: bool | None = None) -> torch.Tensor:
+                isa: str | None = None, vnni: bool | None = None, amx: bool | None = None) -> torch.Tensor:
     """x [T, in] contiguous -> int8 per token, times W in int32, scaled (+ bias, float64 [out]) ->
     [T, out] in x's dtype."""
-    return load(isa, vnni).w8a8_gemm(x, packed.words, packed.row_sums, packed.w_scale, bias, packed.in_features,
-                                     packed.out_features)
+    return load(isa, vnni, amx).w8a8_gemm(x, packed.words, packed.row_sums, packed.w_scale, bias,
+                                          packed.in_features, packed.out_features)

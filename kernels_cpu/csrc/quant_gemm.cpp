@@ -47,6 +47,9 @@
 //     scratch, and every row tile runs gemm.cpp's fp32 register tile on it.
 // Either way: the reference's numbers up to the order of the fp32 sums. (With 16-bit scales the
 // reference also rounds each dequantized weight to the scales' dtype; the kernel does not.)
+//   * bf16 x and at least 16 rows, in the AMX build: the matrix unit (wna16_gemm_amx below): each
+//     weight is dequantized as above and rounded to bf16 (as vLLM's AMX kernel and, with bf16
+//     scales, the reference do), products summed in fp32 by the tiles.
 //
 // W8A8 arithmetic: four int8 activations of a row (one int32 word, broadcast) times one word of
 // four int8 weights per lane, summed into the lane's int32:
@@ -55,7 +58,8 @@
 //   * AVX-512 without VNNI, AVX2: bytes sign-extended into int16 pairs (two shifts), vpmaddwd
 //     (int16 x int16, pairs summed into int32) twice per word: exact for every int8 value.
 // The sums are exact; the scaling is the reference's, in double: acc * x_scale * w_scale + bias,
-// rounded once to x's dtype. Compiled with -ffp-contract=off (no fused multiply-add there).
+// rounded once to x's dtype. Compiled with -ffp-contract=off (no fused multiply-add there). With
+// AMX, from 16 rows, tdpbusd computes the same int32 sums 16 x 16 x 64 at a time (w8a8_rows_amx).
 //
 // Work split: threads take contiguous ranges of panels (each streams its own share of the weights
 // front to back, as gemm.cpp; a second thread only for >= kMinWeightsPerThread weights); rows go in
@@ -63,6 +67,7 @@
 // in registers. Each output is computed by one thread, the same way whatever the thread count.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -80,6 +85,17 @@
 
 #if defined(VFS_CPU_SIMDE_AVX512) || (defined(VFS_CPU_AVX512) && defined(__AVX512VNNI__))
 #define VFS_CPU_VNNI 1       // vpdpbusd: native, or emulated by SIMDe in the tests' build
+#endif
+// The matrix unit (amx.h) for many rows: bf16 x in WNA16, and W8A8. Native in the AMX build
+// (quant_gemm.py compiles it with -mamx-*), emulated in plain C++ in the SIMDe build (tests).
+#if defined(VFS_CPU_SIMDE_AVX512)
+#define VFS_CPU_AMX 1
+#define VFS_CPU_AMX_EMULATED 1
+#elif defined(VFS_CPU_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__)
+#define VFS_CPU_AMX 1
+#endif
+#if defined(VFS_CPU_AMX)
+#include "amx.h"
 #endif
 
 namespace {
@@ -322,6 +338,147 @@ void wna16_rows_dequantized(const WNA16Args& a, int64_t p, int64_t m0, int64_t r
   store_rows(c, rows, a, p, m0, y);
 }
 
+// ---- bf16 x with many rows: the matrix unit (AMX builds)
+// From a prefill's or a large batch's row counts on, the fp32 tile above is compute-bound: 16 FMAs
+// per instruction against the matrix unit's 8192 bf16 multiply-adds per tdpbf16ps. With bf16 x
+// each panel is dequantized once per block of rows, w = (q - z) * s rounded to bf16 (as vLLM's
+// AMX kernel for these checkpoints does, and as the reference does when the scales are bf16),
+// straight into the order the tiles read (amx.h's "VNNI" B: one int32 per output column holding
+// the bf16 weights of two consecutive inputs), and the rows of x run on the tiles against it, 32 at
+// a time (panel_products). fp32 and fp16 x keep the exact paths above (bf16 would round their inputs).
+#if defined(VFS_CPU_AMX)
+constexpr int64_t kAmxMinRows = 16;         // one tile of rows; fewer stay on the vector paths
+constexpr int64_t kAmxRowBlock = 256;       // rows per pass over a thread's panels: x's block (256 x 1536 x 2 B) in L2
+
+// The matrix unit may only be used once Linux granted this process the tile state (amx.h).
+bool amx_ready() {
+  static const bool ready = amx::request_permission();
+  return ready;
+}
+
+// Lane n: bf16(hi) << 16 | bf16(lo), each rounded to nearest (ties to even) -- one column's two
+// consecutive weights, as a B tile holds them.
+#if defined(__AVX512BF16__)
+// The AMX build: vcvtne2ps2bf16 rounds both vectors at once (lo's 16 into the low half), and one
+// vpermw interleaves the halves.
+inline VI bf16_pairs(V lo, V hi) {
+  // Element 2i <- i (lo's), 2i + 1 <- 16 + i (hi's); a constant, so it stays in a register.
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(interleave, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+}
+#else
+// SIMDe's build (no AVX512-BF16 there): the same rounding in integer lanes -- add 0x7FFF plus the
+// kept part's lowest bit, keep the top 16 bits. (Exact for the finite weights here; no NaN case.)
+inline VI bf16_in_top_half(V w) {
+  const VI bits = _mm512_castps_si512(w);
+  const VI lowest_kept = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lowest_kept));
+}
+inline VI bf16_pairs(V lo, V hi) {
+  return _mm512_or_si512(_mm512_and_si512(bf16_in_top_half(hi), _mm512_set1_epi32(int32_t(0xFFFF0000u))),
+                         _mm512_srli_epi32(bf16_in_top_half(lo), 16));
+}
+#endif
+
+// pairs[I / 2][v * W ...] = the bf16 pair of values I and I + 1 of w[v], each (q - z) * s.
+template <int BITS, bool ZERO_POINT, int I>
+inline void dequantize_pair_bf16(const VI (&w)[kVecs], const float* params, int32_t* pairs) {
+  const Mask all = first_lanes(W);
+  for (int v = 0; v < kVecs; ++v) {
+    V lo = unpack<BITS, I>(w[v]), hi = unpack<BITS, I + 1>(w[v]);
+    if constexpr (ZERO_POINT) {
+      const V z = load(params + NR + v * W, all);
+      lo = subtract(lo, z), hi = subtract(hi, z);
+    }
+    const V s = load(params + v * W, all);
+    store_words(pairs + (I / 2) * NR + v * W, bf16_pairs(mul(lo, s), mul(hi, s)));
+  }
+}
+template <int BITS, bool ZERO_POINT, int... J>
+inline void dequantize_word_bf16(const VI (&w)[kVecs], const float* params, int32_t* pairs,
+                                 std::integer_sequence<int, J...>) {
+  (dequantize_pair_bf16<BITS, ZERO_POINT, 2 * J>(w, params, pairs), ...);
+}
+
+// pairs [K / 2, NR] int32 = panel p's weights as bf16 pairs: row kp holds inputs 2 kp, 2 kp + 1 of
+// each of the panel's columns -- B tiles of 16 rows x 16 columns at pairs + kp * NR + 16 j.
+template <int BITS, bool ZERO_POINT>
+void dequantize_panel_bf16(const WNA16Args& a, int64_t p, int32_t* pairs) {
+  constexpr int kPerWord = 32 / BITS, kParams = ZERO_POINT ? 2 : 1;
+  const int32_t* words = a.words + p * (a.K / kPerWord) * NR;
+  for (int64_t kk = 0; kk < a.K / kPerWord; ++kk) {
+    const int64_t g = kk * kPerWord / a.group_size;            // a word never straddles two groups
+    VI w[kVecs];
+    for (int v = 0; v < kVecs; ++v) w[v] = load_words(words + kk * NR + v * W);
+    dequantize_word_bf16<BITS, ZERO_POINT>(w, a.params + (p * a.G + g) * kParams * NR, pairs + kk * (kPerWord / 2) * NR,
+                                           std::make_integer_sequence<int, kPerWord / 2>{});
+  }
+}
+
+// The products on the tiles, WNA16's and W8A8's alike: sums[r, n] = sum over the inputs of x[r, k] *
+// w[n, k] for one panel, `rows` (a multiple of 32) rows of x. Every tile row is 64 bytes: an input
+// step is 32 bf16 or 64 int8 inputs, i.e. 64 bytes of each row of x (rows x_stride bytes apart)
+// and 16 rows of B (the panel's [steps * 16, NR] int32, each int32 one column's 2 / 4 inputs).
+// Per 32 rows and half a panel (32 columns): 4 tiles of 4-byte sums (0-3: 2 x 2 tiles of 16 x 16),
+// two of x (4, 5), two of weights (6, 7), 4 products per step -- each tile loaded is used twice.
+// The steps go in chunks, every row tile through one chunk before the next: the chunk's weight
+// tiles (32 KB) are then read from L1 by every row tile, where a whole panel's (up to 192 KB)
+// would come from L2 at a tile per product. The sums wait in `sums` between chunks.
+static_assert(NR == 4 * 16, "the AMX kernels take a panel as 4 tiles of 16 columns");
+constexpr int64_t kAmxRowTile = 2 * amx::kRows;   // rows per pass: x is padded to a multiple of this
+constexpr int64_t kAmxChunkSteps = 8;             // input steps per chunk: 128 B rows x 256 B = 32 KB
+enum class Product { kBf16, kInt8 };              // tdpbf16ps (fp32 sums) or tdpbusd (int32 sums)
+
+template <Product P, int C, int A, int B>
+inline void dot() {
+  if constexpr (P == Product::kBf16) amx::dot_bf16<C, A, B>();
+  else amx::dot_u8s8<C, A, B>();
+}
+
+template <Product P>
+void panel_products(const uint8_t* x, int64_t x_stride, const int32_t* b, int64_t steps, int64_t rows, void* sums) {
+  constexpr int64_t kSumStride = NR * 4, kStepB = amx::kRows * NR;    // bytes between rows of sums; B per step
+  for (int64_t s0 = 0; s0 < steps; s0 += kAmxChunkSteps) {
+    const int64_t s1 = std::min(steps, s0 + kAmxChunkSteps);
+    for (int64_t m = 0; m < rows; m += kAmxRowTile) {
+      const uint8_t* xm = x + m * x_stride;
+      for (int64_t n = 0; n < NR; n += 32) {
+        int32_t* c = static_cast<int32_t*>(sums) + m * NR + n;       // 4-byte sums, fp32 or int32
+        if (s0 == 0) {
+          amx::zero<0>(), amx::zero<1>(), amx::zero<2>(), amx::zero<3>();
+        } else {
+          amx::load<0>(c, kSumStride), amx::load<1>(c + 16, kSumStride);
+          amx::load<2>(c + 16 * NR, kSumStride), amx::load<3>(c + 16 * NR + 16, kSumStride);
+        }
+        for (int64_t step = s0; step < s1; ++step) {
+          const int32_t* bs = b + step * kStepB + n;
+          amx::load<4>(xm + step * amx::kRowBytes, x_stride);
+          amx::load<5>(xm + 16 * x_stride + step * amx::kRowBytes, x_stride);
+          amx::load<6>(bs, kSumStride), amx::load<7>(bs + 16, kSumStride);
+          dot<P, 0, 4, 6>(), dot<P, 1, 4, 7>(), dot<P, 2, 5, 6>(), dot<P, 3, 5, 7>();
+        }
+        amx::store<0>(c, kSumStride), amx::store<1>(c + 16, kSumStride);
+        amx::store<2>(c + 16 * NR, kSumStride), amx::store<3>(c + 16 * NR + 16, kSumStride);
+      }
+    }
+  }
+}
+
+// y[m0 + r, panel p] for r < rows: xb bf16 rows of K (valid through a multiple of 32 rows from m0),
+// pairs from dequantize_panel_bf16.
+template <typename T>
+void wna16_rows_amx(const WNA16Args& a, const bf16* xb, const int32_t* pairs, int64_t p, int64_t m0, int64_t rows,
+                    T* y) {
+  thread_local std::vector<float> sums;                        // [rows rounded up to 32, NR]
+  const int64_t padded = (rows + kAmxRowTile - 1) / kAmxRowTile * kAmxRowTile;
+  sums.resize(padded * NR);
+  panel_products<Product::kBf16>(reinterpret_cast<const uint8_t*>(xb + m0 * a.K), a.K * sizeof(bf16), pairs, a.K / 32,
+                                 padded, sums.data());
+  store_rows(sums.data(), rows, a, p, m0, y);
+}
+#endif
+
 // ------------------------------------------------------------------------ W8A8: exact int8 dot products
 // dot4(acc, x, w): each int32 lane += the dot product of the 4 bytes of x (the same 4 activations in
 // every lane: one quantized word of a row, prepared by activations()) with the 4 bytes of its
@@ -380,6 +537,24 @@ struct W8A8Args {
   int64_t K4, N;
 };
 
+// y[m0 + r, panel p's columns] for r < rows from the int32 sums (rows of NR): the offset's
+// correction, then the reference's scaling in double, one rounding to y's dtype.
+template <typename T>
+void w8a8_store(const int32_t* sums, int64_t rows, const W8A8Args& a, int64_t p, int64_t m0, T* y) {
+  const int n_valid = valid_columns(p, a.N);
+  for (int64_t r = 0; r < rows; ++r) {
+    const double x_scale = a.x_scale[m0 + r];
+    T* yr = y + (m0 + r) * a.N + p * NR;
+    for (int j = 0; j < n_valid; ++j) {
+      const int64_t n = p * NR + j;
+      const int32_t exact = sums[r * NR + j] - kActivationOffset * a.row_sums[n];
+      double value = double(exact) * x_scale * a.w_scale[n];     // the reference's order: (acc * xs) * ws
+      if (a.bias) value += a.bias[n];
+      from_float(float(value), yr + j);
+    }
+  }
+}
+
 // y[r, n] for ROWS rows from m0 and panel p's columns: the int32 sums, then the reference's scaling.
 template <int ROWS, typename T>
 void w8a8_tile(const W8A8Args& a, int64_t p, int64_t m0, T* y) {
@@ -399,19 +574,24 @@ void w8a8_tile(const W8A8Args& a, int64_t p, int64_t m0, T* y) {
   int32_t sums[ROWS][NR];
   for (int v = 0; v < kVecs; ++v)
     for (int r = 0; r < ROWS; ++r) store_words(sums[r] + v * W, acc[v][r]);
-  const int n_valid = valid_columns(p, a.N);
-  for (int r = 0; r < ROWS; ++r) {
-    const double x_scale = a.x_scale[m0 + r];
-    T* yr = y + (m0 + r) * a.N + p * NR;
-    for (int j = 0; j < n_valid; ++j) {
-      const int64_t n = p * NR + j;
-      const int32_t exact = sums[r][j] - kActivationOffset * a.row_sums[n];
-      double value = double(exact) * x_scale * a.w_scale[n];     // the reference's order: (acc * xs) * ws
-      if (a.bias) value += a.bias[n];
-      from_float(float(value), yr + j);
-    }
-  }
+  w8a8_store(sums[0], ROWS, a, p, m0, y);
 }
+
+#if defined(VFS_CPU_AMX)
+// Many rows on the matrix unit: tdpbusd is vpdpbusd's product (unsigned activation bytes, signed
+// weight bytes, 4 per int32) on 16 x 16 x 64 at once, and pack_w8a8's panels are already the
+// order its B tiles read (4 consecutive inputs of one column per int32). x_words holds a multiple
+// of 32 rows from m0; K4 a multiple of 16. Exact int32 sums, so the same bits as w8a8_tile.
+template <typename T>
+void w8a8_rows_amx(const W8A8Args& a, int64_t p, int64_t m0, int64_t rows, T* y) {
+  thread_local std::vector<int32_t> sums;                      // [rows rounded up to 32, NR]
+  const int64_t padded = (rows + kAmxRowTile - 1) / kAmxRowTile * kAmxRowTile;
+  sums.resize(padded * NR);
+  panel_products<Product::kInt8>(reinterpret_cast<const uint8_t*>(a.x_words + m0 * a.K4), a.K4 * sizeof(int32_t),
+                                 a.words + p * a.K4 * NR, a.K4 / amx::kRows, padded, sums.data());
+  w8a8_store(sums.data(), rows, a, p, m0, y);
+}
+#endif
 
 // max |x[k]| for k < K: a maximum is exact in any order, so W lanes at a time (a scalar loop is
 // one chain of dependent max instructions, a microsecond per row of SmolLM2's).
@@ -462,11 +642,11 @@ inline void for_each_row_tile(int64_t first, int64_t rows, F&& tile) {
 // panels (a contiguous share of the packed weights each), each thread goes through its panels once
 // per block of rows (so a prefill chunk's rows of x stay in L2 while the panels pass).
 template <typename F>
-void for_each_panel_block(int64_t P, int64_t T, int64_t weights_per_panel, F&& block) {
+void for_each_panel_block(int64_t P, int64_t T, int64_t weights_per_panel, F&& block, int64_t row_block = kRowBlock) {
   const int64_t grain = std::max<int64_t>(1, kMinWeightsPerThread / weights_per_panel);
   at::parallel_for(0, P, grain, [&](int64_t p_begin, int64_t p_end) {
-    for (int64_t m0 = 0; m0 < T; m0 += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, T - m0);
+    for (int64_t m0 = 0; m0 < T; m0 += row_block) {
+      const int64_t rows = std::min(row_block, T - m0);
       for (int64_t p = p_begin; p < p_end; ++p) block(p, m0, rows);
     }
   });
@@ -481,6 +661,45 @@ void dispatch_dtype(at::ScalarType dtype, F&& f) {
     default: TORCH_CHECK(false, "cpu quant gemm: x must be float32, bfloat16 or float16, got ", dtype);
   }
 }
+
+// f(bits, zero_point) with both as compile-time constants (std::integral_constant).
+template <typename F>
+void dispatch_scheme(int64_t num_bits, bool symmetric, F&& f) {
+  using Four = std::integral_constant<int, 4>;
+  using Eight = std::integral_constant<int, 8>;
+  if (num_bits == 4) symmetric ? f(Four{}, std::false_type{}) : f(Four{}, std::true_type{});
+  else symmetric ? f(Eight{}, std::false_type{}) : f(Eight{}, std::true_type{});
+}
+
+#if defined(VFS_CPU_AMX)
+// Whether a call with T rows runs on the matrix unit: enough rows, and Linux lets this process.
+bool use_amx(int64_t T) { return T >= kAmxMinRows && amx_ready(); }
+
+// x as the tiles read it: zero rows appended up to a multiple of `rows`, a power of two (their
+// results are dropped).
+at::Tensor padded_to_tiles(const at::Tensor& x, int64_t rows) {
+  const int64_t extra = -x.size(0) & (rows - 1);
+  return extra ? at::constant_pad_nd(x, {0, 0, 0, extra}) : x;
+}
+
+// wna16_gemm with bf16 x on the tiles: each panel dequantized to bf16 pairs once per block of rows.
+void wna16_gemm_amx(const at::Tensor& x, const WNA16Args& a, int64_t P, int64_t num_bits, bool symmetric,
+                    at::Tensor& y) {
+  const at::Tensor xb = padded_to_tiles(x, kAmxRowTile);
+  const bf16* xp = static_cast<const bf16*>(xb.data_ptr());
+  bf16* out = static_cast<bf16*>(y.data_ptr());
+  dispatch_scheme(num_bits, symmetric, [&](auto bits, auto zero_point) {
+    for_each_panel_block(P, x.size(0), a.K * NR, [&](int64_t p, int64_t m0, int64_t rows) {
+      thread_local std::vector<int32_t> pairs;                 // [K / 2, NR]: 192 KB at K = 1536, in L2
+      pairs.resize(a.K / 2 * NR);
+      dequantize_panel_bf16<decltype(bits)::value, decltype(zero_point)::value>(a, p, pairs.data());
+      amx::configure();
+      wna16_rows_amx(a, xp, pairs.data(), p, m0, rows, out);
+      amx::release();
+    }, kAmxRowBlock);
+  });
+}
+#endif
 
 void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(),
@@ -521,13 +740,20 @@ at::Tensor wna16_gemm(const at::Tensor& x, const at::Tensor& words, const at::Te
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   const int64_t T = x.size(0);
   if (T == 0) return y;
+#if defined(VFS_CPU_AMX)
+  if (x.scalar_type() == at::kBFloat16 && K % 32 == 0 && use_amx(T)) {
+    const WNA16Args args{nullptr, words.data_ptr<int32_t>(), params.data_ptr<float>(), bias_ptr, K, N, G, group_size};
+    wna16_gemm_amx(x, args, P, num_bits, symmetric, y);
+    return y;
+  }
+#endif
   const at::Tensor xf = x.to(at::kFloat).contiguous();     // once per call: T x K, nothing next to T x K x N
   const WNA16Args args{xf.data_ptr<float>(), words.data_ptr<int32_t>(), params.data_ptr<float>(), bias_ptr, K, N, G,
                        group_size};
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using T_ = decltype(tag);
     T_* out = static_cast<T_*>(y.data_ptr());
-    auto run = [&](auto bits, auto zero_point) {
+    dispatch_scheme(num_bits, symmetric, [&](auto bits, auto zero_point) {
       constexpr int kBits = decltype(bits)::value;
       constexpr bool kZeroPoint = decltype(zero_point)::value;
       for_each_panel_block(P, T, K * NR, [&](int64_t p, int64_t m0, int64_t rows) {
@@ -539,11 +765,7 @@ at::Tensor wna16_gemm(const at::Tensor& x, const at::Tensor& words, const at::Te
           wna16_tile<kBits, kZeroPoint, decltype(tile_rows)::value>(args, p, r0, out);
         });
       });
-    };
-    using Four = std::integral_constant<int, 4>;
-    using Eight = std::integral_constant<int, 8>;
-    if (num_bits == 4) symmetric ? run(Four{}, std::false_type{}) : run(Four{}, std::true_type{});
-    else symmetric ? run(Eight{}, std::false_type{}) : run(Eight{}, std::true_type{});
+    });
   });
   return y;
 }
@@ -568,15 +790,35 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& words, const at::Ten
   const int64_t T = x.size(0);
   at::Tensor y = at::empty({T, N}, x.options());
   if (T == 0) return y;
+  bool tiles = false;
+  int64_t rows_allocated = T;
+#if defined(VFS_CPU_AMX)
+  static_assert(kActivationOffset == 128, "tdpbusd reads the activations as unsigned bytes, as vpdpbusd");
+  tiles = K4 % amx::kRows == 0 && use_amx(T);             // 64 inputs per tile step
+  // The tiles read x 32 rows at a time: the rows past T hold q = 0 (their results are dropped).
+  if (tiles) rows_allocated = (T + kAmxRowTile - 1) / kAmxRowTile * kAmxRowTile;
+#endif
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor x_words = at::empty({T, K4}, words.options());
+  at::Tensor x_words = at::empty({rows_allocated, K4}, words.options());
   at::Tensor x_scale = at::empty({T}, w_scale.options());
   quantize_rows(xf.data_ptr<float>(), T, K, K4, x_words.data_ptr<int32_t>(), x_scale.data_ptr<double>());
+  int32_t* padding = x_words.data_ptr<int32_t>() + T * K4;
+  std::fill(padding, padding + (rows_allocated - T) * K4, int32_t(0x01010101u * kActivationOffset));
   const W8A8Args args{x_words.data_ptr<int32_t>(), x_scale.data_ptr<double>(), words.data_ptr<int32_t>(), sums_ptr,
                       scale_ptr, bias_ptr, K4, N};
   dispatch_dtype(x.scalar_type(), [&](auto tag) {
     using T_ = decltype(tag);
     T_* out = static_cast<T_*>(y.data_ptr());
+#if defined(VFS_CPU_AMX)
+    if (tiles) {
+      for_each_panel_block(P, T, 4 * K4 * NR, [&](int64_t p, int64_t m0, int64_t rows) {
+        amx::configure();
+        w8a8_rows_amx(args, p, m0, rows, out);
+        amx::release();
+      }, kAmxRowBlock);
+      return;
+    }
+#endif
     for_each_panel_block(P, T, 4 * K4 * NR, [&](int64_t p, int64_t m0, int64_t rows) {
       for_each_row_tile<kRows>(m0, rows, [&](auto tile_rows, int64_t r0) {
         w8a8_tile<decltype(tile_rows)::value>(args, p, r0, out);
@@ -584,6 +826,16 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& words, const at::Ten
     });
   });
   return y;
+}
+
+// Whether linears with many rows run on the matrix unit: an AMX build (or the SIMDe build's
+// emulation of it) in a process Linux lets use the tiles.
+bool uses_amx() {
+#if defined(VFS_CPU_AMX)
+  return amx_ready();
+#else
+  return false;
+#endif
 }
 
 bool uses_vnni() {
@@ -601,6 +853,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("panel_width") = NR;
   m.attr("rows_per_tile") = kRows;
   m.def("isa", [] { return std::string(kIsaName); }, "the instruction set this build was compiled for");
+  m.def("amx", &uses_amx, "whether bf16 WNA16 and W8A8 run on AMX tiles from 16 rows (or SIMDe's build's emulation)");
   m.def("vnni", &uses_vnni, "whether W8A8 runs on vpdpbusd (AVX-512 VNNI, or SIMDe's emulation of it)");
   m.def("wna16_gemm", &wna16_gemm, "x [T, K] @ dequantize(W)^T (+ bias) -> [T, N], W packed by pack_wna16",
         py::arg("x"), py::arg("words"), py::arg("params"), py::arg("bias"), py::arg("num_bits"),

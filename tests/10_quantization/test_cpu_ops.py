@@ -215,7 +215,8 @@ def test_the_prepared_weight_is_still_four_or_eight_bits_per_weight():
 
 
 def test_one_and_two_threads_give_the_same_bits():
-    """Threads split the panels: each output is computed the same way whoever computes it."""
+    """Threads split the panels: each output is computed the same way whoever computes it (on AMX
+    tiles too: bf16 and W8A8 from 16 rows)."""
     scheme = QuantScheme(4, False, 32)
     g = seeded("threads")
     weight = make_weight(960, 576, scheme, g)
@@ -226,13 +227,64 @@ def test_one_and_two_threads_give_the_same_bits():
         results = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            results.append([f(torch.randn(T, 576, generator=seeded("x", T)))
-                            for T in (1, 16) for f in (lambda x: ops.wna16_linear(x, *weight, scheme, backend="cpu"),
-                                                       lambda x: ops.w8a8_linear(x, w8, s8, backend="cpu"))])
+            results.append([f(torch.randn(T, 576, generator=seeded("x", T)).to(dtype))
+                            for T in (1, 16, 33) for dtype in (torch.float32, torch.bfloat16)
+                            for f in (lambda x: ops.wna16_linear(x, *weight, scheme, backend="cpu"),
+                                      lambda x: ops.w8a8_linear(x, w8, s8, backend="cpu"))])
     finally:
         torch.set_num_threads(before)
     for one, two in zip(*results):
         assert_equal(two, one)
+
+
+def matrix_unit_build() -> dict:
+    """The build whose many-row linears run on AMX tiles: this machine's own where the CPU has AMX,
+    else the SIMDe build, which runs the same code on emulated tiles (skip without either)."""
+    from kernels_cpu import build, quant_gemm
+    if quant_gemm.load().amx():
+        return {}
+    if reason := build.why_not_runnable("avx512_simde"):
+        pytest.skip(f"no AMX here, and no SIMDe build to emulate it: {reason}")
+    return dict(isa="avx512_simde")
+
+
+def test_the_matrix_unit_path_equals_the_reference():
+    """bf16 x from 16 rows (each panel dequantized to bf16 once per block of 256 rows, 32 rows x 32
+    columns per pass of the tiles): the reference within bf16's tolerance, for row counts around a
+    tile (16, 31, 32, 33), a decode batch (64) and more than one block of rows (257); SmolLM2's
+    shapes and odd ones (out not a multiple of a panel), int4 / int8, groups / per channel,
+    symmetric / asymmetric, with and without bias. W8A8 (any x dtype, inputs a multiple of 64):
+    the reference bit for bit, the tiles' int32 sums being exact."""
+    from kernels_cpu import quant_gemm
+    build_args = matrix_unit_build()
+    assert quant_gemm.load(**build_args).amx()
+    emulated = bool(build_args)
+    tokens = (16, 33, 64) if emulated else (16, 31, 32, 33, 64, 257)      # emulated tiles are slow
+    shapes = [(576, 960), (1536, 576), (512, 200), (256, 72)]
+    for bits, symmetric, group_size in [(4, True, 32), (4, False, 64), (8, True, None), (8, False, 128)]:
+        scheme = QuantScheme(bits, symmetric, group_size)
+        for in_features, out_features in shapes_for(group_size, shapes[2:] if emulated else shapes):
+            g = seeded("amx", bits, symmetric, group_size, in_features)
+            packed, scale, zero = make_weight(out_features, in_features, scheme, g)
+            prepared = quant_gemm.pack_wna16(packed, scale, zero, bits, group_size, **build_args)
+            bias = torch.randn(out_features, generator=g)
+            for T in tokens:
+                x = torch.randn(T, in_features, generator=g).bfloat16()
+                b = bias if T % 2 else None
+                got = quant_gemm.wna16_linear(x, prepared, b, **build_args)
+                expected = reference_ops.wna16_linear(x, packed, scale, zero, scheme, None if b is None else b.bfloat16())
+                assert_close(got, expected, torch.bfloat16, msg=f"int{bits} sym={symmetric} g={group_size} "
+                                                                 f"{in_features}->{out_features} T={T}")
+    for in_features, out_features in [(576, 960), (256, 70)] if emulated else [(576, 960), (1536, 576), (256, 70)]:
+        g = seeded("amx w8a8", in_features)
+        w = torch.randint(-128, 128, (out_features, in_features), generator=g, dtype=torch.int8)
+        s = torch.rand(out_features, 1, generator=g)
+        prepared = quant_gemm.pack_w8a8(w, s, **build_args)
+        for T in tokens:
+            for dtype in DTYPES:
+                x = torch.randn(T, in_features, generator=g).to(dtype)
+                assert_equal(quant_gemm.w8a8_linear(x, prepared, None, **build_args), w8a8_linear_reference(x, w, s),
+                             f"W8A8 {in_features}->{out_features} T={T} {dtype}")
 
 
 # ----------------------------------------------------------------------------- W8A8: exact
@@ -290,53 +342,60 @@ def test_w8a8_adversarial_inputs_are_exact():
 
 # ----------------------------------------------------------------------------- every instruction set
 
-VARIANTS = {                      # name -> (isa, vnni): the builds of csrc/quant_gemm.cpp
-    "avx512_vnni": ("avx512", True),
-    "avx512": ("avx512", False),              # AVX-512 without VNNI: W8A8 on vpmaddwd
-    "avx2": ("avx2", False),
-    "scalar": ("scalar", False),
-    "avx512_simde": ("avx512_simde", None),   # the AVX-512 source (vpdpbusd, vpermps) emulated by SIMDe
+VARIANTS = {                      # name -> (isa, vnni, amx): the builds of csrc/quant_gemm.cpp
+    "avx512_amx": ("avx512", True, True),     # many rows on AMX tiles (bf16 WNA16, W8A8)
+    "avx512_vnni": ("avx512", True, False),
+    "avx512": ("avx512", False, False),       # AVX-512 without VNNI: W8A8 on vpmaddwd
+    "avx2": ("avx2", False, False),
+    "scalar": ("scalar", False, False),
+    "avx512_simde": ("avx512_simde", None, None),   # the AVX-512 source (vpdpbusd, vpermps, the tiles) emulated
 }
 
 
 def variant_skip_reason(name: str) -> str | None:
     from kernels_cpu import build, quant_gemm
-    isa, vnni = VARIANTS[name]
+    isa, vnni, amx = VARIANTS[name]
     if reason := build.why_not_runnable(isa):
         return reason
     if vnni and not quant_gemm.cpu_has_vnni():
         return "this CPU has no AVX-512 VNNI"
+    if amx and not quant_gemm.cpu_has_amx():
+        return "this CPU has no AMX (tiles, bf16 and int8 products)"
     return None
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_every_instruction_set_build_gives_the_same_answers(variant):
-    """Each build (compiled here on first use) against the reference: WNA16 through both paths (one
-    row tile and several), W8A8 bit for bit. The SIMDe build runs the AVX-512 code -- vpermps'
-    nibble table, vpdpbusd -- on any AVX2 machine, and is run even where AVX-512 is native."""
+    """Each build (compiled here on first use) against the reference: WNA16 through every path (one
+    row tile, several, and AMX tiles for bf16 from 16 rows), W8A8 bit for bit (tiles from 16 rows
+    where the inputs are a multiple of 64). The SIMDe build runs the AVX-512 code -- vpermps'
+    nibble table, vpdpbusd -- and the AMX code on emulated tiles on any AVX2 machine, and is run
+    even where AVX-512 and AMX are native."""
     from kernels_cpu import quant_gemm
     if reason := variant_skip_reason(variant):
         pytest.skip(reason)
-    isa, vnni = VARIANTS[variant]
-    module = quant_gemm.load(isa, vnni)
-    assert module.isa() == isa and module.vnni() == (vnni is not False)
+    isa, vnni, amx = VARIANTS[variant]
+    build_args = dict(isa=isa, vnni=vnni, amx=amx)
+    module = quant_gemm.load(**build_args)
+    assert module.isa() == isa and module.vnni() == (vnni is not False) and module.amx() == (amx is not False)
     g = seeded("isa", variant)
     for bits, symmetric, group_size in [(4, True, 64), (4, False, 32), (8, True, None), (8, False, 128)]:
         scheme = QuantScheme(bits, symmetric, group_size)
         packed, scale, zero = make_weight(200, 512, scheme, g)
-        prepared = quant_gemm.pack_wna16(packed, scale, zero, bits, group_size, isa=isa, vnni=vnni)
-        for T, dtype in [(1, torch.float32), (3, torch.float32), (9, torch.float32), (9, torch.bfloat16)]:
+        prepared = quant_gemm.pack_wna16(packed, scale, zero, bits, group_size, **build_args)
+        for T, dtype in [(1, torch.float32), (3, torch.float32), (9, torch.float32), (9, torch.bfloat16),
+                         (33, torch.bfloat16)]:
             x = torch.randn(T, 512, generator=g).to(dtype)
-            got = quant_gemm.wna16_linear(x, prepared, None, isa=isa, vnni=vnni)
+            got = quant_gemm.wna16_linear(x, prepared, None, **build_args)
             assert_close(got, reference_ops.wna16_linear(x, packed, scale, zero, scheme), dtype,
                          msg=f"{variant} int{bits} sym={symmetric} g={group_size} T={T}")
-    cases = w8a8_adversarial_cases(g) + [(torch.randn(T, 130, generator=g),
-                                          torch.randint(-128, 128, (70, 130), generator=g, dtype=torch.int8),
-                                          torch.rand(70, 1, generator=g)) for T in (1, 9)]
+    cases = w8a8_adversarial_cases(g) + [(torch.randn(T, k, generator=g),
+                                          torch.randint(-128, 128, (70, k), generator=g, dtype=torch.int8),
+                                          torch.rand(70, 1, generator=g)) for T, k in [(1, 130), (9, 130), (33, 256)]]
     for x, w, s in cases:
-        prepared = quant_gemm.pack_w8a8(w, s, isa=isa, vnni=vnni)
-        assert_equal(quant_gemm.w8a8_linear(x, prepared, None, isa=isa, vnni=vnni), w8a8_linear_reference(x, w, s),
+        prepared = quant_gemm.pack_w8a8(w, s, **build_args)
+        assert_equal(quant_gemm.w8a8_linear(x, prepared, None, **build_args), w8a8_linear_reference(x, w, s),
                      f"{variant} W8A8 {tuple(x.shape)}")
 
 
