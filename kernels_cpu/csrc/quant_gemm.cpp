@@ -593,9 +593,10 @@ void w8a8_rows_amx(const W8A8Args& a, int64_t p, int64_t m0, int64_t rows, T* y)
 }
 #endif
 
-// max |x[k]| for k < K: a maximum is exact in any order, so W lanes at a time (a scalar loop is
-// one chain of dependent max instructions, a microsecond per row of SmolLM2's).
-float absmax_of(const float* x, int64_t K) {
+// max |x[k]| for k < K, x in its own dtype: a maximum is exact in any order, so W lanes at a time
+// (a scalar loop is one chain of dependent max instructions, a microsecond per row of SmolLM2's).
+template <typename S>
+float absmax_of(const S* x, int64_t K) {
   const Mask all = first_lanes(W);
   V m = zero();
   int64_t k = 0;
@@ -604,26 +605,44 @@ float absmax_of(const float* x, int64_t K) {
     m = vfs_cpu::max(m, vfs_cpu::max(v, subtract(zero(), v)));
   }
   float absmax = reduce_max(m);
-  for (; k < K; ++k) absmax = std::max(absmax, std::fabs(x[k]));
+  for (; k < K; ++k) absmax = std::max(absmax, std::fabs(to_float(x[k])));
   return absmax;
 }
 
-// Each row of x [T, K] fp32 on its own int8 grid, as reference.quantize_per_token_int8: scale =
-// max|x| / 127 (1 for a zero row), q = round-half-even(x / scale) clamped to [-128, 127], written
-// as bytes q + kActivationOffset into x_words [T, K4] (the pad past K holds q = 0).
-void quantize_rows(const float* x, int64_t T, int64_t K, int64_t K4, int32_t* x_words, double* x_scale) {
-  for (int64_t t = 0; t < T; ++t) {
-    const float* xt = x + t * K;
-    const float absmax = absmax_of(xt, K);
-    const float scale = absmax == 0.0f ? 1.0f : absmax / 127.0f;      // fp32 division, as torch
-    uint8_t* bytes = reinterpret_cast<uint8_t*>(x_words + t * K4);
-    for (int64_t k = 0; k < K; ++k) {
-      const float q = std::min(std::max(std::nearbyint(xt[k] / scale), -128.0f), 127.0f);   // half to even
-      bytes[k] = uint8_t(int32_t(q) + kActivationOffset);
-    }
-    std::fill(bytes + K, bytes + 4 * K4, uint8_t(kActivationOffset));
-    x_scale[t] = scale;
+// One row of x [K] (fp32 / bf16 / fp16) on its own int8 grid, as reference.quantize_per_token_int8:
+// scale = max|x| / 127 (1 for a zero row), q = round-half-even(x / scale) clamped to [-128, 127],
+// written as bytes q + kActivationOffset (the pad up to 4 * K4 holds q = 0). Returns the scale.
+// x / scale is a true division, as the reference's: x * (1 / scale) would round differently.
+template <typename S>
+float quantize_row(const S* x, int64_t K, int64_t K4, uint8_t* bytes) {
+  const float absmax = absmax_of(x, K);
+  const float scale = absmax == 0.0f ? 1.0f : absmax / 127.0f;      // fp32 division, as torch
+  int64_t k = 0;
+#if defined(VFS_CPU_AVX512)
+  // 16 at a time: vdivps, vrndscaleps (nearest, ties to even), clamp, vcvtps2dq, vpmovdb.
+  const Mask all = first_lanes(W);
+  const V s = set1(scale), lowest = set1(-128.0f), highest = set1(127.0f);
+  const __m512i offset = _mm512_set1_epi32(kActivationOffset);
+  for (; k + W <= K; k += W) {
+    const V q = _mm512_roundscale_ps(_mm512_div_ps(load(x + k, all), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const V clamped = _mm512_min_ps(_mm512_max_ps(q, lowest), highest);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(bytes + k),
+                     _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(clamped), offset)));
   }
+#endif
+  for (; k < K; ++k) {
+    const float q = std::min(std::max(std::nearbyint(to_float(x[k]) / scale), -128.0f), 127.0f);   // half to even
+    bytes[k] = uint8_t(int32_t(q) + kActivationOffset);
+  }
+  std::fill(bytes + K, bytes + 4 * K4, uint8_t(kActivationOffset));
+  return scale;
+}
+
+// Each row of x [T, K] quantized (quantize_row) into x_words [T, K4], its scale into x_scale [T].
+template <typename S>
+void quantize_rows(const S* x, int64_t T, int64_t K, int64_t K4, int32_t* x_words, double* x_scale) {
+  for (int64_t t = 0; t < T; ++t)
+    x_scale[t] = quantize_row(x + t * K, K, K4, reinterpret_cast<uint8_t*>(x_words + t * K4));
 }
 
 // ------------------------------------------------------------------------ the parallel loop, both kernels
@@ -798,10 +817,12 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& words, const at::Ten
   // The tiles read x 32 rows at a time: the rows past T hold q = 0 (their results are dropped).
   if (tiles) rows_allocated = (T + kAmxRowTile - 1) / kAmxRowTile * kAmxRowTile;
 #endif
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor x_words = at::empty({rows_allocated, K4}, words.options());
   at::Tensor x_scale = at::empty({T}, w_scale.options());
-  quantize_rows(xf.data_ptr<float>(), T, K, K4, x_words.data_ptr<int32_t>(), x_scale.data_ptr<double>());
+  dispatch_dtype(x.scalar_type(), [&](auto tag) {        // x read in its own dtype: no fp32 copy of it
+    quantize_rows(static_cast<const decltype(tag)*>(x.data_ptr()), T, K, K4, x_words.data_ptr<int32_t>(),
+                  x_scale.data_ptr<double>());
+  });
   int32_t* padding = x_words.data_ptr<int32_t>() + T * K4;
   std::fill(padding, padding + (rows_allocated - T) * K4, int32_t(0x01010101u * kActivationOffset));
   const W8A8Args args{x_words.data_ptr<int32_t>(), x_scale.data_ptr<double>(), words.data_ptr<int32_t>(), sums_ptr,

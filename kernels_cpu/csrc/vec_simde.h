@@ -14,7 +14,7 @@
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 
-// Two gaps in SIMDe 0.8.2, filled here to Intel's specification:
+// Three gaps in SIMDe 0.8.2, filled here to Intel's specification:
 //
 // 1. Masked loads and stores. AVX-512 reads and writes only the lanes whose mask bit is set
 //    (and never faults on the others); the kernels rely on it at a row's vector tail, where
@@ -56,3 +56,14 @@ inline float vfs_simde_reduce_add_ps(simde__m512 v) {
   return simde_mm_cvtss_f32(s4);
 }
 #define _mm512_reduce_add_ps(v) vfs_simde_reduce_add_ps(v)
+
+// 3. No _mm512_cvtepi32_epi8 (vpmovdb: the low byte of each of the 16 int32 lanes, truncated, into
+//    16 bytes; quant_gemm.cpp's per-token int8 quantization stores its bytes with it).
+inline simde__m128i vfs_simde_cvtepi32_epi8(simde__m512i a) {
+  int32_t lanes[16];
+  simde_mm512_storeu_si512(lanes, a);
+  uint8_t bytes[16];
+  for (int i = 0; i < 16; ++i) bytes[i] = uint8_t(uint32_t(lanes[i]));
+  return simde_mm_loadu_si128(bytes);
+}
+#define _mm512_cvtepi32_epi8(a) vfs_simde_cvtepi32_epi8(a)
