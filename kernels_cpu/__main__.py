@@ -33,7 +33,8 @@ def main(argv: list[str]) -> int:
         return 1
     for kernel, load in LOADERS.items():
         module = load()
-        print(f"{kernel}: {module.isa()}")
+        units = [name.upper() for name in ("vnni", "amx") if getattr(module, name, lambda: False)()]
+        print(f"{kernel}: {module.isa()}" + (f" ({', '.join(units)})" if units else ""))
     print(f"{torch.get_num_threads()} threads, compiler {build.compiler()}, "
           f"runnable variants {', '.join(build.runnable_isas())}")
     return 0
