@@ -130,7 +130,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=None)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4, help="best of this many timed runs per side (the machine drifts)")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny random model, CI-sized")
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)

@@ -183,7 +183,7 @@ def test_engine_benchmark_smoke(tmp_path):
     sides among them, a held-out perplexity for each weight-only checkpoint, the JSON written."""
     from benchmarks import bench_quantization as bench
 
-    result = bench.main(["--smoke", "--out-dir", str(tmp_path)])
+    result = bench.main(["--smoke", "--rounds", "1", "--out-dir", str(tmp_path)])
     rows = result["rows"]
     sides = {(r["dtype"], r["weights"]) for r in rows}
     assert sides == {("float32", s) for s in bench.FP32_SIDES} | {("bfloat16", s) for s in bench.BF16_SIDES}
