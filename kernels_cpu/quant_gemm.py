@@ -64,7 +64,8 @@ def cpu_has_amx() -> bool:
     check = getattr(torch.cpu, "_is_amx_tile_supported", None)
     if not (check and check()):
         return False
-    flags = open("/proc/cpuinfo").read().split("flags", 2)[1].split("\n", 1)[0].split()
+    with open("/proc/cpuinfo") as cpuinfo:                  # the first CPU's "flags : ..." line
+        flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
     return {"amx_tile", "amx_bf16", "amx_int8"} <= set(flags)
 
 

@@ -430,6 +430,9 @@ constexpr int64_t kAmxRowTile = 2 * amx::kRows;   // rows per pass: x is padded 
 constexpr int64_t kAmxChunkSteps = 8;             // input steps per chunk: 128 B rows x 256 B = 32 KB
 enum class Product { kBf16, kInt8 };              // tdpbf16ps (fp32 sums) or tdpbusd (int32 sums)
 
+// The rows the tiles compute for `rows` rows of x: whole passes of kAmxRowTile (x is padded to it).
+constexpr int64_t tile_rows(int64_t rows) { return (rows + kAmxRowTile - 1) / kAmxRowTile * kAmxRowTile; }
+
 template <Product P, int C, int A, int B>
 inline void dot() {
   if constexpr (P == Product::kBf16) amx::dot_bf16<C, A, B>();
@@ -471,7 +474,7 @@ template <typename T>
 void wna16_rows_amx(const WNA16Args& a, const bf16* xb, const int32_t* pairs, int64_t p, int64_t m0, int64_t rows,
                     T* y) {
   thread_local std::vector<float> sums;                        // [rows rounded up to 32, NR]
-  const int64_t padded = (rows + kAmxRowTile - 1) / kAmxRowTile * kAmxRowTile;
+  const int64_t padded = tile_rows(rows);
   sums.resize(padded * NR);
   panel_products<Product::kBf16>(reinterpret_cast<const uint8_t*>(xb + m0 * a.K), a.K * sizeof(bf16), pairs, a.K / 32,
                                  padded, sums.data());
@@ -585,7 +588,7 @@ void w8a8_tile(const W8A8Args& a, int64_t p, int64_t m0, T* y) {
 template <typename T>
 void w8a8_rows_amx(const W8A8Args& a, int64_t p, int64_t m0, int64_t rows, T* y) {
   thread_local std::vector<int32_t> sums;                      // [rows rounded up to 32, NR]
-  const int64_t padded = (rows + kAmxRowTile - 1) / kAmxRowTile * kAmxRowTile;
+  const int64_t padded = tile_rows(rows);
   sums.resize(padded * NR);
   panel_products<Product::kInt8>(reinterpret_cast<const uint8_t*>(a.x_words + m0 * a.K4), a.K4 * sizeof(int32_t),
                                  a.words + p * a.K4 * NR, a.K4 / amx::kRows, padded, sums.data());
@@ -694,17 +697,16 @@ void dispatch_scheme(int64_t num_bits, bool symmetric, F&& f) {
 // Whether a call with T rows runs on the matrix unit: enough rows, and Linux lets this process.
 bool use_amx(int64_t T) { return T >= kAmxMinRows && amx_ready(); }
 
-// x as the tiles read it: zero rows appended up to a multiple of `rows`, a power of two (their
-// results are dropped).
-at::Tensor padded_to_tiles(const at::Tensor& x, int64_t rows) {
-  const int64_t extra = -x.size(0) & (rows - 1);
+// x as the tiles read it: zero rows appended up to tile_rows (their results are dropped).
+at::Tensor padded_to_tiles(const at::Tensor& x) {
+  const int64_t extra = tile_rows(x.size(0)) - x.size(0);
   return extra ? at::constant_pad_nd(x, {0, 0, 0, extra}) : x;
 }
 
 // wna16_gemm with bf16 x on the tiles: each panel dequantized to bf16 pairs once per block of rows.
 void wna16_gemm_amx(const at::Tensor& x, const WNA16Args& a, int64_t P, int64_t num_bits, bool symmetric,
                     at::Tensor& y) {
-  const at::Tensor xb = padded_to_tiles(x, kAmxRowTile);
+  const at::Tensor xb = padded_to_tiles(x);
   const bf16* xp = static_cast<const bf16*>(xb.data_ptr());
   bf16* out = static_cast<bf16*>(y.data_ptr());
   dispatch_scheme(num_bits, symmetric, [&](auto bits, auto zero_point) {
@@ -815,7 +817,7 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& words, const at::Ten
   static_assert(kActivationOffset == 128, "tdpbusd reads the activations as unsigned bytes, as vpdpbusd");
   tiles = K4 % amx::kRows == 0 && use_amx(T);             // 64 inputs per tile step
   // The tiles read x 32 rows at a time: the rows past T hold q = 0 (their results are dropped).
-  if (tiles) rows_allocated = (T + kAmxRowTile - 1) / kAmxRowTile * kAmxRowTile;
+  if (tiles) rows_allocated = tile_rows(T);
 #endif
   at::Tensor x_words = at::empty({rows_allocated, K4}, words.options());
   at::Tensor x_scale = at::empty({T}, w_scale.options());
