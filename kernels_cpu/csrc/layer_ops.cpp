@@ -23,16 +23,23 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <tuple>
 
-// The kernels' vector wrapper (AVX-512 / AVX2 / scalar, chosen at compile time): its exp() is
-// what makes SiLU vectorise — libm's expf has no vector form the compiler would call.
+// The kernels' vector wrapper (AVX-512 / AVX2 / scalar, chosen at compile time). Each op runs a
+// row W lanes at a time (loads widen bf16 / fp16 to fp32, `rounded<T>` and the stores round back
+// exactly as torch stores a T) and finishes the row's last < W elements one at a time, with the
+// same roundings. Why vectors and not plain loops: c10's BFloat16 / Half conversions (a NaN test
+// and a branch each) keep GCC from vectorising a loop of them, and exp has no vector form in libm;
+// in scalar form RoPE cost 78 us for a decode step's 64 rows of SmolLM2, SiLU-and-mul 57 us.
 #include "vec.h"
 
 namespace {
 
-constexpr int kLanes = 16;   // independent partial sums: lets the compiler vectorise the row sum
+using vfs_cpu::V;
+using vfs_cpu::W;
+
 // Elements worth waking a second thread for (at::parallel_for's grain, in rows = this / row
 // length): a decode step's few rows are done in less time than a parallel region costs to start
 // and join, and on a busy machine the join waits for the slowest, perhaps descheduled, thread.
@@ -40,9 +47,26 @@ constexpr int64_t kMinElementsPerThread = 32768;
 
 inline int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(1, row_elements)); }
 
-// Rounds a float to the activation dtype and back: where a torch op would store its result.
+// The storage type the vector header reads and writes for each torch dtype (same bits).
+template <typename T> struct Storage { using type = T; };
+template <> struct Storage<c10::BFloat16> { using type = vfs_cpu::bf16; };
+template <> struct Storage<c10::Half> { using type = vfs_cpu::fp16; };
+template <typename T> using storage_t = typename Storage<T>::type;
+template <typename T> storage_t<T>* as_storage(T* p) { return reinterpret_cast<storage_t<T>*>(p); }
+template <typename T> const storage_t<T>* as_storage(const T* p) { return reinterpret_cast<const storage_t<T>*>(p); }
+
+// One element: to fp32, and a float rounded to T and back (where a torch op would store a T).
 template <typename T>
-inline float round_to(float v) { return static_cast<float>(static_cast<T>(v)); }
+inline float f32(T v) { return vfs_cpu::to_float(v); }
+template <typename T>
+inline float round_to(float v) { T t; vfs_cpu::from_float(v, &t); return vfs_cpu::to_float(t); }
+template <typename T>
+inline T to(float v) { T t; vfs_cpu::from_float(v, &t); return t; }
+
+// The engine's activation dtypes (mini_vllm/config.py): fp32, bf16, fp16.
+#define DISPATCH_ACTIVATION_TYPES(TYPE, NAME, ...)                                                     \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                             \
+                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), "cpu layer ops: ", name, " must be a CPU tensor, got ", t.device());
@@ -53,33 +77,34 @@ void check_rows(const at::Tensor& t, const char* name) {
 // ------------------------------------------------------------------------------- RMSNorm
 // out = weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), statistics in fp32; with `residual`:
 // residual += x first (rounded to dtype, as torch's add_) and the norm reads the sum.
+// T: float, vfs_cpu::bf16 or vfs_cpu::fp16.
 template <typename T>
 void rms_norm_kernel(T* out, T* x, T* residual, const T* weight, int64_t rows, int64_t hidden, int64_t x_stride,
                      int64_t res_stride, int64_t out_stride, float eps) {
+  using namespace vfs_cpu;
+  const int64_t body = hidden / W * W;                 // whole vectors; then the tail, one at a time
   at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t begin, int64_t end) {
     // ### BEGIN SOLUTION
     for (int64_t r = begin; r < end; ++r) {
-      T* xr = x + r * x_stride;
-      T* src = xr;
-      if (residual != nullptr) {
+      T* src = x + r * x_stride;
+      if (residual != nullptr) {                       // residual += x, rounded to T
         T* rr = residual + r * res_stride;
-        for (int64_t i = 0; i < hidden; ++i) rr[i] = static_cast<T>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
+        for (int64_t i = 0; i < body; i += W) store(rr + i, rounded<T>(add(load_all(rr + i), load_all(src + i))));
+        for (int64_t i = body; i < hidden; ++i) rr[i] = to<T>(f32(rr[i]) + f32(src[i]));
         src = rr;
       }
-      float lanes[kLanes] = {0.f};
-      int64_t i = 0;
-      for (; i + kLanes <= hidden; i += kLanes)
-        for (int l = 0; l < kLanes; ++l) {
-          const float v = static_cast<float>(src[i + l]);
-          lanes[l] += v * v;
-        }
-      float sum = 0.f;
-      for (; i < hidden; ++i) sum += static_cast<float>(src[i]) * static_cast<float>(src[i]);
-      for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+      V squares = zero();                              // W partial sums of x^2
+      for (int64_t i = 0; i < body; i += W) {
+        const V v = load_all(src + i);
+        squares = add(squares, mul(v, v));
+      }
+      float sum = reduce_add(squares);
+      for (int64_t i = body; i < hidden; ++i) sum += f32(src[i]) * f32(src[i]);
       const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
       T* o = out + r * out_stride;
-      for (int64_t j = 0; j < hidden; ++j)
-        o[j] = static_cast<T>(static_cast<float>(weight[j]) * round_to<T>(static_cast<float>(src[j]) * inv_rms));
+      for (int64_t i = 0; i < body; i += W)            // weight * (x * inv_rms).to(T), stored as T
+        store(o + i, mul(load_all(weight + i), rounded<T>(mul(load_all(src + i), set1(inv_rms)))));
+      for (int64_t i = body; i < hidden; ++i) o[i] = to<T>(f32(weight[i]) * round_to<T>(f32(src[i]) * inv_rms));
     }
     // ### END SOLUTION
   });
@@ -100,49 +125,47 @@ at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residu
                 residual->sizes(), ", ", residual->scalar_type());
   }
   at::Tensor out = at::empty(x.sizes(), x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
-    rms_norm_kernel<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
-                              residual ? residual->data_ptr<scalar_t>() : nullptr, weight.data_ptr<scalar_t>(),
-                              x.size(0), x.size(1), x.stride(0), residual ? residual->stride(0) : 0, out.stride(0),
-                              static_cast<float>(eps));
+  DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "rms_norm", [&] {
+    rms_norm_kernel(as_storage(out.data_ptr<scalar_t>()), as_storage(x.data_ptr<scalar_t>()),
+                    residual ? as_storage(residual->data_ptr<scalar_t>()) : nullptr,
+                    as_storage(weight.data_ptr<scalar_t>()), x.size(0), x.size(1), x.stride(0),
+                    residual ? residual->stride(0) : 0, out.stride(0), static_cast<float>(eps));
   });
   return out;
 }
 
 // -------------------------------------------------------------------------- SiLU and mul
 // [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]; silu(g) = g / (1 + exp(-g)) rounded as F.silu's output.
+template <typename T>
+void silu_and_mul_kernel(T* out, const T* in, int64_t rows, int64_t inter, int64_t stride) {
+  using namespace vfs_cpu;
+  const int64_t body = inter / W * W;
+  at::parallel_for(0, rows, grain_rows(2 * inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = in + r * stride;
+      const T* up = gate + inter;
+      T* o = out + r * inter;
+      for (int64_t i = 0; i < body; i += W) {
+        const V g = load_all(gate + i);
+        const V silu = rounded<T>(div(g, add(set1(1.f), vfs_cpu::exp(neg(g)))));
+        store(o + i, mul(silu, load_all(up + i)));
+      }
+      for (int64_t i = body; i < inter; ++i) {                    // the tail
+        const float g = f32(gate[i]);
+        o[i] = to<T>(round_to<T>(g / (1.f + std::exp(-g))) * f32(up[i]));
+      }
+    }
+  });
+}
+
 at::Tensor silu_and_mul(const at::Tensor& x) {
   check_rows(x, "x");
   TORCH_CHECK(x.size(1) % 2 == 0, "cpu layer ops: silu_and_mul needs an even last dim, got ", x.size(1));
   const int64_t rows = x.size(0), inter = x.size(1) / 2;
   at::Tensor out = at::empty({rows, inter}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
-    const scalar_t* in = x.data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    const int64_t stride = x.stride(0);
-    at::parallel_for(0, rows, grain_rows(2 * inter), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const scalar_t* gate = in + r * stride;
-        const scalar_t* up = gate + inter;
-        scalar_t* orow = o + r * inter;
-        int64_t i = 0;
-        float g[vfs_cpu::W], e[vfs_cpu::W];
-        for (; i + vfs_cpu::W <= inter; i += vfs_cpu::W) {        // W lanes at a time: exp(-g) as a vector
-          for (int l = 0; l < vfs_cpu::W; ++l) g[l] = -static_cast<float>(gate[i + l]);
-          const vfs_cpu::Mask all = vfs_cpu::first_lanes(vfs_cpu::W);
-          vfs_cpu::store(e, vfs_cpu::exp(vfs_cpu::load(g, all)), all);
-          for (int l = 0; l < vfs_cpu::W; ++l) {
-            const float silu = round_to<scalar_t>(-g[l] / (1.f + e[l]));
-            orow[i + l] = static_cast<scalar_t>(silu * static_cast<float>(up[i + l]));
-          }
-        }
-        for (; i < inter; ++i) {                                   // the tail
-          const float x = static_cast<float>(gate[i]);
-          const float silu = round_to<scalar_t>(x / (1.f + std::exp(-x)));
-          orow[i] = static_cast<scalar_t>(silu * static_cast<float>(up[i]));
-        }
-      }
-    });
+  DISPATCH_ACTIVATION_TYPES(x.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_kernel(as_storage(out.data_ptr<scalar_t>()), as_storage(x.data_ptr<scalar_t>()), rows, inter,
+                        x.stride(0));
   });
   return out;
 }
@@ -154,13 +177,18 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 // two products and the sum each rounded to the dtype, as three torch ops would.
 template <typename T>
 inline void rotate_head(T* dst, const T* src, const T* cos, const T* sin, int64_t half) {
+  using namespace vfs_cpu;
   // ### BEGIN SOLUTION
-  for (int64_t i = 0; i < half; ++i) {
-    const float x1 = static_cast<float>(src[i]), x2 = static_cast<float>(src[i + half]);
-    const float c1 = static_cast<float>(cos[i]), c2 = static_cast<float>(cos[i + half]);
-    const float s1 = static_cast<float>(sin[i]), s2 = static_cast<float>(sin[i + half]);
-    dst[i] = static_cast<T>(round_to<T>(x1 * c1) + round_to<T>(-x2 * s1));
-    dst[i + half] = static_cast<T>(round_to<T>(x2 * c2) + round_to<T>(x1 * s2));
+  const int64_t body = half / W * W;
+  for (int64_t i = 0; i < body; i += W) {
+    const V x1 = load_all(src + i), x2 = load_all(src + half + i);
+    store(dst + i, add(rounded<T>(mul(x1, load_all(cos + i))), rounded<T>(mul(neg(x2), load_all(sin + i)))));
+    store(dst + half + i, add(rounded<T>(mul(x2, load_all(cos + half + i))), rounded<T>(mul(x1, load_all(sin + half + i)))));
+  }
+  for (int64_t i = body; i < half; ++i) {
+    const float x1 = f32(src[i]), x2 = f32(src[i + half]);
+    dst[i] = to<T>(round_to<T>(x1 * f32(cos[i])) + round_to<T>(-x2 * f32(sin[i])));
+    dst[i + half] = to<T>(round_to<T>(x2 * f32(cos[i + half])) + round_to<T>(x1 * f32(sin[i + half])));
   }
   // ### END SOLUTION
 }
@@ -182,24 +210,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split_qkv(const at::Tensor& 
   at::Tensor q = at::empty({T, num_heads, head_dim}, qkv.options());
   at::Tensor k = at::empty({T, num_kv_heads, head_dim}, qkv.options());
   at::Tensor v = at::empty({T, num_kv_heads, head_dim}, qkv.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_split_qkv", [&] {
-    const scalar_t* in = qkv.data_ptr<scalar_t>();
-    const scalar_t* cp = cos.data_ptr<scalar_t>();
-    const scalar_t* sp = sin.data_ptr<scalar_t>();
-    scalar_t *qp = q.data_ptr<scalar_t>(), *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
+  DISPATCH_ACTIVATION_TYPES(qkv.scalar_type(), "rope_split_qkv", [&] {
+    using S = storage_t<scalar_t>;
+    const S* in = as_storage(qkv.data_ptr<scalar_t>());
+    const S* cp = as_storage(cos.data_ptr<scalar_t>());
+    const S* sp = as_storage(sin.data_ptr<scalar_t>());
+    S *qp = as_storage(q.data_ptr<scalar_t>()), *kp = as_storage(k.data_ptr<scalar_t>()), *vp = as_storage(v.data_ptr<scalar_t>());
     const int64_t stride = qkv.stride(0), cstride = cos.stride(0), sstride = sin.stride(0), half = head_dim / 2;
     at::parallel_for(0, T, grain_rows(qkv.size(1)), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const scalar_t* row = in + t * stride;
-        const scalar_t *c = cp + t * cstride, *s = sp + t * sstride;
+        const S* row = in + t * stride;
+        const S *c = cp + t * cstride, *s = sp + t * sstride;
         for (int64_t h = 0; h < num_heads; ++h)
           rotate_head(qp + (t * num_heads + h) * head_dim, row + h * head_dim, c, s, half);
-        const scalar_t* krow = row + num_heads * head_dim;
+        const S* krow = row + num_heads * head_dim;
         for (int64_t h = 0; h < num_kv_heads; ++h)
           rotate_head(kp + (t * num_kv_heads + h) * head_dim, krow + h * head_dim, c, s, half);
-        const scalar_t* vrow = krow + num_kv_heads * head_dim;
-        scalar_t* vdst = vp + t * num_kv_heads * head_dim;
-        for (int64_t i = 0; i < num_kv_heads * head_dim; ++i) vdst[i] = vrow[i];
+        std::memcpy(vp + t * num_kv_heads * head_dim, krow + num_kv_heads * head_dim,
+                    sizeof(S) * num_kv_heads * head_dim);                  // v: copied as it is
       }
     });
   });

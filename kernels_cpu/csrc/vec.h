@@ -149,6 +149,24 @@ inline V max(V a, V b) { return _mm512_max_ps(a, b); }
 inline V select(Mask m, V if_set, V if_clear) { return _mm512_mask_blend_ps(m, if_clear, if_set); }
 inline float reduce_add(V v) { return _mm512_reduce_add_ps(v); }
 inline float reduce_max(V v) { return _mm512_reduce_max_ps(v); }
+inline V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+inline V div(V a, V b) { return _mm512_div_ps(a, b); }
+inline V neg(V a) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN))); }
+// Whole vectors of 16-bit floats out: each lane rounded to nearest even, as from_float does (a
+// NaN stays a quiet NaN). bf16 is integer arithmetic on the fp32 bits: + 0x7FFF + the kept
+// part's lowest bit, then the top 16 bits.
+inline __m512i bf16_bits(V v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+inline __m256i fp16_bits(V v) { return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline void store(bf16* p, V v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(v))); }
+inline void store(fp16* p, V v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), fp16_bits(v)); }
+inline V rounded_to(V v, bf16) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
+inline V rounded_to(V v, fp16) { return _mm512_cvtph_ps(fp16_bits(v)); }
 
 // acc[j] holds W partial sums of dot product j: return the vector (sum(acc[0]), ...,
 // sum(acc[W-1])). A transpose-and-add tree: 45 shuffles/adds for 16 dot products,
@@ -223,6 +241,24 @@ inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
 inline V add(V a, V b) { return _mm256_add_ps(a, b); }
 inline V max(V a, V b) { return _mm256_max_ps(a, b); }
 inline V select(Mask m, V if_set, V if_clear) { return _mm256_blendv_ps(if_clear, if_set, m); }
+inline V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+inline V div(V a, V b) { return _mm256_div_ps(a, b); }
+inline V neg(V a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+inline __m256i bf16_bits(V v) {              // see the AVX-512 version
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i quiet_nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  return _mm256_blendv_epi8(rounded, quiet_nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+inline __m128i fp16_bits(V v) { return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline void store(bf16* p, V v) {            // 8 x 32 bits -> 8 x 16 (each fits: packus saturates nothing)
+  const __m256i b = bf16_bits(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+inline void store(fp16* p, V v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), fp16_bits(v)); }
+inline V rounded_to(V v, bf16) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(v), 16)); }
+inline V rounded_to(V v, fp16) { return _mm256_cvtph_ps(fp16_bits(v)); }
 inline float reduce_add(V v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -276,10 +312,27 @@ inline V mul(V a, V b) { return a * b; }
 inline V add(V a, V b) { return a + b; }
 inline V max(V a, V b) { return a > b ? a : b; }
 inline V select(Mask m, V if_set, V if_clear) { return m ? if_set : if_clear; }
+inline V sub(V a, V b) { return a - b; }
+inline V div(V a, V b) { return a / b; }
+inline V neg(V a) { return -a; }
+inline void store(bf16* p, V v) { from_float(v, p); }
+inline void store(fp16* p, V v) { from_float(v, p); }
+template <typename T>
+inline V rounded_to(V v, T) { T t; from_float(v, &t); return to_float(t); }
 inline float reduce_add(V v) { return v; }
 inline float reduce_max(V v) { return v; }
 inline V reduce_lanes(const V* acc) { return acc[0]; }
 inline V exp(V x) { return std::exp(x); }
 #endif
+
+// Every instruction set: whole vectors in and out (W lanes; callers finish a row's tail lane by
+// lane with to_float / from_float), and `rounded<T>`: each lane rounded to T's precision and
+// back, where a torch op would store a T (fp32 lanes are already exact).
+template <typename T>
+inline V load_all(const T* p) { return load(p, first_lanes(W)); }
+inline void store(float* p, V v) { store(p, v, first_lanes(W)); }
+inline V rounded_to(V v, float) { return v; }
+template <typename T>
+inline V rounded(V v) { return rounded_to(v, T{}); }
 
 }  // namespace vfs_cpu

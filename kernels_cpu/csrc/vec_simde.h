@@ -13,8 +13,9 @@
 // instruction set the compiler flags do not enable.
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
+#include <simde/x86/f16c.h>
 
-// Three gaps in SIMDe 0.8.2, filled here to Intel's specification:
+// Four gaps in SIMDe 0.8.2, filled here to Intel's specification:
 //
 // 1. Masked loads and stores. AVX-512 reads and writes only the lanes whose mask bit is set
 //    (and never faults on the others); the kernels rely on it at a row's vector tail, where
@@ -67,3 +68,19 @@ inline simde__m128i vfs_simde_cvtepi32_epi8(simde__m512i a) {
   return simde_mm_loadu_si128(bytes);
 }
 #define _mm512_cvtepi32_epi8(a) vfs_simde_cvtepi32_epi8(a)
+
+// 4. No _mm512_cvtepi32_epi16 (vpmovdw: the low 16 bits of each int32 lane) nor _mm512_cvtps_ph
+//    (16 fp32 lanes to fp16, rounded as `rounding` says); vec.h stores bf16 / fp16 vectors with
+//    them. The fp16 one converts 8 lanes at a time with F16C, which the SIMDe build's AVX2 flags
+//    enable.
+inline simde__m256i vfs_simde_cvtepi32_epi16(simde__m512i a) {
+  int32_t lanes[16];
+  simde_mm512_storeu_si512(lanes, a);
+  uint16_t halves[16];
+  for (int i = 0; i < 16; ++i) halves[i] = uint16_t(uint32_t(lanes[i]));
+  return simde_mm256_loadu_si256(halves);
+}
+#define _mm512_cvtepi32_epi16(a) vfs_simde_cvtepi32_epi16(a)
+#define _mm512_cvtps_ph(a, rounding)                                                              \
+  simde_mm256_set_m128i(simde_mm256_cvtps_ph(simde_mm512_extractf32x8_ps(a, 1), (rounding)),      \
+                        simde_mm256_cvtps_ph(simde_mm512_castps512_ps256(a), (rounding)))

@@ -111,6 +111,19 @@ def test_greedy_rows_are_exact_argmax_next_to_random_rows(dev):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+def test_an_all_greedy_batch_is_torch_argmax_ties_included(dev):
+    """The all-greedy path (torch.max's index, faster than argmax on CPU) == torch.argmax: the first
+    maximum of each row, with many ties, -inf masks and SmolLM2's vocabulary size."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (64, 49152), generator=g).float()          # every row: thousands of tied maxima
+    logits[5, :1000] = float("-inf")
+    logits[6] = torch.randn(49152, generator=g)
+    logits = logits.to(dev)
+    out = Sampler()(logits, SamplingMetadata.from_params([SamplingParams(temperature=0)] * 64, device=dev))
+    assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 def test_top_k_1_is_greedy(dev):
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(32, 500, generator=g).to(dev)

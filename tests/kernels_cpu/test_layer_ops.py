@@ -76,24 +76,26 @@ def assert_rope_split_is_the_torch_path(q, k, v, qkv, cos, sin, heads, kv_heads,
 
 
 @pytest.mark.parametrize("isa", build.ALL_ISAS)
-def test_every_instruction_set_variant_computes_the_torch_layers(isa):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_instruction_set_variant_computes_the_torch_layers(isa, dtype):
     """The ops are compiled per instruction set (csrc/vec.h); the engine loads the best one this
-    CPU runs, so the others are built here by name. Widths with a vector tail. (conftest.py skips
-    the variants not tested here.)"""
+    CPU runs, so the others are built here by name. Every width has whole vectors and a tail on
+    each instruction set (16 / 8 / 1 lanes): the vector roundings to bf16 / fp16 and the lane-by-lane
+    tail are both checked. (conftest.py skips the variants not tested here.)"""
     ops = cpu_layer_ops.load(isa)
     assert ops.isa() == isa
-    norm = RMSNorm(33, 1e-5)
-    norm.weight.data = rows(1, 33, torch.float32, False, 1)[0]
-    x, residual = rows(7, 33, torch.float32, True, 2), rows(7, 33, torch.float32, False, 3)
-    assert_close(ops.rms_norm(x, None, norm.weight, norm.eps), norm(x), dtype=torch.float32)
+    norm = RMSNorm(33, 1e-5).to(dtype)
+    norm.weight.data = rows(1, 33, torch.float32, False, 1)[0].to(dtype)
+    x, residual = rows(7, 33, dtype, True, 2), rows(7, 33, dtype, False, 3)
+    assert_close(ops.rms_norm(x, None, norm.weight, norm.eps), norm(x), dtype=dtype)
     expected_out, expected_residual = norm(x.clone(), residual.clone())
-    assert_close(ops.rms_norm(x, residual, norm.weight, norm.eps), expected_out, dtype=torch.float32)
+    assert_close(ops.rms_norm(x, residual, norm.weight, norm.eps), expected_out, dtype=dtype)
     assert torch.equal(residual, expected_residual)
-    gate_up = rows(9, 2 * 37, torch.float32, False, 4)
-    assert_close(ops.silu_and_mul(gate_up), SiluAndMul()(gate_up), dtype=torch.float32)
-    T, heads, kv_heads, head_dim = 5, 4, 2, 16
-    qkv = rows(T, (heads + 2 * kv_heads) * head_dim, torch.float32, True, 5)
-    cos, sin = RotaryEmbedding(head_dim, 4096, 1e5, None, torch.float32).cos_sin(torch.tensor([0, 1, 9, 500, 4095]))
+    gate_up = rows(9, 2 * 37, dtype, False, 4)
+    assert_close(ops.silu_and_mul(gate_up), SiluAndMul()(gate_up), dtype=dtype)
+    T, heads, kv_heads, head_dim = 5, 4, 2, 40                             # half = 20 = 16 + 4 = 2 x 8 + 4
+    qkv = rows(T, (heads + 2 * kv_heads) * head_dim, dtype, True, 5)
+    cos, sin = RotaryEmbedding(head_dim, 4096, 1e5, None, dtype).cos_sin(torch.tensor([0, 1, 9, 500, 4095]))
     q, k, v = ops.rope_split_qkv(qkv, cos.view(T, -1), sin.view(T, -1), heads, kv_heads, head_dim)
     assert_rope_split_is_the_torch_path(q, k, v, qkv, cos, sin, heads, kv_heads, head_dim)
 
@@ -114,3 +116,5 @@ def test_bad_shapes_are_refused_with_a_message():
         cpu_layer_ops.rope_split_qkv(torch.randn(3, 40), torch.randn(3, 8), torch.randn(3, 8), 2, 1, 8)
     with pytest.raises(RuntimeError, match="cos and sin must be"):
         cpu_layer_ops.rope_split_qkv(torch.randn(3, 32), torch.randn(2, 8), torch.randn(3, 8), 2, 1, 8)
+    with pytest.raises(RuntimeError, match="silu_and_mul.* not implemented for 'Double'"):   # the engine's dtypes only
+        cpu_layer_ops.silu_and_mul(torch.randn(2, 8, dtype=torch.float64))
