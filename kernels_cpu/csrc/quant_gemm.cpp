@@ -111,6 +111,7 @@ constexpr int kRows = 2;                    // AVX2 has 16 registers: 2 x 4 accu
 #endif
 constexpr int64_t kRowBlock = 64;           // rows of x per pass over a thread's panels (64 x 1536 x 4 B = 393 KB, L2)
 constexpr int64_t kMinWeightsPerThread = 1 << 15;   // a second thread only for >= 32 K weights (gemm.cpp's rule)
+constexpr int64_t kMinQuantizeInputsPerThread = 1 << 14;  // W8A8's per-token quantization: 16 K inputs a thread
 constexpr int64_t kMaxW8A8Inputs = 1 << 16;         // int32 sums of 255 * 128 * K cannot overflow below this
 
 // ------------------------------------------------------------------------ integer lanes, per ISA
@@ -540,19 +541,63 @@ struct W8A8Args {
   int64_t K4, N;
 };
 
-// y[m0 + r, panel p's columns] for r < rows from the int32 sums (rows of NR): the offset's
-// correction, then the reference's scaling in double, one rounding to y's dtype.
+// W of one row's outputs from their int32 sums: the offset's correction, then the reference's
+// scaling in double, ((acc * x_scale) * w_scale + bias, the operations and order of w8a8_store's
+// scalar loop) in the double lanes, rounded to fp32 lanes.
+#if defined(VFS_CPU_AVX512)
+inline V scaled_sums(const int32_t* sums, const int32_t* row_sums, const double* w_scale, const double* bias,
+                     double x_scale) {
+  const __m512i exact = _mm512_sub_epi32(_mm512_loadu_si512(sums), _mm512_mullo_epi32(
+      _mm512_set1_epi32(kActivationOffset), _mm512_loadu_si512(row_sums)));
+  __m256 half[2];
+  for (int h = 0; h < 2; ++h) {                                  // 8 doubles at a time
+    const __m256i part = h ? _mm512_extracti32x8_epi32(exact, 1) : _mm512_castsi512_si256(exact);
+    __m512d value = _mm512_mul_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(part), _mm512_set1_pd(x_scale)),
+                                  _mm512_loadu_pd(w_scale + 8 * h));
+    if (bias) value = _mm512_add_pd(value, _mm512_loadu_pd(bias + 8 * h));
+    half[h] = _mm512_cvtpd_ps(value);
+  }
+  return _mm512_insertf32x8(_mm512_castps256_ps512(half[0]), half[1], 1);
+}
+#elif defined(VFS_CPU_AVX2)
+inline V scaled_sums(const int32_t* sums, const int32_t* row_sums, const double* w_scale, const double* bias,
+                     double x_scale) {
+  const __m256i exact = _mm256_sub_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums)), _mm256_mullo_epi32(
+      _mm256_set1_epi32(kActivationOffset), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_sums))));
+  __m128 half[2];
+  for (int h = 0; h < 2; ++h) {                                  // 4 doubles at a time
+    const __m128i part = h ? _mm256_extracti128_si256(exact, 1) : _mm256_castsi256_si128(exact);
+    __m256d value = _mm256_mul_pd(_mm256_mul_pd(_mm256_cvtepi32_pd(part), _mm256_set1_pd(x_scale)),
+                                  _mm256_loadu_pd(w_scale + 4 * h));
+    if (bias) value = _mm256_add_pd(value, _mm256_loadu_pd(bias + 4 * h));
+    half[h] = _mm256_cvtpd_ps(value);
+  }
+  return _mm256_set_m128(half[1], half[0]);
+}
+#endif
+
+// y[m0 + r, panel p's columns] for r < rows from the int32 sums (rows of NR): scaled_sums W columns
+// at a time, stored in y's dtype, the rest one at a time. (One output at a time, this took 87 us of
+// the 712 of a 64-row call of SmolLM2's four W8A8 linears, weights from DRAM, 2 threads.)
 template <typename T>
 void w8a8_store(const int32_t* sums, int64_t rows, const W8A8Args& a, int64_t p, int64_t m0, T* y) {
   const int n_valid = valid_columns(p, a.N);
+  const int32_t* row_sums = a.row_sums + p * NR;
+  const double* w_scale = a.w_scale + p * NR;
+  const double* bias = a.bias ? a.bias + p * NR : nullptr;
   for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* sr = sums + r * NR;
     const double x_scale = a.x_scale[m0 + r];
     T* yr = y + (m0 + r) * a.N + p * NR;
-    for (int j = 0; j < n_valid; ++j) {
-      const int64_t n = p * NR + j;
-      const int32_t exact = sums[r * NR + j] - kActivationOffset * a.row_sums[n];
-      double value = double(exact) * x_scale * a.w_scale[n];     // the reference's order: (acc * xs) * ws
-      if (a.bias) value += a.bias[n];
+    int j = 0;
+#if defined(VFS_CPU_AVX512) || defined(VFS_CPU_AVX2)
+    for (; j + W <= n_valid; j += W)
+      store(yr + j, scaled_sums(sr + j, row_sums + j, w_scale + j, bias ? bias + j : nullptr, x_scale));
+#endif
+    for (; j < n_valid; ++j) {
+      const int32_t exact = sr[j] - kActivationOffset * row_sums[j];
+      double value = double(exact) * x_scale * w_scale[j];        // the reference's order: (acc * xs) * ws
+      if (bias) value += bias[j];
       from_float(float(value), yr + j);
     }
   }
@@ -642,10 +687,15 @@ float quantize_row(const S* x, int64_t K, int64_t K4, uint8_t* bytes) {
 }
 
 // Each row of x [T, K] quantized (quantize_row) into x_words [T, K4], its scale into x_scale [T].
+// Rows split between threads from kMinQuantizeInputsPerThread inputs (a decode batch's 64 rows of
+// SmolLM2's 576 inputs took ~20 us on one thread: a true division per input).
 template <typename S>
 void quantize_rows(const S* x, int64_t T, int64_t K, int64_t K4, int32_t* x_words, double* x_scale) {
-  for (int64_t t = 0; t < T; ++t)
-    x_scale[t] = quantize_row(x + t * K, K, K4, reinterpret_cast<uint8_t*>(x_words + t * K4));
+  const int64_t grain = std::max<int64_t>(1, kMinQuantizeInputsPerThread / std::max<int64_t>(1, K));
+  at::parallel_for(0, T, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      x_scale[t] = quantize_row(x + t * K, K, K4, reinterpret_cast<uint8_t*>(x_words + t * K4));
+  });
 }
 
 // ------------------------------------------------------------------------ the parallel loop, both kernels

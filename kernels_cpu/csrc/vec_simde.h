@@ -15,7 +15,7 @@
 #include <simde/x86/avx512.h>
 #include <simde/x86/f16c.h>
 
-// Four gaps in SIMDe 0.8.2, filled here to Intel's specification:
+// Five gaps in SIMDe 0.8.2, filled here to Intel's specification:
 //
 // 1. Masked loads and stores. AVX-512 reads and writes only the lanes whose mask bit is set
 //    (and never faults on the others); the kernels rely on it at a row's vector tail, where
@@ -84,3 +84,13 @@ inline simde__m256i vfs_simde_cvtepi32_epi16(simde__m512i a) {
 #define _mm512_cvtps_ph(a, rounding)                                                              \
   simde_mm256_set_m128i(simde_mm256_cvtps_ph(simde_mm512_extractf32x8_ps(a, 1), (rounding)),      \
                         simde_mm256_cvtps_ph(simde_mm512_castps512_ps256(a), (rounding)))
+
+// 5. No _mm512_cvtepi32_pd (8 int32 -> 8 doubles, exact) nor _mm512_cvtpd_ps (8 doubles -> 8 fp32,
+//    rounded to nearest); quant_gemm.cpp's W8A8 scaling runs in them. Four lanes at a time with
+//    AVX's, which the SIMDe build's flags enable.
+#define _mm512_cvtepi32_pd(a)                                                                            \
+  simde_mm512_insertf64x4(simde_mm512_castpd256_pd512(simde_mm256_cvtepi32_pd(simde_mm256_castsi256_si128(a))), \
+                          simde_mm256_cvtepi32_pd(simde_mm256_extracti128_si256(a, 1)), 1)
+#define _mm512_cvtpd_ps(a)                                                                               \
+  simde_mm256_set_m128(simde_mm256_cvtpd_ps(simde_mm512_extractf64x4_pd(a, 1)),                          \
+                       simde_mm256_cvtpd_ps(simde_mm512_castpd512_pd256(a)))

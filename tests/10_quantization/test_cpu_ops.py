@@ -393,10 +393,11 @@ def test_every_instruction_set_build_gives_the_same_answers(variant):
     cases = w8a8_adversarial_cases(g) + [(torch.randn(T, k, generator=g),
                                           torch.randint(-128, 128, (70, k), generator=g, dtype=torch.int8),
                                           torch.rand(70, 1, generator=g)) for T, k in [(1, 130), (9, 130), (33, 256)]]
-    for x, w, s in cases:
+    for i, (x, w, s) in enumerate(cases):                    # every other case with a bias
         prepared = quant_gemm.pack_w8a8(w, s, **build_args)
-        assert_equal(quant_gemm.w8a8_linear(x, prepared, None, **build_args), w8a8_linear_reference(x, w, s),
-                     f"{variant} W8A8 {tuple(x.shape)}")
+        bias = torch.randn(w.shape[0], generator=g, dtype=torch.float64) if i % 2 else None
+        assert_equal(quant_gemm.w8a8_linear(x, prepared, bias, **build_args), w8a8_linear_reference(x, w, s, bias),
+                     f"{variant} W8A8 {tuple(x.shape)} bias={bias is not None}")
 
 
 # ----------------------------------------------------------------------------- bad input
