@@ -58,29 +58,26 @@ inline float vfs_simde_reduce_add_ps(simde__m512 v) {
 }
 #define _mm512_reduce_add_ps(v) vfs_simde_reduce_add_ps(v)
 
-// 3. No _mm512_cvtepi32_epi8 (vpmovdb: the low byte of each of the 16 int32 lanes, truncated, into
-//    16 bytes; quant_gemm.cpp's per-token int8 quantization stores its bytes with it).
-inline simde__m128i vfs_simde_cvtepi32_epi8(simde__m512i a) {
+// 3. No _mm512_cvtepi32_epi8 (vpmovdb) nor _mm512_cvtepi32_epi16 (vpmovdw): the low byte / the
+//    low 16 bits of each of the 16 int32 lanes, truncated, packed into 16 bytes / 32 bytes.
+//    quant_gemm.cpp's per-token int8 quantization stores its bytes with the first, vec.h's bf16
+//    vector store its halves with the second.
+template <typename Lane, typename Packed>
+inline Packed vfs_simde_narrow_lanes(simde__m512i a) {
   int32_t lanes[16];
   simde_mm512_storeu_si512(lanes, a);
-  uint8_t bytes[16];
-  for (int i = 0; i < 16; ++i) bytes[i] = uint8_t(uint32_t(lanes[i]));
-  return simde_mm_loadu_si128(bytes);
+  Lane narrow[16];
+  for (int i = 0; i < 16; ++i) narrow[i] = Lane(uint32_t(lanes[i]));
+  Packed packed;
+  static_assert(sizeof(packed) == sizeof(narrow), "16 lanes fill the packed vector");
+  std::memcpy(&packed, narrow, sizeof(narrow));
+  return packed;
 }
-#define _mm512_cvtepi32_epi8(a) vfs_simde_cvtepi32_epi8(a)
+#define _mm512_cvtepi32_epi8(a) vfs_simde_narrow_lanes<uint8_t, simde__m128i>(a)
+#define _mm512_cvtepi32_epi16(a) vfs_simde_narrow_lanes<uint16_t, simde__m256i>(a)
 
-// 4. No _mm512_cvtepi32_epi16 (vpmovdw: the low 16 bits of each int32 lane) nor _mm512_cvtps_ph
-//    (16 fp32 lanes to fp16, rounded as `rounding` says); vec.h stores bf16 / fp16 vectors with
-//    them. The fp16 one converts 8 lanes at a time with F16C, which the SIMDe build's AVX2 flags
-//    enable.
-inline simde__m256i vfs_simde_cvtepi32_epi16(simde__m512i a) {
-  int32_t lanes[16];
-  simde_mm512_storeu_si512(lanes, a);
-  uint16_t halves[16];
-  for (int i = 0; i < 16; ++i) halves[i] = uint16_t(uint32_t(lanes[i]));
-  return simde_mm256_loadu_si256(halves);
-}
-#define _mm512_cvtepi32_epi16(a) vfs_simde_cvtepi32_epi16(a)
+// 4. No _mm512_cvtps_ph (16 fp32 lanes to fp16, rounded as `rounding` says): vec.h's fp16 vector
+//    store. 8 lanes at a time with F16C, which the SIMDe build's AVX2 flags enable.
 #define _mm512_cvtps_ph(a, rounding)                                                              \
   simde_mm256_set_m128i(simde_mm256_cvtps_ph(simde_mm512_extractf32x8_ps(a, 1), (rounding)),      \
                         simde_mm256_cvtps_ph(simde_mm512_castps512_ps256(a), (rounding)))
