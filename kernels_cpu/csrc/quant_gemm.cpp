@@ -115,8 +115,7 @@ constexpr int64_t kMinQuantizeInputsPerThread = 1 << 14;  // W8A8's per-token qu
 constexpr int64_t kMaxW8A8Inputs = 1 << 16;         // int32 sums of 255 * 128 * K cannot overflow below this
 
 // ------------------------------------------------------------------------ integer lanes, per ISA
-// VI holds W int32 lanes, one packed word of one output column each (vec.h's V holds W floats);
-// the float subtraction is here too (vec.h has none).
+// VI holds W int32 lanes, one packed word of one output column each (vec.h's V holds W floats).
 #if defined(VFS_CPU_AVX512)
 using VI = __m512i;
 inline VI load_words(const int32_t* p) { return _mm512_loadu_si512(p); }
@@ -127,7 +126,6 @@ template <int S> inline VI shift_right(VI v) { return S == 0 ? v : _mm512_srli_e
 template <int S> inline VI shift_right_signed(VI v) { return S == 0 ? v : _mm512_srai_epi32(v, S); }
 template <int S> inline VI shift_left(VI v) { return S == 0 ? v : _mm512_slli_epi32(v, S); }
 inline V to_floats(VI v) { return _mm512_cvtepi32_ps(v); }
-inline V subtract(V a, V b) { return _mm512_sub_ps(a, b); }
 #elif defined(VFS_CPU_AVX2)
 using VI = __m256i;
 inline VI load_words(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -138,7 +136,6 @@ template <int S> inline VI shift_right(VI v) { return S == 0 ? v : _mm256_srli_e
 template <int S> inline VI shift_right_signed(VI v) { return S == 0 ? v : _mm256_srai_epi32(v, S); }
 template <int S> inline VI shift_left(VI v) { return S == 0 ? v : _mm256_slli_epi32(v, S); }
 inline V to_floats(VI v) { return _mm256_cvtepi32_ps(v); }
-inline V subtract(V a, V b) { return _mm256_sub_ps(a, b); }
 #else
 using VI = int32_t;
 inline VI load_words(const int32_t* p) { return *p; }
@@ -149,7 +146,6 @@ template <int S> inline VI shift_right(VI v) { return int32_t(uint32_t(v) >> S);
 template <int S> inline VI shift_right_signed(VI v) { return v >> S; }     // arithmetic on g++
 template <int S> inline VI shift_left(VI v) { return int32_t(uint32_t(v) << S); }
 inline V to_floats(VI v) { return float(v); }
-inline V subtract(V a, V b) { return a - b; }
 #endif
 
 // ------------------------------------------------------------------------ WNA16: unpack in registers
@@ -179,7 +175,7 @@ inline void fma_value(const VI (&w)[kVecs], const float* zeros, const float* x, 
   V value[kVecs];
   for (int v = 0; v < kVecs; ++v) {
     value[v] = unpack<BITS, I>(w[v]);
-    if constexpr (ZERO_POINT) value[v] = subtract(value[v], load(zeros + v * W, all));   // q - z: exact (integers)
+    if constexpr (ZERO_POINT) value[v] = sub(value[v], load(zeros + v * W, all));   // q - z: exact (integers)
   }
 #pragma GCC unroll 4
   for (int r = 0; r < ROWS; ++r) {
@@ -276,7 +272,7 @@ inline void dequantize_value(const VI (&w)[kVecs], const float* params, float* c
   const Mask all = first_lanes(W);
   for (int v = 0; v < kVecs; ++v) {
     V value = unpack<BITS, I>(w[v]);
-    if constexpr (ZERO_POINT) value = subtract(value, load(params + NR + v * W, all));
+    if constexpr (ZERO_POINT) value = sub(value, load(params + NR + v * W, all));
     store(chunk + I * NR + v * W, mul(value, load(params + v * W, all)), all);
   }
 }
@@ -390,7 +386,7 @@ inline void dequantize_pair_bf16(const VI (&w)[kVecs], const float* params, int3
     V lo = unpack<BITS, I>(w[v]), hi = unpack<BITS, I + 1>(w[v]);
     if constexpr (ZERO_POINT) {
       const V z = load(params + NR + v * W, all);
-      lo = subtract(lo, z), hi = subtract(hi, z);
+      lo = sub(lo, z), hi = sub(hi, z);
     }
     const V s = load(params + v * W, all);
     store_words(pairs + (I / 2) * NR + v * W, bf16_pairs(mul(lo, s), mul(hi, s)));
@@ -650,7 +646,7 @@ float absmax_of(const S* x, int64_t K) {
   int64_t k = 0;
   for (; k + W <= K; k += W) {
     const V v = load(x + k, all);
-    m = vfs_cpu::max(m, vfs_cpu::max(v, subtract(zero(), v)));
+    m = vfs_cpu::max(m, vfs_cpu::max(v, sub(zero(), v)));
   }
   float absmax = reduce_max(m);
   for (; k < K; ++k) absmax = std::max(absmax, std::fabs(to_float(x[k])));
