@@ -55,9 +55,7 @@ template <typename T> using storage_t = typename Storage<T>::type;
 template <typename T> storage_t<T>* as_storage(T* p) { return reinterpret_cast<storage_t<T>*>(p); }
 template <typename T> const storage_t<T>* as_storage(const T* p) { return reinterpret_cast<const storage_t<T>*>(p); }
 
-// One element: to fp32, and a float rounded to T and back (where a torch op would store a T).
-template <typename T>
-inline float f32(T v) { return vfs_cpu::to_float(v); }
+// One element (to fp32: vfs_cpu::to_float): a float rounded to T and back (where a torch op would store a T).
 template <typename T>
 inline float round_to(float v) { T t; vfs_cpu::from_float(v, &t); return vfs_cpu::to_float(t); }
 template <typename T>
@@ -90,7 +88,7 @@ void rms_norm_kernel(T* out, T* x, T* residual, const T* weight, int64_t rows, i
       if (residual != nullptr) {                       // residual += x, rounded to T
         T* rr = residual + r * res_stride;
         for (int64_t i = 0; i < body; i += W) store(rr + i, rounded<T>(add(load_all(rr + i), load_all(src + i))));
-        for (int64_t i = body; i < hidden; ++i) rr[i] = to<T>(f32(rr[i]) + f32(src[i]));
+        for (int64_t i = body; i < hidden; ++i) rr[i] = to<T>(vfs_cpu::to_float(rr[i]) + vfs_cpu::to_float(src[i]));
         src = rr;
       }
       V squares = zero();                              // W partial sums of x^2
@@ -99,12 +97,12 @@ void rms_norm_kernel(T* out, T* x, T* residual, const T* weight, int64_t rows, i
         squares = add(squares, mul(v, v));
       }
       float sum = reduce_add(squares);
-      for (int64_t i = body; i < hidden; ++i) sum += f32(src[i]) * f32(src[i]);
+      for (int64_t i = body; i < hidden; ++i) sum += vfs_cpu::to_float(src[i]) * vfs_cpu::to_float(src[i]);
       const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(hidden) + eps);
       T* o = out + r * out_stride;
       for (int64_t i = 0; i < body; i += W)            // weight * (x * inv_rms).to(T), stored as T
         store(o + i, mul(load_all(weight + i), rounded<T>(mul(load_all(src + i), set1(inv_rms)))));
-      for (int64_t i = body; i < hidden; ++i) o[i] = to<T>(f32(weight[i]) * round_to<T>(f32(src[i]) * inv_rms));
+      for (int64_t i = body; i < hidden; ++i) o[i] = to<T>(vfs_cpu::to_float(weight[i]) * round_to<T>(vfs_cpu::to_float(src[i]) * inv_rms));
     }
     // ### END SOLUTION
   });
@@ -151,8 +149,8 @@ void silu_and_mul_kernel(T* out, const T* in, int64_t rows, int64_t inter, int64
         store(o + i, mul(silu, load_all(up + i)));
       }
       for (int64_t i = body; i < inter; ++i) {                    // the tail
-        const float g = f32(gate[i]);
-        o[i] = to<T>(round_to<T>(g / (1.f + std::exp(-g))) * f32(up[i]));
+        const float g = vfs_cpu::to_float(gate[i]);
+        o[i] = to<T>(round_to<T>(g / (1.f + std::exp(-g))) * vfs_cpu::to_float(up[i]));
       }
     }
   });
@@ -186,9 +184,9 @@ inline void rotate_head(T* dst, const T* src, const T* cos, const T* sin, int64_
     store(dst + half + i, add(rounded<T>(mul(x2, load_all(cos + half + i))), rounded<T>(mul(x1, load_all(sin + half + i)))));
   }
   for (int64_t i = body; i < half; ++i) {
-    const float x1 = f32(src[i]), x2 = f32(src[i + half]);
-    dst[i] = to<T>(round_to<T>(x1 * f32(cos[i])) + round_to<T>(-x2 * f32(sin[i])));
-    dst[i + half] = to<T>(round_to<T>(x2 * f32(cos[i + half])) + round_to<T>(x1 * f32(sin[i + half])));
+    const float x1 = vfs_cpu::to_float(src[i]), x2 = vfs_cpu::to_float(src[i + half]);
+    dst[i] = to<T>(round_to<T>(x1 * vfs_cpu::to_float(cos[i])) + round_to<T>(-x2 * vfs_cpu::to_float(sin[i])));
+    dst[i + half] = to<T>(round_to<T>(x2 * vfs_cpu::to_float(cos[i + half])) + round_to<T>(x1 * vfs_cpu::to_float(sin[i + half])));
   }
   // ### END SOLUTION
 }
