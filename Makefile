@@ -22,8 +22,10 @@ PYTEST_ARGS ?=
 # `make test` runs one pytest process per core, up to 4 (pytest-xdist, a test file at a time), each
 # with one OpenMP/torch thread: two processes of two threads on two cores spin against each
 # other (a notebook took 6x its time). TEST_JOBS=1: one process, torch's own thread count.
+# Files are handed out in the order tests/conftest.py gives them (longest first); without
+# --no-loadscope-reorder xdist re-sorts them by their number of tests (tests/test_suite_order.py).
 TEST_JOBS  ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
-XDIST      := $(if $(filter-out 0 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile)
+XDIST      := $(if $(filter-out 0 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder)
 TEST_PATHS := $(if $(CH),$(wildcard tests/$(CH)_*) $(wildcard tests/$(CH)),tests)
 
 .PHONY: eagle-head setup model demo test test-gpu gpu-check bench assignments grade proof notebooks clean check-ch

@@ -40,8 +40,9 @@ def pytest_report_header(config):
 
 
 # The longest test files, longest first (`pytest --durations` on a 2-core CPU). `make test` runs the suite in
-# one process per core, handing out a test file at a time (pytest-xdist, --dist loadfile) in
-# collection order: started first, these cannot be the one file a process runs alone at the end.
+# one process per core, handing out a test file at a time (pytest-xdist, --dist loadfile
+# --no-loadscope-reorder) in collection order: started first, these cannot be the one file a
+# process runs alone at the end (tests/test_suite_order.py).
 LONGEST_FILES = ("course/test_proof.py", "integration/test_composition_serve_0.py",
                  "integration/test_composition_serve_1.py", "integration/test_composition_llm.py",
                  "07_mini_vllm/test_spec_decode_engine.py",
