@@ -55,3 +55,25 @@ def test_without_lora_there_is_no_rule():
         s.add_request(req(f"r{i}", 4, lora_request=adapter(i)))
     out, _ = step(s)
     assert len(out.num_scheduled_tokens) == 4
+
+
+def test_one_adapter_a_step_runs_the_base_model_beside_it_and_every_request_finishes():
+    """max_loras=1 over a queue that alternates two adapters and the base model: each step runs one
+    adapter at most; the base model's requests run beside it from the first step; adapter 2's requests
+    wait, keep their places, and run once adapter 1's are done; every request finishes."""
+    s = scheduler(max_loras=1)
+    lora_of = {f"r{i}": (1, 2, None)[i % 3] for i in range(6)}
+    for rid, lora in lora_of.items():
+        s.add_request(req(rid, 4, max_tokens=3, lora_request=adapter(lora) if lora else None))
+    out, _ = step(s)
+    assert set(out.num_scheduled_tokens) == {"r0", "r2", "r3", "r5"}
+    assert [r.request_id for r in s.waiting] == ["r1", "r4"]
+    for n in range(2, 40):
+        if not s.has_unfinished_requests():
+            break
+        out, _ = step(s)
+        adapters = {lora_of[r] for r in out.num_scheduled_tokens} - {None}
+        assert len(adapters) <= 1, f"step {n} ran adapters {adapters} with max_loras=1"
+        if 2 in adapters:
+            assert "r0" not in s.requests and "r3" not in s.requests   # adapter 1 gave its slot up
+    assert not s.has_unfinished_requests()
