@@ -19,10 +19,8 @@ CONFTEST = '''
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: not item.nodeid.startswith("test_z_first"))   # stable
 '''
+IMPORTS = "import os\nfrom pathlib import Path\n"
 TEST = '''
-import os
-from pathlib import Path
-
 def test_{i}():
     with open(Path(__file__).parent / "order.log", "a") as log:
         log.write(os.environ["PYTEST_XDIST_WORKER"] + " " + __name__ + "\\n")
@@ -38,9 +36,9 @@ def makefile_xdist_flags() -> list[str]:
 
 def test_the_file_the_conftest_puts_first_runs_first(tmp_path):
     (tmp_path / "conftest.py").write_text(CONFTEST)
-    (tmp_path / "test_z_first.py").write_text(TEST.format(i=0))          # one test: xdist would put it last
+    (tmp_path / "test_z_first.py").write_text(IMPORTS + TEST.format(i=0))     # one test: xdist would put it last
     for name in ("test_a", "test_b", "test_c"):
-        (tmp_path / f"{name}.py").write_text("".join(TEST.format(i=i) for i in range(5)))
+        (tmp_path / f"{name}.py").write_text(IMPORTS + "".join(TEST.format(i=i) for i in range(5)))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "xdist", "-p", "no:cacheprovider",
                           "--rootdir", str(tmp_path), *makefile_xdist_flags(), str(tmp_path)],
